@@ -1,0 +1,140 @@
+"""The handshake: protocol version, identities, and mutual HMAC challenge-response.
+
+    client                                  server
+      Hello(version, node, role, nonce_c, session_id, recv_seq)  ->
+                                           <-  Challenge(nonce_s, node, role)   | Refuse
+      Proof(HMAC(secret, client|nonce_c|nonce_s|ids))  ->
+                                           <-  Welcome(HMAC(secret, server|...), epoch, ...) | Refuse
+
+Both nonces are fresh per connection, so a recorded proof is useless on another connection (no
+replay). The server proves it knows the secret too, so a client never talks to an impostor.
+A refusal is sent as a `Refuse` frame, logged on both sides, and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from rollart.protocol.config import PROTOCOL_VERSION
+from rollart.protocol.errors import HandshakeRefused, MessageDecodeError, ProtocolError, RollartError
+from rollart.protocol.framing import Connection
+from rollart.protocol.messages import HANDSHAKE, Challenge, Hello, Proof, Refuse, Welcome
+
+log = structlog.get_logger("rollart.protocol.auth")
+
+NONCE_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a node is on the wire."""
+
+    node: str
+    role: str
+
+
+def _mac(secret: bytes, side: bytes, hello: Hello, challenge: Challenge) -> bytes:
+    ids = "\x00".join([hello.session_id, hello.purpose, hello.node, hello.role, challenge.node, challenge.role])
+    message = b"rollart|" + side + b"|" + hello.nonce + challenge.nonce + ids.encode()
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+async def _recv(conn: Connection, expected: type[object]) -> object:
+    msg = HANDSHAKE.decode(await conn.recv())
+    if isinstance(msg, Refuse):
+        raise HandshakeRefused(msg.code, msg.reason)
+    if not isinstance(msg, expected):
+        raise ProtocolError(f"handshake: expected {expected.__name__}; got {type(msg).__name__}")
+    return msg
+
+
+async def client_handshake(
+    conn: Connection,
+    *,
+    identity: Identity,
+    secret: bytes,
+    session_id: str,
+    recv_seq: int = 0,
+    purpose: str = "session",
+    timeout: float,
+) -> tuple[Welcome, Identity]:
+    """Run the client side; returns the server's `Welcome` and identity, or raises.
+
+    Raises `HandshakeRefused` when the server refuses, `ProtocolError` when it misbehaves
+    (including failing to prove it knows the secret), `TimeoutError` past `timeout`.
+    """
+    nonce = os.urandom(NONCE_BYTES)
+    hello = Hello(PROTOCOL_VERSION, identity.node, identity.role, nonce, session_id, purpose, recv_seq)
+    async with asyncio.timeout(timeout):
+        conn.send(HANDSHAKE.encode(hello))
+        challenge = await _recv(conn, Challenge)
+        assert isinstance(challenge, Challenge)
+        conn.send(HANDSHAKE.encode(Proof(_mac(secret, b"client", hello, challenge))))
+        welcome = await _recv(conn, Welcome)
+        assert isinstance(welcome, Welcome)
+    if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge)):
+        log.error("handshake.server_unproven", peer=conn.peer, server=challenge.node)
+        raise ProtocolError(f"server {challenge.node} at {conn.peer} failed to prove it knows the shared secret")
+    return welcome, Identity(challenge.node, challenge.role)
+
+
+SessionLookup = Callable[[Hello], tuple[str, bool, int]]
+"""Given an authenticated Hello, returns (epoch, resumed, recv_seq) for the Welcome."""
+
+
+async def server_handshake(
+    conn: Connection,
+    *,
+    identity: Identity,
+    secret: bytes,
+    lookup: SessionLookup,
+    timeout: float,
+) -> Hello:
+    """Run the server side; returns the client's authenticated `Hello`, or refuses and raises.
+
+    On refusal the peer gets a `Refuse` frame saying why, the refusal is logged, and
+    `HandshakeRefused` is raised so the caller closes the connection.
+    """
+
+    def refuse(code: str, reason: str) -> HandshakeRefused:
+        log.warning("handshake.refused", peer=conn.peer, code=code, reason=reason)
+        # The connection may already be unusable; the refusal is logged either way.
+        with contextlib.suppress(RollartError):
+            conn.send(HANDSHAKE.encode(Refuse(code, reason)))
+        return HandshakeRefused(code, reason)
+
+    try:
+        async with asyncio.timeout(timeout):
+            hello = await _recv(conn, Hello)
+            assert isinstance(hello, Hello)
+            if hello.version != PROTOCOL_VERSION:
+                raise refuse(
+                    "version",
+                    f"client {hello.node!r} speaks protocol version {hello.version}; "
+                    f"this server ({identity.node}) speaks version {PROTOCOL_VERSION}",
+                )
+            if hello.purpose not in ("session", "bulk"):
+                raise refuse("bad-handshake", f"unknown connection purpose {hello.purpose!r}")
+            challenge = Challenge(os.urandom(NONCE_BYTES), identity.node, identity.role)
+            conn.send(HANDSHAKE.encode(challenge))
+            proof = await _recv(conn, Proof)
+            assert isinstance(proof, Proof)
+    except TimeoutError:
+        raise refuse("timeout", f"handshake not finished within {timeout} s") from None
+    except MessageDecodeError as exc:
+        raise refuse("bad-handshake", f"expected a handshake frame: {exc}") from None
+    except ProtocolError as exc:  # includes FrameTooLarge
+        raise refuse("bad-handshake", str(exc)) from None
+    if not hmac.compare_digest(proof.mac, _mac(secret, b"client", hello, challenge)):
+        raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret")
+    epoch, resumed, recv_seq = lookup(hello)
+    conn.send(HANDSHAKE.encode(Welcome(_mac(secret, b"server", hello, challenge), epoch, resumed, recv_seq)))
+    return hello

@@ -1,0 +1,57 @@
+"""The exception hierarchy of RollArt.
+
+It lives in `protocol/` because the wire is the lowest layer and imports nothing else of
+`rollart`; every other package raises these or a subclass (`rollart.errors` re-exports them).
+"""
+
+from __future__ import annotations
+
+
+class RollartError(Exception):
+    """Base of every error RollArt raises on purpose."""
+
+
+class ConfigError(RollartError):
+    """A configuration or topology file is invalid; the message names the path and the problem."""
+
+
+class ProtocolError(RollartError):
+    """The peer sent something the protocol does not allow; the connection is closed."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame header announced more bytes than the configured maximum."""
+
+
+class MessageDecodeError(ProtocolError):
+    """Bytes that are not a valid message of the expected channel."""
+
+
+class HandshakeRefused(RollartError):
+    """The peer refused the handshake (wrong secret, wrong protocol version, ...)."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"handshake refused ({code}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class ConnectionClosed(RollartError):
+    """The underlying connection is gone; a session reconnects, a raw connection cannot."""
+
+
+class SessionLost(RollartError):
+    """A session gave up reconnecting, or was closed, before the operation could finish."""
+
+
+class RequestTimeout(RollartError, TimeoutError):
+    """A request's deadline passed before its response arrived."""
+
+
+class RemoteError(RollartError):
+    """The peer's handler failed; `code` says how (e.g. `handler-error`, `bad-request`, `timeout`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

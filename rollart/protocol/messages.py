@@ -1,0 +1,207 @@
+"""Every message on the wire: msgspec Structs grouped into one tagged union per channel.
+
+A channel is the set of messages one stage of a connection may carry, with one typed decoder:
+- `HANDSHAKE`: the frames exchanged before a session is established (`Hello` ... `Welcome`);
+- `SESSION`: the session layer's own frames (`Msg`, `Ack`, `Bye`), which carry the
+  application's messages as opaque `msgspec.Raw` bodies;
+- `CONTROL`: the application messages every node understands (status, echo, notices).
+
+Schema evolution: new fields get defaults and go at the end (the structs are array-like).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Generic, TypeVar, get_args
+
+import msgspec
+
+from rollart.protocol.errors import MessageDecodeError
+
+_WIRE = {"array_like": True, "gc": False, "omit_defaults": True, "frozen": True}
+
+
+# -- handshake channel -------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", **_WIRE):
+    """Client -> server: who I am, which session I want, and my challenge to the server."""
+
+    version: int
+    node: str
+    role: str
+    nonce: bytes
+    session_id: str
+    purpose: str = "session"
+    """`session` for a persistent message session, `bulk` for a raw bulk-payload connection."""
+    recv_seq: int = 0
+    """Highest contiguous sequence number the client has received in this session."""
+
+
+class Challenge(msgspec.Struct, tag="challenge", **_WIRE):
+    """Server -> client: the server's nonce, which the client must sign with the shared secret."""
+
+    nonce: bytes
+    node: str
+    role: str
+
+
+class Proof(msgspec.Struct, tag="proof", **_WIRE):
+    """Client -> server: HMAC over both nonces and the identities."""
+
+    mac: bytes
+
+
+class Welcome(msgspec.Struct, tag="welcome", **_WIRE):
+    """Server -> client: accepted; the server proves it knows the secret too."""
+
+    mac: bytes
+    epoch: str
+    """Random id of the server process: a new one means the server lost all session state."""
+    resumed: bool
+    """The server still had this session's state (a reconnect, not a new session)."""
+    recv_seq: int
+    """Highest contiguous sequence number the server has received in this session."""
+
+
+class Refuse(msgspec.Struct, tag="refuse", **_WIRE):
+    """Either side: the handshake is refused; `code` is machine-readable, `reason` is for people."""
+
+    code: str
+    reason: str
+
+
+HandshakeMsg = Hello | Challenge | Proof | Welcome | Refuse
+
+
+# -- session channel ----------------------------------------------------------------------------
+
+
+class Kind(enum.IntEnum):
+    """What a session `Msg` is."""
+
+    EVENT = 0
+    REQUEST = 1
+    RESPONSE = 2
+    ERROR = 3
+    CANCEL = 4
+
+
+class Msg(msgspec.Struct, tag="m", **_WIRE):
+    """A sequenced message: resent until acknowledged, delivered once."""
+
+    seq: int
+    ack: int
+    kind: Kind
+    corr: int = 0
+    """Correlation id linking a request to its response, error or cancel."""
+    timeout_ms: int = 0
+    """A request's remaining deadline when it was sent."""
+    body: msgspec.Raw = msgspec.Raw(b"\xc0")
+    """The application message, encoded with the session's channel."""
+
+
+class Ack(msgspec.Struct, tag="a", **_WIRE):
+    """Acknowledges everything up to `ack`; also sent periodically as the heartbeat."""
+
+    ack: int
+
+
+class Bye(msgspec.Struct, tag="bye", **_WIRE):
+    """The session is over (not a dropped connection): the peer forgets it."""
+
+    reason: str
+
+
+class RemoteFailure(msgspec.Struct, **_WIRE):
+    """Body of an ERROR `Msg`."""
+
+    code: str
+    message: str
+
+
+class BlobHeader(msgspec.Struct, tag="blob", **_WIRE):
+    """Announces the bulk frame that follows it on a bulk connection."""
+
+    name: str
+    nbytes: int
+    meta: dict[str, Any] = {}
+
+
+SessionFrame = Msg | Ack | Bye
+
+
+# -- control channel ----------------------------------------------------------------------------
+
+
+class StatusRequest(msgspec.Struct, tag="status?", **_WIRE):
+    """Ask a node for its status."""
+
+
+class NodeStatus(msgspec.Struct, tag="status", **_WIRE):
+    """A node's status as peers see it (the admin HTTP `/status` has more)."""
+
+    node: str
+    role: str
+    uptime_s: float
+    paused: bool
+    draining: bool
+
+
+class Echo(msgspec.Struct, tag="echo", **_WIRE):
+    """Echoed back as-is: liveness checks, tests and benchmarks."""
+
+    n: int
+    data: bytes = b""
+
+
+class Notice(msgspec.Struct, tag="notice", **_WIRE):
+    """A one-way event for people: something a peer should log."""
+
+    text: str
+
+
+ControlMsg = StatusRequest | NodeStatus | Echo | Notice
+
+
+# -- channels -----------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class Channel(Generic[T]):
+    """One tagged union of messages with its encoder and typed decoder.
+
+    `decode` rejects unknown tags, wrong types and trailing bytes with a `MessageDecodeError`
+    that names the channel and says what was wrong.
+    """
+
+    def __init__(self, name: str, union: Any) -> None:
+        self.name = name
+        self.types: tuple[type[msgspec.Struct], ...] = get_args(union) or (union,)
+        self.tags = [msgspec.inspect.type_info(t).tag for t in self.types]  # type: ignore[attr-defined]
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: T) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes | memoryview) -> T:
+        try:
+            return self._decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            if text.startswith("Invalid value") and text.endswith("- at `$[0]`"):
+                got = text.removeprefix("Invalid value ").removesuffix(" - at `$[0]`")
+                known = ", ".join(repr(t) for t in self.tags)
+                raise MessageDecodeError(f"{self.name} channel: unknown message tag {got}; known: {known}") from None
+            raise MessageDecodeError(f"{self.name} channel: invalid message: {text}") from None
+        except msgspec.DecodeError as exc:
+            raise MessageDecodeError(f"{self.name} channel: malformed msgpack: {exc}") from None
+
+
+HANDSHAKE: Channel[HandshakeMsg] = Channel("handshake", HandshakeMsg)
+SESSION: Channel[SessionFrame] = Channel("session", SessionFrame)
+CONTROL: Channel[ControlMsg] = Channel("control", ControlMsg)
+REMOTE_FAILURE: Channel[RemoteFailure] = Channel("remote-failure", RemoteFailure)
+BLOB: Channel[BlobHeader] = Channel("blob", BlobHeader)

@@ -1,0 +1,746 @@
+"""Persistent sessions: exactly-once messaging that survives reconnects.
+
+A `Session` is the state both ends keep for one logical link between two nodes. It outlives
+TCP connections: when one drops, the client reconnects (exponential backoff, full jitter) and
+resumes the same session id; unacknowledged messages are resent and duplicates are dropped by
+sequence number, so nothing is lost or delivered twice.
+
+- Every `Msg` has a per-direction sequence number. The receiver acknowledges the highest one it
+  has *handled* (piggybacked on its own messages, or in an `Ack` sent at the end of the loop
+  iteration), so a slow handler slows its sender instead of growing a queue.
+- The sender keeps unacknowledged messages in a resend buffer of `resend_buffer` entries;
+  `send` and `request` wait while it is full.
+- `Ack` frames double as heartbeats; a peer heard nothing from for `heartbeat_deadline_s` is
+  taken as gone and the connection is dropped (and re-established by the client).
+- Requests carry a correlation id and a deadline; the caller gets the response, a
+  `RemoteError`, or a `RequestTimeout`. A caller that times out or is cancelled sends a CANCEL,
+  and the server cancels the handler.
+- If the server restarted (new `epoch` in its `Welcome`), its state is gone: the client
+  renumbers and resends its unacknowledged events and every request still waiting for a
+  response. Requests are then executed at least once, responses still arrive exactly once.
+- `Bye` ends a session on purpose: a server that drains tells clients to start fresh when it is
+  back; a client that closes lets the server forget it.
+
+`ClientSession` owns the connect loop; `SessionServer` accepts connections, authenticates them
+and attaches them to their session. Both run over any `Connection` (TCP or in-memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import msgspec
+import structlog
+
+from rollart.protocol.auth import Identity, client_handshake, server_handshake
+from rollart.protocol.config import SessionConfig
+from rollart.protocol.errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    HandshakeRefused,
+    MessageDecodeError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    RollartError,
+    SessionLost,
+)
+from rollart.protocol.framing import Connection, TcpConnection, open_tcp, serve_tcp
+from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel, Hello, Kind, Msg, RemoteFailure
+
+log = structlog.get_logger("rollart.protocol.session")
+
+_ENVELOPE_BYTES = 64  # a Msg's own fields, bounded well above what they encode to
+
+
+class Handler(Protocol):
+    """What a node plugs into a session to serve its peer."""
+
+    async def on_request(self, session: Session, msg: Any) -> Any:
+        """Answer a request; raise `RemoteError` to send a specific error code."""
+
+    async def on_event(self, session: Session, msg: Any) -> None:
+        """Handle a one-way event; events are handled one at a time, in order."""
+
+
+class State(enum.StrEnum):
+    CONNECTING = "connecting"
+    UP = "up"
+    DOWN = "down"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class SessionStats:
+    """Counters read by the node's metrics collector and `/status`."""
+
+    sent: int = 0
+    received: int = 0
+    resent: int = 0
+    duplicates: int = 0
+    connects: int = 0
+    disconnects: int = 0
+    silent_peer: int = 0
+    requests_sent: int = 0
+    requests_served: int = 0
+    request_timeouts: int = 0
+    late_responses: int = 0
+    decode_errors: int = 0
+    handler_errors: int = 0
+
+
+@dataclass(slots=True)
+class _Out:
+    seq: int
+    kind: Kind
+    corr: int
+    timeout_ms: int
+    body: bytes
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[Any]
+    out: _Out
+
+
+class Session:
+    """One end of a persistent session. Use `ClientSession` or get one from `SessionServer`."""
+
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        local: Identity,
+        channel: Channel[Any],
+        handler: Handler | None,
+        cfg: SessionConfig,
+    ) -> None:
+        self.id = session_id
+        self.local = local
+        self.peer: Identity | None = None
+        self.channel = channel
+        self.handler = handler
+        self.cfg = cfg
+        self.state = State.CONNECTING
+        self.stats = SessionStats()
+        self.up = asyncio.Event()
+        self.last_heard = 0.0
+        self.down_since: float | None = None
+        self._loop = asyncio.get_running_loop()
+        self._conn: Connection | None = None
+        self._attach_lock = asyncio.Lock()
+        self._send_seq = 0
+        self._unacked: collections.deque[_Out] = collections.deque()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._all_acked = asyncio.Event()
+        self._all_acked.set()
+        self._received = 0  # highest contiguous seq received from the peer
+        self._delivered = 0  # highest seq handled: what we acknowledge
+        self._acked_sent = 0
+        self._ack_scheduled = False
+        self._ack_every = max(1, cfg.resend_buffer // 4)
+        self._generation = 0  # bumped when the peer lost our session and numbering restarts
+        self._inbox: asyncio.Queue[tuple[int, Msg]] = asyncio.Queue()
+        self._next_corr = 0
+        self._pending: dict[int, _Pending] = {}
+        self._serving: dict[int, asyncio.Task[None]] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self._error: RollartError | None = None
+        self._finished = asyncio.Event()
+
+    # -- sending ----------------------------------------------------------------------------
+
+    async def send(self, msg: Any) -> None:
+        """Send a one-way event; waits only while the resend buffer is full."""
+        await self._emit(Kind.EVENT, 0, 0, self.channel.encode(msg))
+
+    async def request(self, msg: Any, *, timeout: float | None = None) -> Any:
+        """Send a request and return the peer's response.
+
+        Raises `RequestTimeout` past the deadline, `RemoteError` when the peer's handler failed,
+        `SessionLost` when the session ends first. Cancelling the caller cancels the handler.
+        """
+        timeout = self.cfg.default_request_timeout_s if timeout is None else timeout
+        self._next_corr += 1
+        corr = self._next_corr
+        future: asyncio.Future[Any] = self._loop.create_future()
+        body = self.channel.encode(msg)
+        self.stats.requests_sent += 1
+        try:
+            async with asyncio.timeout(timeout):
+                out = await self._emit(Kind.REQUEST, corr, max(1, int(timeout * 1000)), body)
+                self._pending[corr] = _Pending(future, out)
+                return await future
+        except TimeoutError:
+            self.stats.request_timeouts += 1
+            raise RequestTimeout(
+                f"{type(msg).__name__} request to {self._peer_name} timed out after {timeout} s"
+            ) from None
+        finally:
+            if self._pending.pop(corr, None) is not None and not future.done() and self._error is None:
+                self._emit_now(Kind.CANCEL, corr, 0, b"")
+
+    async def _emit(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> _Out:
+        if len(body) + _ENVELOPE_BYTES > self.cfg.max_frame_bytes:
+            raise FrameTooLarge(f"message of {len(body)} bytes exceeds the frame limit of {self.cfg.max_frame_bytes}")
+        while len(self._unacked) >= self.cfg.resend_buffer and self._error is None:
+            self._space.clear()
+            await self._space.wait()
+        return self._emit_now(kind, corr, timeout_ms, body)
+
+    def _emit_now(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> _Out:
+        """Sequence and send without waiting for room (responses and cancels must not block)."""
+        if self._error is not None:
+            raise self._error
+        self._send_seq += 1
+        out = _Out(self._send_seq, kind, corr, timeout_ms, body)
+        self._unacked.append(out)
+        self._all_acked.clear()
+        self._transmit(out)
+        return out
+
+    def _transmit(self, out: _Out) -> None:
+        conn = self._conn
+        if conn is None or self.state is not State.UP:
+            return  # kept in the resend buffer until the next connection
+        frame = SESSION.encode(Msg(out.seq, self._delivered, out.kind, out.corr, out.timeout_ms, msgspec.Raw(out.body)))
+        try:
+            conn.send(frame)
+        except ConnectionClosed:
+            return
+        self._acked_sent = self._delivered
+        self.stats.sent += 1
+
+    def _on_ack(self, ack: int) -> None:
+        unacked = self._unacked
+        while unacked and unacked[0].seq <= ack:
+            unacked.popleft()
+        if len(unacked) < self.cfg.resend_buffer:
+            self._space.set()
+        if not unacked:
+            self._all_acked.set()
+
+    def _schedule_ack(self) -> None:
+        if self._delivered - self._acked_sent >= self._ack_every:
+            self._send_ack()
+        elif not self._ack_scheduled:
+            self._ack_scheduled = True
+            self._loop.call_soon(self._send_ack)
+
+    def _send_ack(self) -> None:
+        self._ack_scheduled = False
+        conn = self._conn
+        if conn is None or self._delivered == self._acked_sent:
+            return
+        with contextlib.suppress(ConnectionClosed):  # acknowledged again on the next connection
+            conn.send(SESSION.encode(Ack(self._delivered)))
+            self._acked_sent = self._delivered
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    async def _read(self, conn: Connection) -> str:
+        while True:
+            frame = SESSION.decode(await conn.recv())
+            self.last_heard = self._loop.time()
+            match frame:
+                case Msg(seq=seq, ack=ack):
+                    self._on_ack(ack)
+                    if seq <= self._received:
+                        self.stats.duplicates += 1
+                        continue
+                    if seq != self._received + 1:
+                        raise ProtocolError(f"sequence gap: expected {self._received + 1}, got {seq}")
+                    self._received = seq
+                    self.stats.received += 1
+                    self._inbox.put_nowait((self._generation, frame))
+                case Ack(ack=ack):
+                    self._on_ack(ack)
+                case Bye(reason=reason):
+                    self._on_bye(reason)
+                    return f"peer said bye: {reason}"
+
+    def _on_bye(self, reason: str) -> None:
+        """The peer ended the session on purpose; each end reacts in its own way."""
+        raise NotImplementedError
+
+    async def _dispatch(self) -> None:
+        """Handle received messages one at a time, in order; requests each get a task."""
+        while True:
+            generation, msg = await self._inbox.get()
+            match msg.kind:
+                case Kind.EVENT:
+                    await self._handle_event(msg)
+                case Kind.REQUEST:
+                    assert self._tg is not None
+                    self._serving[msg.corr] = self._tg.create_task(self._serve(msg))
+                case Kind.RESPONSE | Kind.ERROR:
+                    self._resolve(msg)
+                case Kind.CANCEL:
+                    task = self._serving.pop(msg.corr, None)
+                    if task is not None:
+                        task.cancel()
+            if generation == self._generation:
+                self._delivered = msg.seq
+                self._schedule_ack()
+
+    async def _handle_event(self, msg: Msg) -> None:
+        try:
+            event = self.channel.decode(msg.body)
+        except MessageDecodeError as exc:
+            self.stats.decode_errors += 1
+            log.error("session.bad_event", session=self.id, peer=self._peer_name, error=str(exc))
+            return
+        if self.handler is None:
+            log.warning("session.unhandled_event", session=self.id, event=type(event).__name__)
+            return
+        try:
+            await self.handler.on_event(self, event)
+        except Exception:
+            # Fault isolation: one failing event handler must not take the session down.
+            self.stats.handler_errors += 1
+            log.exception("session.event_handler_failed", session=self.id, event=type(event).__name__)
+
+    async def _serve(self, msg: Msg) -> None:
+        self.stats.requests_served += 1
+        try:
+            request = self.channel.decode(msg.body)
+            if self.handler is None:
+                raise RemoteError("no-handler", f"{self.local.node} serves no requests on this session")
+            async with asyncio.timeout(msg.timeout_ms / 1000 if msg.timeout_ms else None):
+                reply = await self.handler.on_request(self, request)
+            self._reply(msg.corr, Kind.RESPONSE, self.channel.encode(reply))
+        except MessageDecodeError as exc:
+            self.stats.decode_errors += 1
+            self._fail_request(msg.corr, "bad-request", str(exc))
+        except RemoteError as exc:
+            self._fail_request(msg.corr, exc.code, exc.message)
+        except TimeoutError:
+            self._fail_request(msg.corr, "timeout", f"not answered within {msg.timeout_ms} ms")
+        except Exception as exc:
+            # Fault isolation: the handler's bug becomes the caller's RemoteError, not a crash.
+            self.stats.handler_errors += 1
+            log.exception("session.request_handler_failed", session=self.id, peer=self._peer_name)
+            self._fail_request(msg.corr, "handler-error", f"{type(exc).__name__}: {exc}")
+        finally:
+            self._serving.pop(msg.corr, None)
+
+    def _reply(self, corr: int, kind: Kind, body: bytes) -> None:
+        if self._error is None:
+            self._emit_now(kind, corr, 0, body)
+
+    def _fail_request(self, corr: int, code: str, message: str) -> None:
+        self._reply(corr, Kind.ERROR, REMOTE_FAILURE.encode(RemoteFailure(code, message)))
+
+    def _resolve(self, msg: Msg) -> None:
+        pending = self._pending.pop(msg.corr, None)
+        if pending is None or pending.future.done():
+            self.stats.late_responses += 1
+            return
+        try:
+            if msg.kind is Kind.RESPONSE:
+                pending.future.set_result(self.channel.decode(msg.body))
+            else:
+                failure = REMOTE_FAILURE.decode(msg.body)
+                pending.future.set_exception(RemoteError(failure.code, failure.message))
+        except MessageDecodeError as exc:
+            self.stats.decode_errors += 1
+            pending.future.set_exception(exc)
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _run_connection(self, conn: Connection, peer_recv_seq: int) -> str:
+        """Serve one connection until it drops; returns why it ended."""
+        self._conn = conn
+        self.state = State.UP
+        self.down_since = None
+        self.last_heard = self._loop.time()
+        self.stats.connects += 1
+        self.up.set()
+        self._on_ack(peer_recv_seq)
+        for out in self._unacked:
+            self._transmit(out)
+            self.stats.resent += 1
+        reader = asyncio.ensure_future(self._read(conn))
+        heartbeat = asyncio.ensure_future(self._heartbeat(conn))
+        why = "closed"
+        try:
+            done, _ = await asyncio.wait([reader, heartbeat], return_when=asyncio.FIRST_COMPLETED)
+            task = done.pop()
+            exc = task.exception()
+            why = task.result() if exc is None else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, MessageDecodeError | ProtocolError):
+                log.error("session.protocol_error", session=self.id, peer=self._peer_name, error=str(exc))
+            elif exc is not None and not isinstance(exc, ConnectionClosed | OSError):
+                raise exc
+        finally:
+            reader.cancel()
+            heartbeat.cancel()
+            await asyncio.gather(reader, heartbeat, return_exceptions=True)
+            conn.abort() if isinstance(conn, TcpConnection) else conn.close()
+            self._conn = None
+            self.up.clear()
+            self.stats.disconnects += 1
+            if self.state is State.UP:
+                self.state = State.DOWN
+                self.down_since = self._loop.time()
+        log.info("session.disconnected", session=self.id, peer=self._peer_name, why=why)
+        return why
+
+    async def _heartbeat(self, conn: Connection) -> str:
+        interval, deadline = self.cfg.heartbeat_interval_s, self.cfg.heartbeat_deadline_s
+        next_beat = self._loop.time()
+        while True:
+            now = self._loop.time()
+            silent_until = self.last_heard + deadline
+            if now >= silent_until:
+                self.stats.silent_peer += 1
+                log.warning("session.peer_silent", session=self.id, peer=self._peer_name, deadline_s=deadline)
+                return f"peer silent for {deadline} s"
+            if now >= next_beat:
+                conn.send(SESSION.encode(Ack(self._delivered)))
+                self._acked_sent = self._delivered
+                next_beat = now + interval
+            await asyncio.sleep(min(next_beat, silent_until) - now)
+
+    def _restart_numbering(self) -> None:
+        """The peer lost this session's state: resend what it may not have, numbered afresh."""
+        self._generation += 1
+        self._received = self._delivered = self._acked_sent = 0
+        keep = {id(out): out for out in self._unacked if out.kind in (Kind.EVENT, Kind.REQUEST)}
+        for pending in self._pending.values():
+            keep.setdefault(id(pending.out), pending.out)
+        for task in self._serving.values():
+            task.cancel()  # their callers are gone with the old peer
+        outs = sorted(keep.values(), key=lambda out: out.seq)
+        for seq, out in enumerate(outs, start=1):
+            out.seq = seq
+        self._send_seq = len(outs)
+        self._unacked = collections.deque(outs)
+        self._on_ack(0)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    async def _life(self, body: Callable[[], Awaitable[object]]) -> None:
+        """Run the dispatcher and `body` under one task group; end both when the session ends."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            dispatcher = tg.create_task(self._dispatch())
+            try:
+                await body()
+            finally:
+                dispatcher.cancel()
+                for task in list(self._serving.values()):
+                    task.cancel()
+
+    def _finish(self, error: RollartError, state: State) -> None:
+        if self._finished.is_set():
+            return
+        self._error = error
+        self.state = state
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
+        self._space.set()
+        self._all_acked.set()
+        self._finished.set()
+        if self._conn is not None:
+            self._conn.close()
+
+    async def close(self, reason: str = "closed", *, timeout: float = 5.0) -> None:
+        """End the session on purpose: wait (up to `timeout`) for the peer to acknowledge what was
+        sent, tell it `Bye`, and fail whatever still waits on this session."""
+        if self._finished.is_set():
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._all_acked.wait()
+        except TimeoutError:
+            log.warning("session.close_unacked", session=self.id, peer=self._peer_name, unacked=len(self._unacked))
+        if self._conn is not None:
+            self._send_ack()
+            # If this fails, the peer forgets the session when its linger time runs out.
+            with contextlib.suppress(ConnectionClosed):
+                self._conn.send(SESSION.encode(Bye(reason)))
+        self._finish(SessionLost(f"session {self.id} closed: {reason}"), State.CLOSED)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    @property
+    def _peer_name(self) -> str:
+        return self.peer.node if self.peer else "?"
+
+    def describe(self) -> dict[str, Any]:
+        """The session's state for `/status`."""
+        return {
+            "id": self.id,
+            "peer": self._peer_name,
+            "peer_role": self.peer.role if self.peer else None,
+            "state": str(self.state),
+            "unacked": len(self._unacked),
+            "pending_requests": len(self._pending),
+            "serving": len(self._serving),
+            "inbox": self._inbox.qsize(),
+            "last_heard_s_ago": round(self._loop.time() - self.last_heard, 3) if self.last_heard else None,
+            **asdict(self.stats),
+        }
+
+
+Connector = Callable[[], Awaitable[Connection]]
+
+
+class ClientSession(Session):
+    """The connecting end: keeps a connection up, reconnecting with backoff, until closed.
+
+    Run `await session.run()` in the owner's task group; it returns when the session is closed and
+    raises `SessionLost` when it gave up (no connection for `give_up_after_s`, or refused).
+    """
+
+    def __init__(
+        self,
+        connect: Connector,
+        *,
+        secret: bytes,
+        local: Identity,
+        channel: Channel[Any],
+        handler: Handler | None = None,
+        cfg: SessionConfig,
+        peer_name: str = "?",
+        session_id: str | None = None,
+    ) -> None:
+        super().__init__(session_id or uuid.uuid4().hex, local=local, channel=channel, handler=handler, cfg=cfg)
+        self._connect = connect
+        self._secret = secret
+        self._peer_epoch: str | None = None
+        self.peer = Identity(peer_name, "?")
+
+    def _on_bye(self, reason: str) -> None:
+        # A draining server dropped our state; the next connection starts a fresh numbering.
+        log.info("session.server_bye", session=self.id, peer=self._peer_name, reason=reason)
+        self._peer_epoch = None
+
+    async def run(self) -> None:
+        await self._life(self._connect_loop)
+
+    async def _connect_loop(self) -> None:
+        cfg = self.cfg
+        attempt = 0
+        down_since = self._loop.time()
+        while not self._finished.is_set():
+            conn: Connection | None = None
+            try:
+                async with asyncio.timeout(cfg.handshake_timeout_s):
+                    conn = await self._connect()
+                welcome, peer = await client_handshake(
+                    conn,
+                    identity=self.local,
+                    secret=self._secret,
+                    session_id=self.id,
+                    recv_seq=self._received,
+                    timeout=cfg.handshake_timeout_s,
+                )
+            except (HandshakeRefused, ProtocolError) as exc:
+                if conn is not None:
+                    conn.close()
+                log.error("session.refused", session=self.id, peer=self._peer_name, error=str(exc))
+                self._finish(SessionLost(f"session to {self._peer_name}: {exc}"), State.FAILED)
+                raise self._error from exc  # type: ignore[misc]
+            except (OSError, TimeoutError, ConnectionClosed) as exc:
+                if conn is not None:
+                    conn.close()
+                waited = self._loop.time() - down_since
+                if waited >= cfg.give_up_after_s:
+                    log.error("session.gave_up", session=self.id, peer=self._peer_name, after_s=round(waited, 1))
+                    self._finish(
+                        SessionLost(f"session to {self._peer_name}: no connection for {waited:.0f} s ({exc})"),
+                        State.FAILED,
+                    )
+                    raise self._error from exc  # type: ignore[misc]
+                delay = random.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_base_s * 2**attempt))
+                delay = min(delay, cfg.give_up_after_s - waited)
+                attempt += 1
+                log.debug("session.retry", session=self.id, peer=self._peer_name, attempt=attempt, error=str(exc))
+                with contextlib.suppress(TimeoutError):  # close() ends the wait early
+                    await asyncio.wait_for(self._finished.wait(), delay)
+                continue
+            if self._finished.is_set():
+                conn.close()
+                return
+            self.peer = peer
+            resumed = welcome.resumed and welcome.epoch == self._peer_epoch
+            if not resumed:
+                self._restart_numbering()
+                self._peer_epoch = welcome.epoch
+            log.info("session.connected", session=self.id, peer=peer.node, resumed=resumed, attempts=attempt + 1)
+            attempt = 0
+            await self._run_connection(conn, welcome.recv_seq if resumed else 0)
+            down_since = self._loop.time()
+
+
+BulkHandler = Callable[[Connection, Identity], Awaitable[None]]
+
+
+class SessionServer:
+    """The accepting end: authenticates connections and attaches them to their sessions."""
+
+    def __init__(
+        self,
+        *,
+        local: Identity,
+        secret: bytes,
+        channel: Channel[Any],
+        handler: Handler,
+        cfg: SessionConfig,
+        on_bulk: BulkHandler | None = None,
+    ) -> None:
+        self.local = local
+        self.channel = channel
+        self.handler = handler
+        self.cfg = cfg
+        self.epoch = uuid.uuid4().hex
+        self.sessions: dict[str, _ServerSession] = {}
+        self.refusals = 0
+        self._secret = secret
+        self._on_bulk = on_bulk
+        self._tg: asyncio.TaskGroup | None = None
+        self._started = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._listeners: list[asyncio.Server] = []
+
+    async def serve(self) -> None:
+        """Run until `close()`: owns every connection and session task."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._started.set()
+            reaper = tg.create_task(self._reap())
+            await self._stopping.wait()
+            reaper.cancel()
+
+    async def listen_tcp(self, host: str, port: int) -> asyncio.Server:
+        """Accept TCP connections on `host:port` (call after `serve()` has started)."""
+        await self._started.wait()
+        server = await serve_tcp(
+            host, port, self.accept, max_frame_bytes=self.cfg.max_frame_bytes, max_bulk_bytes=self.cfg.max_bulk_bytes
+        )
+        self._listeners.append(server)
+        return server
+
+    def accept(self, conn: Connection) -> None:
+        """Take over a new connection (the listener's callback)."""
+        if self._tg is None or self._stopping.is_set():
+            conn.close()
+            return
+        self._tg.create_task(self._handle(conn))
+
+    def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
+        if hello.purpose != "session":
+            return self.epoch, False, 0
+        session = self.sessions.get(hello.session_id)
+        if session is not None and not session.finished:
+            return self.epoch, True, session._received
+        session = _ServerSession(self, hello.session_id)
+        self.sessions[session.id] = session
+        assert self._tg is not None
+        self._tg.create_task(session.run())
+        return self.epoch, False, 0
+
+    async def _handle(self, conn: Connection) -> None:
+        try:
+            hello = await server_handshake(
+                conn,
+                identity=self.local,
+                secret=self._secret,
+                lookup=self._lookup,
+                timeout=self.cfg.handshake_timeout_s,
+            )
+        except HandshakeRefused:
+            self.refusals += 1
+            conn.close()
+            return
+        except ConnectionClosed:
+            conn.close()
+            return
+        peer = Identity(hello.node, hello.role)
+        try:
+            if hello.purpose == "bulk":
+                if self._on_bulk is None:
+                    raise ProtocolError("this node accepts no bulk connections")
+                await self._on_bulk(conn, peer)
+            else:
+                session = self.sessions[hello.session_id]
+                session.peer = peer
+                await session.attach(conn, hello.recv_seq)
+        except (ConnectionClosed, ProtocolError) as exc:
+            log.warning("server.connection_ended", peer=peer.node, error=str(exc))
+        except Exception:
+            # Fault isolation: one connection's failure must not stop the server.
+            log.exception("server.connection_failed", peer=peer.node)
+        finally:
+            conn.close()
+
+    async def _reap(self) -> None:
+        """Forget sessions whose client has not come back within `linger_s`."""
+        period = min(self.cfg.linger_s / 4, 5.0)
+        while True:
+            await asyncio.sleep(period)
+            now = asyncio.get_running_loop().time()
+            for sid, session in list(self.sessions.items()):
+                if session.finished:
+                    del self.sessions[sid]
+                elif session.down_since is not None and now - session.down_since > self.cfg.linger_s:
+                    log.info("server.session_expired", session=sid, peer=session._peer_name)
+                    session._finish(SessionLost(f"session {sid}: client gone for {self.cfg.linger_s} s"), State.CLOSED)
+                    del self.sessions[sid]
+
+    async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
+        """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
+        for listener in self._listeners:
+            listener.close()
+        await asyncio.gather(*(s.close(reason, timeout=timeout) for s in list(self.sessions.values())))
+        self._stopping.set()
+
+
+class _ServerSession(Session):
+    def __init__(self, server: SessionServer, session_id: str) -> None:
+        super().__init__(session_id, local=server.local, channel=server.channel, handler=server.handler, cfg=server.cfg)
+
+    def _on_bye(self, reason: str) -> None:
+        log.info("session.client_bye", session=self.id, peer=self._peer_name, reason=reason)
+        self._finish(SessionLost(f"session {self.id} closed by {self._peer_name}: {reason}"), State.CLOSED)
+
+    async def run(self) -> None:
+        await self._life(self._finished.wait)
+
+    async def attach(self, conn: Connection, peer_recv_seq: int) -> None:
+        """Serve `conn` for this session, replacing a connection the client has abandoned."""
+        if self._conn is not None:
+            self._conn.close()
+        async with self._attach_lock:
+            if self.finished:
+                return
+            log.info("session.attached", session=self.id, peer=self._peer_name, resumed=self.stats.connects > 0)
+            await self._run_connection(conn, peer_recv_seq)
+
+
+async def tcp_connector(host: str, port: int, cfg: SessionConfig) -> Connection:
+    """Open a TCP connection with the session's frame limits (for `ClientSession(connect=...)`)."""
+    return await open_tcp(
+        host,
+        port,
+        max_frame_bytes=cfg.max_frame_bytes,
+        max_bulk_bytes=cfg.max_bulk_bytes,
+        timeout=cfg.handshake_timeout_s,
+    )

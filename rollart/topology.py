@@ -1,0 +1,331 @@
+"""The typed topology file: which nodes a run has, where they listen, and how they restart.
+
+A topology is YAML (see `configs/local.yaml` and `docs/topology.md`) decoded into the frozen
+msgspec structs below by `load_topology(path)` or `parse_topology(text)`. Every problem,
+from a YAML syntax error to two nodes on one port, raises one `ConfigError` whose lines read
+`{source}: {yaml path}: {problem}`. This module imports no torch and nothing of `rollart`
+but the protocol's config and errors, so the launcher and CLI start fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import pathlib
+import re
+import types
+import typing
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+import yaml
+
+from rollart.protocol.config import SessionConfig
+from rollart.protocol.errors import ConfigError
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_WILDCARD_HOSTS = {"0.0.0.0", "::"}
+
+
+class Role(enum.Enum):
+    """What a node does in the run; one daemon module per role."""
+
+    TRAINER = "trainer"
+    GENERATOR = "generator"
+    ENV_HOST = "env-host"
+    REWARD_GATEWAY = "reward-gateway"
+
+
+Hardware: TypeAlias = Literal["cpu", "compute", "bandwidth"]
+"""cpu; compute: prefill-friendly GPUs (like H800); bandwidth: decode-friendly GPUs (like H20)."""
+
+
+class RestartPolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """What the launcher does when a node's process dies."""
+
+    policy: Literal["on-failure", "stop-all", "never"] = "on-failure"
+    """on-failure: restart with backoff; stop-all: stop the run naming the node; never: leave it dead."""
+    max_restarts: int = 5
+    """Restarts allowed within `window_s`; one more stops the run."""
+    window_s: float = 300.0
+    """Sliding window over which restarts are counted."""
+    backoff_base_s: float = 0.5
+    """Delay before the first restart; it doubles with each restart in the window."""
+    backoff_cap_s: float = 10.0
+    """Largest delay between restarts."""
+
+
+class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """What a node needs from its machine."""
+
+    cpus: float = 1.0
+    """CPU cores reserved for the node."""
+    gpus: int = 0
+    """GPUs given to the node."""
+    memory_gb: float | None = None
+    """Memory limit in GiB; None: no limit."""
+
+
+class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """One daemon of the run."""
+
+    name: str
+    """Unique name: lowercase letters, digits and '-', at most 63 characters."""
+    role: Role
+    """What the node does: trainer, generator, env-host or reward-gateway."""
+    host: str = "127.0.0.1"
+    """Where its session port listens and where peers connect to it."""
+    port: int
+    """Session port (1-65535)."""
+    admin_host: str = "127.0.0.1"
+    """Where the admin HTTP endpoint binds; loopback unless the topology says otherwise."""
+    admin_port: int
+    """Admin HTTP port (1-65535)."""
+    hardware: Hardware = "cpu"
+    """Kind of machine: cpu, compute (prefill-friendly) or bandwidth (decode-friendly)."""
+    resources: Resources = Resources()
+    """What the node needs from its machine."""
+    restart: RestartPolicy | None = None
+    """This node's restart policy; None: use run.restart."""
+
+
+class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Settings of the whole run."""
+
+    name: str = "rollart"
+    """Name of the run; fills the `{name}` placeholder of run_dir."""
+    run_dir: str = "runs/{name}"
+    """Folder for logs and checkpoints; relative paths are relative to the working directory."""
+    secret_file: str | None = None
+    """File holding the session secret, relative to the topology's folder; None: use secret_env."""
+    secret_env: str = "ROLLART_SECRET"
+    """Environment variable holding the session secret when secret_file is not set."""
+    admin_token_file: str | None = None
+    """File holding the admin HTTP token, relative to the topology's folder; None: use admin_token_env."""
+    admin_token_env: str = "ROLLART_ADMIN_TOKEN"
+    """Environment variable holding the admin token when admin_token_file is not set."""
+    session: SessionConfig = SessionConfig()
+    """Framing limits and session timing shared by every node."""
+    restart: RestartPolicy = RestartPolicy()
+    """Restart policy of every node that does not set its own."""
+    drain_timeout_s: float = 30.0
+    """How long a stopping node may finish in-flight work before it is killed."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe log level written."""
+
+
+class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """A whole run: its settings and its nodes."""
+
+    run: RunSpec = RunSpec()
+    """Settings of the whole run."""
+    nodes: list[NodeSpec]
+    """The run's daemons; at least one."""
+    source: str = "<string>"
+    """Set by the loader to the file's path (not a key of the file); names it in errors."""
+
+    def node(self, name: str) -> NodeSpec:
+        """Return the node called `name`."""
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        names = ", ".join(spec.name for spec in self.nodes)
+        raise ConfigError(f"unknown node {name!r}; the topology has: {names}")
+
+    def nodes_with_role(self, role: Role) -> list[NodeSpec]:
+        """Return the nodes of `role`, in file order."""
+        return [spec for spec in self.nodes if spec.role is role]
+
+    def restart_policy(self, node: NodeSpec | str) -> RestartPolicy:
+        """Return the node's own restart policy, or run.restart when it has none."""
+        spec = self.node(node) if isinstance(node, str) else node
+        return spec.restart if spec.restart is not None else self.run.restart
+
+    def run_dir(self) -> pathlib.Path:
+        """Return run.run_dir with `{name}` filled in."""
+        return pathlib.Path(self.run.run_dir.format(name=self.run.name))
+
+    def read_secret(self) -> bytes:
+        """Return the session secret, from run.secret_file if set, else from $run.secret_env."""
+        return self._read_credential("secret", "secret_file", self.run.secret_file, self.run.secret_env)
+
+    def read_admin_token(self) -> str:
+        """Return the admin token, from run.admin_token_file if set, else from $run.admin_token_env."""
+        token = self._read_credential(
+            "admin token", "admin_token_file", self.run.admin_token_file, self.run.admin_token_env
+        )
+        return token.decode()
+
+    def _read_credential(self, what: str, key: str, file: str | None, env: str) -> bytes:
+        both_ways = f"set the environment variable {env}, or set run.{key} to a file that holds it"
+        if file is None:
+            value = os.environ.get(env, "").strip().encode()
+            if not value:
+                raise ConfigError(f"{self.source}: run.{key}: no {what}: {both_ways}")
+            return value
+        path = pathlib.Path(self.source).parent / file
+        try:
+            value = path.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"{self.source}: run.{key}: cannot read {path}: {exc.strerror}") from exc
+        if not value:
+            raise ConfigError(f"{self.source}: run.{key}: {path} is empty; {both_ways}")
+        return value
+
+
+def load_topology(path: str | os.PathLike[str]) -> Topology:
+    """Read and check the topology file at `path`; errors name it as given."""
+    source = os.fspath(path)
+    try:
+        text = pathlib.Path(source).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from exc
+    return parse_topology(text, source)
+
+
+def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
+    """Decode and check topology YAML; `source` names it in errors and anchors relative files."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"{source}: {where}{exc.problem}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    if data is None:
+        raise ConfigError(f"{source}: expected a mapping with 'nodes' (and optionally 'run'); the file is empty")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'nodes' at the top level; got {type(data).__name__}")
+    if "source" in data:
+        raise ConfigError(f"{source}: unknown key 'source' (the loader sets it to the file's path)")
+    try:
+        topology = msgspec.convert({**data, "source": source}, Topology)
+    except msgspec.ValidationError as exc:
+        path, problem = _explain(str(exc), data)
+        raise ConfigError(f"{source}: {path + ': ' if path else ''}{problem}") from exc
+    problems = _check(topology)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {path}: {problem}" for path, problem in problems))
+    return topology
+
+
+_MSGSPEC_ERROR = re.compile(
+    r"^(?P<msg>.*?)(?: - at `(?P<key>key)` in `\$(?P<kpath>[^`]*)`| - at `\$(?P<path>[^`]*)`)?$"
+)
+_YAML_KINDS = {"object": "mapping", "array": "list"}
+
+
+def _explain(message: str, data: Any) -> tuple[str, str]:
+    """Turn a msgspec validation message into (YAML path, problem) in the topology's terms."""
+    match = _MSGSPEC_ERROR.match(message)
+    assert match is not None  # the pattern's groups are all optional
+    msg, path = match["msg"], (match["path"] or match["kpath"] or "").lstrip(".")
+    if match["key"]:
+        return path, "expected every key to be a string"
+    target = _type_at(path)
+    if (quoted := re.match(r"Object contains unknown field `(.*)`$", msg)) is not None:
+        key, problem = quoted[1], f"unknown key {quoted[1]!r}"
+        fields = [f.encode_name for f in msgspec.structs.fields(target) if f.name != "source"]
+        hint = difflib.get_close_matches(key, fields, n=1)
+        return path, problem + (f"; did you mean {hint[0]!r}?" if hint else "")
+    if (quoted := re.match(r"Object missing required field `(.*)`$", msg)) is not None:
+        return path, f"missing required key {quoted[1]!r}"
+    if (allowed := _choices(target)) is not None:
+        return path, f"expected one of {', '.join(allowed)}; got {_value_at(data, path)!r}"
+    if (kinds := re.match(r"Expected `(.*)`, got `(.*)`$", msg)) is not None:
+        want, got = (_YAML_KINDS.get(kind, kind) for kind in kinds.groups())
+        return path, f"expected {want}; got {got}"
+    return path, msg[:1].lower() + msg[1:]
+
+
+def _segments(path: str) -> list[str | int]:
+    return [int(index) if index else name for name, index in re.findall(r"(\w+)|\[(\d+)\]", path)]
+
+
+def _type_at(path: str) -> Any:
+    """The declared type at a YAML path, Optional unwrapped (e.g. `nodes[0].role` is Role)."""
+    kind: Any = Topology
+    for segment in _segments(path):
+        if isinstance(segment, int):
+            (kind,) = typing.get_args(kind)
+        else:
+            kind = next(f.type for f in msgspec.structs.fields(kind) if f.encode_name == segment)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    return kind
+
+
+def _value_at(data: Any, path: str) -> Any:
+    for segment in _segments(path):
+        data = data[segment]
+    return data
+
+
+def _choices(kind: Any) -> list[str] | None:
+    """The allowed values of an enum or Literal type, else None."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return [str(member.value) for member in kind]
+    if typing.get_origin(kind) is Literal:
+        return [str(value) for value in typing.get_args(kind)]
+    return None
+
+
+def _check(topology: Topology) -> list[tuple[str, str]]:
+    """Problems msgspec's types cannot see, as (YAML path, problem), all of them."""
+    run = topology.run
+    problems = [(f"run.session.{field}", problem) for field, problem in run.session.validate()]
+    try:
+        run.run_dir.format(name=run.name)
+    except (KeyError, IndexError, ValueError):
+        problem = f"expected a path with no placeholder but {{name}}; got {run.run_dir!r}"
+        problems.append(("run.run_dir", problem))
+    problems += _below_zero("run", run, positive=("drain_timeout_s",))
+    problems += _check_restart("run.restart", run.restart)
+    if not topology.nodes:
+        problems.append(("nodes", "expected at least one node"))
+    first_with_name: dict[str, int] = {}
+    listening: list[tuple[str, int, str]] = []  # (host, port, YAML path) of every socket so far
+    for i, node in enumerate(topology.nodes):
+        at = f"nodes[{i}]"
+        if not _NAME.match(node.name):
+            problem = f"expected lowercase letters, digits and '-' (e.g. 'gen-0'); got {node.name!r}"
+            problems.append((f"{at}.name", problem))
+        if (first := first_with_name.setdefault(node.name, i)) != i:
+            problems.append((f"{at}.name", f"duplicate node name {node.name!r} (also at nodes[{first}])"))
+        for key, host in (("port", node.host), ("admin_port", node.admin_host)):
+            port = getattr(node, key)
+            if not 1 <= port <= 65535:
+                problems.append((f"{at}.{key}", f"expected an integer from 1 to 65535; got {port}"))
+                continue
+            for other_host, other_port, other_at in listening:
+                if port == other_port and (host == other_host or {host, other_host} & _WILDCARD_HOSTS):
+                    problems.append((f"{at}.{key}", f"port {port} on {host} is already used by {other_at}"))
+                    break
+            listening.append((host, port, f"{at}.{key}"))
+        problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb"), ("gpus",))
+        if node.restart is not None:
+            problems += _check_restart(f"{at}.restart", node.restart)
+    return problems
+
+
+def _check_restart(at: str, policy: RestartPolicy) -> list[tuple[str, str]]:
+    positive = ("window_s", "backoff_base_s", "backoff_cap_s")
+    problems = _below_zero(at, policy, positive, non_negative=("max_restarts",))
+    if policy.backoff_cap_s < policy.backoff_base_s:
+        problem = f"expected at least backoff_base_s ({policy.backoff_base_s}); got {policy.backoff_cap_s}"
+        problems.append((f"{at}.backoff_cap_s", problem))
+    return problems
+
+
+def _below_zero(
+    at: str, spec: msgspec.Struct, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    """(path, problem) for each `positive` field <= 0 and each `non_negative` field < 0; None passes."""
+    problems = []
+    for key in positive + non_negative:
+        value, strict = getattr(spec, key), key in positive
+        if value is not None and (value <= 0 if strict else value < 0):
+            problems.append((f"{at}.{key}", f"expected a value {'>' if strict else '>='} 0; got {value!r}"))
+    return problems

@@ -1,0 +1,309 @@
+"""Tests of the topology file: the shipped local topology, defaults, secrets, and every error message."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+
+from rollart.protocol.config import SessionConfig
+from rollart.protocol.errors import ConfigError
+from rollart.topology import (
+    NodeSpec,
+    Resources,
+    RestartPolicy,
+    Role,
+    RunSpec,
+    Topology,
+    load_topology,
+    parse_topology,
+)
+
+LOCAL_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+
+
+def _node(name: str, role: str, port: int, admin_port: int, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "role": role, "port": port, "admin_port": admin_port, **extra}
+
+
+def _nodes(*extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """A valid trainer and generator, then `extra` nodes."""
+    return [_node("trainer", "trainer", 7100, 7200), _node("gen-0", "generator", 7101, 7201), *extra]
+
+
+def _yaml(nodes: list[dict[str, Any]], **top: Any) -> str:
+    return yaml.safe_dump({**top, "nodes": nodes}, sort_keys=False)
+
+
+def _error(text: str, source: str = "t.yaml") -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_topology(text, source)
+    return str(caught.value)
+
+
+def test_local_yaml_loads() -> None:
+    topology = load_topology(LOCAL_YAML)
+    assert topology.run.name == "local"
+    assert topology.run.secret_file is None
+    assert topology.run.session == SessionConfig()
+    assert topology.run_dir() == pathlib.Path("runs/local")
+    assert [(n.name, n.role, n.hardware, n.port, n.admin_port) for n in topology.nodes] == [
+        ("trainer", Role.TRAINER, "cpu", 7100, 7200),
+        ("gen-compute", Role.GENERATOR, "compute", 7101, 7201),
+        ("gen-bandwidth", Role.GENERATOR, "bandwidth", 7102, 7202),
+        ("env-0", Role.ENV_HOST, "cpu", 7103, 7203),
+        ("reward", Role.REWARD_GATEWAY, "cpu", 7104, 7204),
+    ]
+    assert [n.name for n in topology.nodes_with_role(Role.GENERATOR)] == ["gen-compute", "gen-bandwidth"]
+    assert topology.restart_policy("env-0") == RestartPolicy(policy="on-failure")
+    assert all(n.host == n.admin_host == "127.0.0.1" for n in topology.nodes)
+
+
+def test_minimal_file_gets_every_default() -> None:
+    topology = parse_topology(_yaml([_node("a", "trainer", 1, 2)]))
+    assert topology.run == RunSpec()
+    assert topology.nodes == [NodeSpec(name="a", role=Role.TRAINER, port=1, admin_port=2)]
+    assert topology.nodes[0].resources == Resources(cpus=1.0, gpus=0, memory_gb=None)
+    assert topology.restart_policy(topology.nodes[0]) is topology.run.restart
+    assert topology.run_dir() == pathlib.Path("runs/rollart")
+
+
+def test_round_trip_of_defaults() -> None:
+    topology = Topology(nodes=[NodeSpec(name="a", role=Role.TRAINER, port=1, admin_port=2)])
+    data = msgspec.to_builtins(topology)
+    del data["source"]  # set by the loader, not a key of the file
+    assert parse_topology(yaml.safe_dump(data)) == topology
+
+
+def test_node_override_of_restart_policy() -> None:
+    own = {"policy": "stop-all", "max_restarts": 0}
+    topology = parse_topology(_yaml(_nodes(_node("env-0", "env-host", 7102, 7202, restart=own))))
+    assert topology.restart_policy("env-0") == RestartPolicy(policy="stop-all", max_restarts=0)
+    assert topology.restart_policy("gen-0") == RestartPolicy()
+
+
+def test_unknown_node_names_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_topology(LOCAL_YAML).node("gen-9")
+    expected = "unknown node 'gen-9'; the topology has: trainer, gen-compute, gen-bandwidth, env-0, reward"
+    assert str(caught.value) == expected
+
+
+def test_missing_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_topology(path)
+    assert str(caught.value) == f"{path}: cannot read: No such file or directory"
+
+
+def test_secret_file_is_relative_to_the_topology_folder(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    (folder / "secret.txt").write_bytes(b"s3cret\n")
+    (folder / "token.txt").write_text("tok\n")
+    run = {"secret_file": "secret.txt", "admin_token_file": "token.txt"}
+    (folder / "t.yaml").write_text(_yaml(_nodes(), run=run))
+    monkeypatch.setenv("ROLLART_SECRET", "from-env")
+    monkeypatch.chdir(tmp_path)  # secret.txt is not in the working directory, only beside t.yaml
+    topology = load_topology("conf/t.yaml")
+    assert topology.read_secret() == b"s3cret"
+    assert topology.read_admin_token() == "tok"
+
+
+def test_secret_and_token_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    topology = parse_topology(_yaml(_nodes(), run={"secret_env": "MY_SECRET"}))
+    monkeypatch.setenv("MY_SECRET", "abc")
+    monkeypatch.setenv("ROLLART_ADMIN_TOKEN", "tok")
+    assert topology.read_secret() == b"abc"
+    assert topology.read_admin_token() == "tok"
+
+
+def test_secret_missing_says_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLART_SECRET", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        parse_topology(_yaml(_nodes()), "t.yaml").read_secret()
+    assert str(caught.value) == (
+        "t.yaml: run.secret_file: no secret: set the environment variable ROLLART_SECRET, "
+        "or set run.secret_file to a file that holds it"
+    )
+
+
+def test_secret_file_empty_or_absent(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "empty").write_bytes(b"\n")
+    path = tmp_path / "t.yaml"
+    path.write_text(_yaml(_nodes(), run={"secret_file": "empty"}))
+    with pytest.raises(ConfigError) as caught:
+        load_topology(path).read_secret()
+    assert str(caught.value) == (
+        f"{path}: run.secret_file: {tmp_path / 'empty'} is empty; set the environment variable "
+        "ROLLART_SECRET, or set run.secret_file to a file that holds it"
+    )
+    path.write_text(_yaml(_nodes(), run={"secret_file": "absent"}))
+    with pytest.raises(ConfigError) as caught:
+        load_topology(path).read_secret()
+    expected = f"{path}: run.secret_file: cannot read {tmp_path / 'absent'}: No such file or directory"
+    assert str(caught.value) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            _yaml(_nodes(_node("g", "gen", 7102, 7202))),
+            "nodes[2].role: expected one of trainer, generator, env-host, reward-gateway; got 'gen'",
+            id="enum",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("g", "generator", 7102, 7202, hardware="gpu"))),
+            "nodes[2].hardware: expected one of cpu, compute, bandwidth; got 'gpu'",
+            id="literal",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("g", "generator", 7102, 7202, restart={"policy": "sometimes"}))),
+            "nodes[2].restart.policy: expected one of on-failure, stop-all, never; got 'sometimes'",
+            id="literal-inside-optional",
+        ),
+        pytest.param(
+            _yaml([_node("a", "trainer", "7100", 7200)]),
+            "nodes[0].port: expected int; got str",
+            id="wrong-type",
+        ),
+        pytest.param(
+            _yaml([_node("a", "trainer", 7100, 7200, resources="big")]),
+            "nodes[0].resources: expected mapping; got str",
+            id="wrong-type-struct",
+        ),
+        pytest.param(
+            _yaml([{"name": "a", "role": "trainer", "prot": 1, "admin_port": 2}]),
+            "nodes[0]: unknown key 'prot'; did you mean 'port'?",
+            id="unknown-key-with-hint",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("g", "generator", 7102, 7202, colour="red"))),
+            "nodes[2]: unknown key 'colour'",
+            id="unknown-key-without-hint",
+        ),
+        pytest.param(
+            "nods: []\n",
+            "unknown key 'nods'; did you mean 'nodes'?",
+            id="unknown-top-level-key",
+        ),
+        pytest.param(
+            _yaml(_nodes(), source="x.yaml"),
+            "unknown key 'source' (the loader sets it to the file's path)",
+            id="source-is-not-a-key",
+        ),
+        pytest.param(
+            _yaml(_nodes({"role": "generator", "port": 7102, "admin_port": 7202})),
+            "nodes[2]: missing required key 'name'",
+            id="missing-key",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("gen-1", "generator", 7102, 7202), _node("gen-0", "generator", 7103, 7203))),
+            "nodes[3].name: duplicate node name 'gen-0' (also at nodes[1])",
+            id="duplicate-name",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("gen-1", "generator", 7102, 7101))),
+            "nodes[2].admin_port: port 7101 on 127.0.0.1 is already used by nodes[1].port",
+            id="port-clash",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("gen-1", "generator", 7200, 7202, host="0.0.0.0"))),
+            "nodes[2].port: port 7200 on 0.0.0.0 is already used by nodes[0].admin_port",
+            id="port-clash-with-wildcard",
+        ),
+        pytest.param(
+            _yaml([_node("a", "trainer", 70000, 7200)]),
+            "nodes[0].port: expected an integer from 1 to 65535; got 70000",
+            id="port-range",
+        ),
+        pytest.param(
+            _yaml([_node("Gen_0", "generator", 7100, 7200)]),
+            "nodes[0].name: expected lowercase letters, digits and '-' (e.g. 'gen-0'); got 'Gen_0'",
+            id="bad-name",
+        ),
+        pytest.param(
+            _yaml(_nodes(), run={"session": {"heartbeat_deadline_s": 0.5}}),
+            "run.session.heartbeat_deadline_s: expected more than heartbeat_interval_s (1.0); got 0.5",
+            id="session-validate",
+        ),
+        pytest.param(
+            _yaml(_nodes(), run={"restart": {"window_s": 0}}),
+            "run.restart.window_s: expected a value > 0; got 0.0",
+            id="restart-window",
+        ),
+        pytest.param(
+            _yaml(_nodes(_node("g", "generator", 7102, 7202, restart={"max_restarts": -1}))),
+            "nodes[2].restart.max_restarts: expected a value >= 0; got -1",
+            id="node-restart-count",
+        ),
+        pytest.param(
+            _yaml(_nodes(), run={"restart": {"backoff_base_s": 2.0, "backoff_cap_s": 1.0}}),
+            "run.restart.backoff_cap_s: expected at least backoff_base_s (2.0); got 1.0",
+            id="restart-backoff",
+        ),
+        pytest.param(
+            _yaml(_nodes(), run={"drain_timeout_s": -1}),
+            "run.drain_timeout_s: expected a value > 0; got -1.0",
+            id="drain-timeout",
+        ),
+        pytest.param(
+            _yaml(_nodes(), run={"run_dir": "runs/{run}"}),
+            "run.run_dir: expected a path with no placeholder but {name}; got 'runs/{run}'",
+            id="run-dir-placeholder",
+        ),
+        pytest.param(_yaml([]), "nodes: expected at least one node", id="no-nodes"),
+        pytest.param("nodes:\n", "nodes: expected list; got null", id="nodes-null"),
+        pytest.param(
+            "nodes:\n  - name: a\n   role: trainer\n",
+            "line 3, column 4: expected <block end>, but found '<block mapping start>'",
+            id="yaml-syntax",
+        ),
+        pytest.param(
+            "",
+            "expected a mapping with 'nodes' (and optionally 'run'); the file is empty",
+            id="empty-file",
+        ),
+        pytest.param(
+            "- a\n- b\n",
+            "expected a mapping with 'nodes' at the top level; got list",
+            id="top-level-list",
+        ),
+    ],
+)
+def test_error_message(text: str, expected: str) -> None:
+    assert _error(text) == f"t.yaml: {expected}"
+
+
+def test_error_names_the_source_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "local.yaml"
+    path.write_text(_yaml(_nodes(_node("g", "gen", 7102, 7202))))
+    with pytest.raises(ConfigError) as caught:
+        load_topology(path)
+    expected = "nodes[2].role: expected one of trainer, generator, env-host, reward-gateway; got 'gen'"
+    assert str(caught.value) == f"{path}: {expected}"
+
+
+def test_semantic_problems_are_reported_together() -> None:
+    text = _yaml(
+        _nodes(_node("Bad", "generator", 7101, 0), _node("gen-0", "env-host", 7103, 7203)),
+        run={"drain_timeout_s": 0},
+    )
+    assert _error(text).splitlines() == [
+        "t.yaml: run.drain_timeout_s: expected a value > 0; got 0.0",
+        "t.yaml: nodes[2].name: expected lowercase letters, digits and '-' (e.g. 'gen-0'); got 'Bad'",
+        "t.yaml: nodes[2].port: port 7101 on 127.0.0.1 is already used by nodes[1].port",
+        "t.yaml: nodes[2].admin_port: expected an integer from 1 to 65535; got 0",
+        "t.yaml: nodes[3].name: duplicate node name 'gen-0' (also at nodes[1])",
+    ]
+
+
+def test_distinct_hosts_may_share_a_port() -> None:
+    text = _yaml([_node("a", "trainer", 7100, 7200, host="10.0.0.1"), _node("b", "generator", 7100, 7201)])
+    assert [n.port for n in parse_topology(text).nodes] == [7100, 7100]
