@@ -19,7 +19,7 @@ import asyncio
 import collections
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
 
@@ -101,11 +101,11 @@ class TcpConnection(asyncio.BufferedProtocol):
     # -- asyncio protocol callbacks --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement the interface without subclassing asyncio.Transport.
+        self._transport = cast(asyncio.Transport, transport)
         peername = transport.get_extra_info("peername")
         self._peer = f"{peername[0]}:{peername[1]}" if peername else "?"
-        transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
+        self._transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
         if self.on_made is not None:
             self.on_made(self)
 

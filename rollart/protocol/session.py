@@ -31,8 +31,6 @@ import asyncio
 import collections
 import contextlib
 import enum
-import random
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -40,12 +38,11 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
-from rollart.protocol.auth import Identity, client_handshake, server_handshake
+from rollart.protocol.auth import Identity
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import (
     ConnectionClosed,
     FrameTooLarge,
-    HandshakeRefused,
     MessageDecodeError,
     ProtocolError,
     RemoteError,
@@ -53,8 +50,8 @@ from rollart.protocol.errors import (
     RollartError,
     SessionLost,
 )
-from rollart.protocol.framing import Connection, TcpConnection, open_tcp, serve_tcp
-from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel, Hello, Kind, Msg, RemoteFailure
+from rollart.protocol.framing import Connection, TcpConnection
+from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel, Kind, Msg, RemoteFailure
 
 log = structlog.get_logger("rollart.protocol.session")
 
@@ -497,250 +494,3 @@ class Session:
             "last_heard_s_ago": round(self._loop.time() - self.last_heard, 3) if self.last_heard else None,
             **asdict(self.stats),
         }
-
-
-Connector = Callable[[], Awaitable[Connection]]
-
-
-class ClientSession(Session):
-    """The connecting end: keeps a connection up, reconnecting with backoff, until closed.
-
-    Run `await session.run()` in the owner's task group; it returns when the session is closed and
-    raises `SessionLost` when it gave up (no connection for `give_up_after_s`, or refused).
-    """
-
-    def __init__(
-        self,
-        connect: Connector,
-        *,
-        secret: bytes,
-        local: Identity,
-        channel: Channel[Any],
-        handler: Handler | None = None,
-        cfg: SessionConfig,
-        peer_name: str = "?",
-        session_id: str | None = None,
-    ) -> None:
-        super().__init__(session_id or uuid.uuid4().hex, local=local, channel=channel, handler=handler, cfg=cfg)
-        self._connect = connect
-        self._secret = secret
-        self._peer_epoch: str | None = None
-        self.peer = Identity(peer_name, "?")
-
-    def _on_bye(self, reason: str) -> None:
-        # A draining server dropped our state; the next connection starts a fresh numbering.
-        log.info("session.server_bye", session=self.id, peer=self._peer_name, reason=reason)
-        self._peer_epoch = None
-
-    async def run(self) -> None:
-        await self._life(self._connect_loop)
-
-    async def _connect_loop(self) -> None:
-        cfg = self.cfg
-        attempt = 0
-        down_since = self._loop.time()
-        while not self._finished.is_set():
-            conn: Connection | None = None
-            try:
-                async with asyncio.timeout(cfg.handshake_timeout_s):
-                    conn = await self._connect()
-                welcome, peer = await client_handshake(
-                    conn,
-                    identity=self.local,
-                    secret=self._secret,
-                    session_id=self.id,
-                    recv_seq=self._received,
-                    timeout=cfg.handshake_timeout_s,
-                )
-            except (HandshakeRefused, ProtocolError) as exc:
-                if conn is not None:
-                    conn.close()
-                log.error("session.refused", session=self.id, peer=self._peer_name, error=str(exc))
-                self._finish(SessionLost(f"session to {self._peer_name}: {exc}"), State.FAILED)
-                raise self._error from exc  # type: ignore[misc]
-            except (OSError, TimeoutError, ConnectionClosed) as exc:
-                if conn is not None:
-                    conn.close()
-                waited = self._loop.time() - down_since
-                if waited >= cfg.give_up_after_s:
-                    log.error("session.gave_up", session=self.id, peer=self._peer_name, after_s=round(waited, 1))
-                    self._finish(
-                        SessionLost(f"session to {self._peer_name}: no connection for {waited:.0f} s ({exc})"),
-                        State.FAILED,
-                    )
-                    raise self._error from exc  # type: ignore[misc]
-                delay = random.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_base_s * 2**attempt))
-                delay = min(delay, cfg.give_up_after_s - waited)
-                attempt += 1
-                log.debug("session.retry", session=self.id, peer=self._peer_name, attempt=attempt, error=str(exc))
-                with contextlib.suppress(TimeoutError):  # close() ends the wait early
-                    await asyncio.wait_for(self._finished.wait(), delay)
-                continue
-            if self._finished.is_set():
-                conn.close()
-                return
-            self.peer = peer
-            resumed = welcome.resumed and welcome.epoch == self._peer_epoch
-            if not resumed:
-                self._restart_numbering()
-                self._peer_epoch = welcome.epoch
-            log.info("session.connected", session=self.id, peer=peer.node, resumed=resumed, attempts=attempt + 1)
-            attempt = 0
-            await self._run_connection(conn, welcome.recv_seq if resumed else 0)
-            down_since = self._loop.time()
-
-
-BulkHandler = Callable[[Connection, Identity], Awaitable[None]]
-
-
-class SessionServer:
-    """The accepting end: authenticates connections and attaches them to their sessions."""
-
-    def __init__(
-        self,
-        *,
-        local: Identity,
-        secret: bytes,
-        channel: Channel[Any],
-        handler: Handler,
-        cfg: SessionConfig,
-        on_bulk: BulkHandler | None = None,
-    ) -> None:
-        self.local = local
-        self.channel = channel
-        self.handler = handler
-        self.cfg = cfg
-        self.epoch = uuid.uuid4().hex
-        self.sessions: dict[str, _ServerSession] = {}
-        self.refusals = 0
-        self._secret = secret
-        self._on_bulk = on_bulk
-        self._tg: asyncio.TaskGroup | None = None
-        self._started = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._listeners: list[asyncio.Server] = []
-
-    async def serve(self) -> None:
-        """Run until `close()`: owns every connection and session task."""
-        async with asyncio.TaskGroup() as tg:
-            self._tg = tg
-            self._started.set()
-            reaper = tg.create_task(self._reap())
-            await self._stopping.wait()
-            reaper.cancel()
-
-    async def listen_tcp(self, host: str, port: int) -> asyncio.Server:
-        """Accept TCP connections on `host:port` (call after `serve()` has started)."""
-        await self._started.wait()
-        server = await serve_tcp(
-            host, port, self.accept, max_frame_bytes=self.cfg.max_frame_bytes, max_bulk_bytes=self.cfg.max_bulk_bytes
-        )
-        self._listeners.append(server)
-        return server
-
-    def accept(self, conn: Connection) -> None:
-        """Take over a new connection (the listener's callback)."""
-        if self._tg is None or self._stopping.is_set():
-            conn.close()
-            return
-        self._tg.create_task(self._handle(conn))
-
-    def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
-        if hello.purpose != "session":
-            return self.epoch, False, 0
-        session = self.sessions.get(hello.session_id)
-        if session is not None and not session.finished:
-            return self.epoch, True, session._received
-        session = _ServerSession(self, hello.session_id)
-        self.sessions[session.id] = session
-        assert self._tg is not None
-        self._tg.create_task(session.run())
-        return self.epoch, False, 0
-
-    async def _handle(self, conn: Connection) -> None:
-        try:
-            hello = await server_handshake(
-                conn,
-                identity=self.local,
-                secret=self._secret,
-                lookup=self._lookup,
-                timeout=self.cfg.handshake_timeout_s,
-            )
-        except HandshakeRefused:
-            self.refusals += 1
-            conn.close()
-            return
-        except ConnectionClosed:
-            conn.close()
-            return
-        peer = Identity(hello.node, hello.role)
-        try:
-            if hello.purpose == "bulk":
-                if self._on_bulk is None:
-                    raise ProtocolError("this node accepts no bulk connections")
-                await self._on_bulk(conn, peer)
-            else:
-                session = self.sessions[hello.session_id]
-                session.peer = peer
-                await session.attach(conn, hello.recv_seq)
-        except (ConnectionClosed, ProtocolError) as exc:
-            log.warning("server.connection_ended", peer=peer.node, error=str(exc))
-        except Exception:
-            # Fault isolation: one connection's failure must not stop the server.
-            log.exception("server.connection_failed", peer=peer.node)
-        finally:
-            conn.close()
-
-    async def _reap(self) -> None:
-        """Forget sessions whose client has not come back within `linger_s`."""
-        period = min(self.cfg.linger_s / 4, 5.0)
-        while True:
-            await asyncio.sleep(period)
-            now = asyncio.get_running_loop().time()
-            for sid, session in list(self.sessions.items()):
-                if session.finished:
-                    del self.sessions[sid]
-                elif session.down_since is not None and now - session.down_since > self.cfg.linger_s:
-                    log.info("server.session_expired", session=sid, peer=session._peer_name)
-                    session._finish(SessionLost(f"session {sid}: client gone for {self.cfg.linger_s} s"), State.CLOSED)
-                    del self.sessions[sid]
-
-    async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
-        """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
-        for listener in self._listeners:
-            listener.close()
-        await asyncio.gather(*(s.close(reason, timeout=timeout) for s in list(self.sessions.values())))
-        self._stopping.set()
-
-
-class _ServerSession(Session):
-    def __init__(self, server: SessionServer, session_id: str) -> None:
-        super().__init__(session_id, local=server.local, channel=server.channel, handler=server.handler, cfg=server.cfg)
-
-    def _on_bye(self, reason: str) -> None:
-        log.info("session.client_bye", session=self.id, peer=self._peer_name, reason=reason)
-        self._finish(SessionLost(f"session {self.id} closed by {self._peer_name}: {reason}"), State.CLOSED)
-
-    async def run(self) -> None:
-        await self._life(self._finished.wait)
-
-    async def attach(self, conn: Connection, peer_recv_seq: int) -> None:
-        """Serve `conn` for this session, replacing a connection the client has abandoned."""
-        if self._conn is not None:
-            self._conn.close()
-        async with self._attach_lock:
-            if self.finished:
-                return
-            log.info("session.attached", session=self.id, peer=self._peer_name, resumed=self.stats.connects > 0)
-            await self._run_connection(conn, peer_recv_seq)
-
-
-async def tcp_connector(host: str, port: int, cfg: SessionConfig) -> Connection:
-    """Open a TCP connection with the session's frame limits (for `ClientSession(connect=...)`)."""
-    return await open_tcp(
-        host,
-        port,
-        max_frame_bytes=cfg.max_frame_bytes,
-        max_bulk_bytes=cfg.max_bulk_bytes,
-        timeout=cfg.handshake_timeout_s,
-    )

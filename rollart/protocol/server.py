@@ -1,0 +1,170 @@
+"""The accepting end of persistent sessions.
+
+`SessionServer` authenticates each connection (`auth.server_handshake`), then attaches it to
+the session it names, creating the session or resuming it. A session whose client does not
+come back within `linger_s` is forgotten. A connection opened for bulk payloads is handed to
+`on_bulk` after the same handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from rollart.protocol.auth import Identity, server_handshake
+from rollart.protocol.config import SessionConfig
+from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError, SessionLost
+from rollart.protocol.framing import Connection, serve_tcp
+from rollart.protocol.messages import Channel, Hello
+from rollart.protocol.session import Handler, Session, State
+
+log = structlog.get_logger("rollart.protocol.server")
+
+
+BulkHandler = Callable[[Connection, Identity], Awaitable[None]]
+
+
+class SessionServer:
+    """The accepting end: authenticates connections and attaches them to their sessions."""
+
+    def __init__(
+        self,
+        *,
+        local: Identity,
+        secret: bytes,
+        channel: Channel[Any],
+        handler: Handler,
+        cfg: SessionConfig,
+        on_bulk: BulkHandler | None = None,
+    ) -> None:
+        self.local = local
+        self.channel = channel
+        self.handler = handler
+        self.cfg = cfg
+        self.epoch = uuid.uuid4().hex
+        self.sessions: dict[str, _ServerSession] = {}
+        self.refusals = 0
+        self._secret = secret
+        self._on_bulk = on_bulk
+        self._tg: asyncio.TaskGroup | None = None
+        self._started = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._listeners: list[asyncio.Server] = []
+
+    async def serve(self) -> None:
+        """Run until `close()`: owns every connection and session task."""
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._started.set()
+            reaper = tg.create_task(self._reap())
+            await self._stopping.wait()
+            reaper.cancel()
+
+    async def listen_tcp(self, host: str, port: int) -> asyncio.Server:
+        """Accept TCP connections on `host:port` (call after `serve()` has started)."""
+        await self._started.wait()
+        server = await serve_tcp(
+            host, port, self.accept, max_frame_bytes=self.cfg.max_frame_bytes, max_bulk_bytes=self.cfg.max_bulk_bytes
+        )
+        self._listeners.append(server)
+        return server
+
+    def accept(self, conn: Connection) -> None:
+        """Take over a new connection (the listener's callback)."""
+        if self._tg is None or self._stopping.is_set():
+            conn.close()
+            return
+        self._tg.create_task(self._handle(conn))
+
+    def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
+        if hello.purpose != "session":
+            return self.epoch, False, 0
+        session = self.sessions.get(hello.session_id)
+        if session is not None and not session.finished:
+            return self.epoch, True, session._received
+        session = _ServerSession(self, hello.session_id)
+        self.sessions[session.id] = session
+        assert self._tg is not None
+        self._tg.create_task(session.run())
+        return self.epoch, False, 0
+
+    async def _handle(self, conn: Connection) -> None:
+        try:
+            hello = await server_handshake(
+                conn,
+                identity=self.local,
+                secret=self._secret,
+                lookup=self._lookup,
+                timeout=self.cfg.handshake_timeout_s,
+            )
+        except HandshakeRefused:
+            self.refusals += 1
+            conn.close()
+            return
+        except ConnectionClosed:
+            conn.close()
+            return
+        peer = Identity(hello.node, hello.role)
+        try:
+            if hello.purpose == "bulk":
+                if self._on_bulk is None:
+                    raise ProtocolError("this node accepts no bulk connections")
+                await self._on_bulk(conn, peer)
+            else:
+                session = self.sessions[hello.session_id]
+                session.peer = peer
+                await session.attach(conn, hello.recv_seq)
+        except (ConnectionClosed, ProtocolError) as exc:
+            log.warning("server.connection_ended", peer=peer.node, error=str(exc))
+        except Exception:
+            # Fault isolation: one connection's failure must not stop the server.
+            log.exception("server.connection_failed", peer=peer.node)
+        finally:
+            conn.close()
+
+    async def _reap(self) -> None:
+        """Forget sessions whose client has not come back within `linger_s`."""
+        period = min(self.cfg.linger_s / 4, 5.0)
+        while True:
+            await asyncio.sleep(period)
+            now = asyncio.get_running_loop().time()
+            for sid, session in list(self.sessions.items()):
+                if session.finished:
+                    del self.sessions[sid]
+                elif session.down_since is not None and now - session.down_since > self.cfg.linger_s:
+                    log.info("server.session_expired", session=sid, peer=session._peer_name)
+                    session._finish(SessionLost(f"session {sid}: client gone for {self.cfg.linger_s} s"), State.CLOSED)
+                    del self.sessions[sid]
+
+    async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
+        """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
+        for listener in self._listeners:
+            listener.close()
+        await asyncio.gather(*(s.close(reason, timeout=timeout) for s in list(self.sessions.values())))
+        self._stopping.set()
+
+
+class _ServerSession(Session):
+    def __init__(self, server: SessionServer, session_id: str) -> None:
+        super().__init__(session_id, local=server.local, channel=server.channel, handler=server.handler, cfg=server.cfg)
+
+    def _on_bye(self, reason: str) -> None:
+        log.info("session.client_bye", session=self.id, peer=self._peer_name, reason=reason)
+        self._finish(SessionLost(f"session {self.id} closed by {self._peer_name}: {reason}"), State.CLOSED)
+
+    async def run(self) -> None:
+        await self._life(self._finished.wait)
+
+    async def attach(self, conn: Connection, peer_recv_seq: int) -> None:
+        """Serve `conn` for this session, replacing a connection the client has abandoned."""
+        if self._conn is not None:
+            self._conn.close()
+        async with self._attach_lock:
+            if self.finished:
+                return
+            log.info("session.attached", session=self.id, peer=self._peer_name, resumed=self.stats.connects > 0)
+            await self._run_connection(conn, peer_recv_seq)
