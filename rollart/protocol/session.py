@@ -472,6 +472,10 @@ class Session:
                 self._conn.send(SESSION.encode(Bye(reason)))
         self._finish(SessionLost(f"session {self.id} closed: {reason}"), State.CLOSED)
 
+    def serving_tasks(self) -> list[asyncio.Task[None]]:
+        """The tasks answering the peer's requests right now."""
+        return list(self._serving.values())
+
     @property
     def finished(self) -> bool:
         return self._finished.is_set()

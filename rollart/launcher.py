@@ -1,0 +1,332 @@
+"""The local launcher: `rollart run TOPOLOGY` starts every node of a topology on this machine.
+
+Each node is its own process (`python -m rollart.node`), logging JSON lines to
+`RUN_DIR/logs/NODE.log`. The launcher waits until every node answers `/healthz`, shows one live
+status line per node, and applies each node's restart policy when its process dies:
+`on-failure` restarts it with exponential backoff (like systemd's `Restart=on-failure`, up to
+`max_restarts` within `window_s`), `stop-all` stops the run and exits non-zero naming the node,
+`never` leaves it dead. Ctrl-C (or `--duration` running out) drains every node with SIGTERM
+and waits for them to exit; a node still running after its drain timeout is killed.
+
+When the topology provides no shared secret or admin token, the launcher makes fresh ones for
+this run and passes them to the nodes in their environment; the admin token is also written to
+`RUN_DIR/admin.token` (mode 0600) for the admin tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+
+from rollart.protocol.errors import ConfigError
+from rollart.topology import NodeSpec, RestartPolicy, Topology
+
+EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2
+POLL_S = 0.5
+NON_TTY_EVERY_S = 5.0  # without a terminal, print the status block this often
+
+
+@dataclass
+class NodeProcess:
+    """A node as the launcher sees it."""
+
+    spec: NodeSpec
+    policy: RestartPolicy
+    log_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    state: str = "starting"
+    exit_code: int | None = None
+    restarts: collections.deque[float] = field(default_factory=collections.deque)
+    status: dict[str, Any] | None = None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def check_ports_free(topology: Topology) -> None:
+    """Fail early, with the node and key named, when a port of the topology is already taken."""
+    for index, node in enumerate(topology.nodes):
+        for key, host, port in (("port", node.host, node.port), ("admin_port", node.admin_host, node.admin_port)):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the nodes bind
+                try:
+                    sock.bind((host, port))
+                except OSError as exc:
+                    raise ConfigError(
+                        f"{topology.source}: nodes[{index}].{key}: port {port} on {host} is not free "
+                        f"({exc.strerror}); is another run still going?"
+                    ) from None
+
+
+class Launcher:
+    """Runs one topology's nodes as local processes until stopped."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        topology_path: str,
+        *,
+        duration: float | None = None,
+        start_timeout: float = 120.0,
+        out: TextIO = sys.stdout,
+    ) -> None:
+        self.topology = topology
+        self.topology_path = topology_path
+        self.duration = duration
+        self.start_timeout = start_timeout
+        self.out = out
+        self.tty = out.isatty()
+        self.run_dir = topology.run_dir()
+        self.nodes = [
+            NodeProcess(spec, topology.restart_policy(spec), self.run_dir / "logs" / f"{spec.name}.log")
+            for spec in topology.nodes
+        ]
+        self.env = dict(os.environ)
+        self.stop_reason: str | None = None
+        self.failure: str | None = None
+        self._stop = asyncio.Event()
+        self._healthy = asyncio.Event()
+        self._started_at = time.monotonic()
+        self._lines_drawn = 0
+        self._last_print = -NON_TTY_EVERY_S
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        run = self.topology.run
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if run.secret_file is None and not os.environ.get(run.secret_env):
+            self.env[run.secret_env] = secrets.token_hex(32)
+        if run.admin_token_file is None and not os.environ.get(run.admin_token_env):
+            self.env[run.admin_token_env] = secrets.token_urlsafe(24)
+        with contextlib.suppress(ConfigError):  # a token from a file stays in that file
+            token = self.env.get(run.admin_token_env) or self.topology.read_admin_token()
+            token_path = self.run_dir / "admin.token"
+            token_path.touch(mode=0o600)
+            token_path.write_text(token + "\n")
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    async def _spawn(self, node: NodeProcess) -> None:
+        with node.log_path.open("ab") as log_file:
+            node.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "rollart.node",
+                "--topology",
+                self.topology_path,
+                "--node",
+                node.spec.name,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=self.env,
+                start_new_session=True,  # Ctrl-C reaches the launcher, which drains the nodes
+            )
+        node.state, node.exit_code, node.status = "starting", None, None
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        check_ports_free(self.topology)
+        self._prepare()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
+        self._say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {self.run_dir / 'logs'}")
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+                for node in self.nodes:
+                    await self._spawn(node)
+                async with asyncio.TaskGroup() as tg:
+                    supervisors = [tg.create_task(self._supervise(node)) for node in self.nodes]
+                    poller = tg.create_task(self._poll(http))
+                    watcher = tg.create_task(self._watch_start())
+                    if self.duration is not None:
+                        tg.create_task(self._stop_after(self.duration))
+                    await self._stop.wait()
+                    await self._shutdown()
+                    poller.cancel()
+                    watcher.cancel()
+                    await asyncio.gather(*supervisors)
+                    self._render(final=True)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        return self._summary()
+
+    def stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self._stop.set()
+
+    def fail(self, reason: str) -> None:
+        self.failure = self.failure or reason
+        self._say(f"error: {reason}")
+        self.stop(reason)
+
+    async def _watch_start(self) -> None:
+        """Say when every node is up; stop the run if they are not within `start_timeout`."""
+        try:
+            await asyncio.wait_for(self._healthy.wait(), self.start_timeout)
+        except TimeoutError:
+            late = [n.spec.name for n in self.nodes if n.state not in ("running", "paused")]
+            self.fail(f"nodes {', '.join(late)} not healthy {self.start_timeout:g} s after start; see their logs")
+            return
+        self._say(f"all {len(self.nodes)} nodes healthy after {time.monotonic() - self._started_at:.1f} s")
+
+    async def _stop_after(self, seconds: float) -> None:
+        await self._healthy.wait()
+        await asyncio.sleep(seconds)
+        self.stop(f"--duration {seconds:g} s elapsed")
+
+    async def _supervise(self, node: NodeProcess) -> None:
+        """Wait for the node's process to end and apply its restart policy."""
+        while True:
+            assert node.proc is not None
+            code = await node.proc.wait()
+            node.exit_code = code
+            if self._stop.is_set():
+                node.state = "stopped" if code == 0 else f"stopped ({describe_exit(code)})"
+                return
+            what = f"node {node.spec.name} {describe_exit(code)} (log: {node.log_path})"
+            if code == 0:
+                node.state = "exited"
+                self._say(f"{what}: it drained on request and is not restarted")
+                return
+            policy = node.policy
+            if policy.policy == "stop-all":
+                node.state = "failed"
+                self.fail(f"{what}; restart policy stop-all: stopping the run")
+                return
+            if policy.policy == "never":
+                node.state = "dead"
+                self._say(f"{what}; restart policy never: leaving it down")
+                return
+            now = time.monotonic()
+            while node.restarts and now - node.restarts[0] > policy.window_s:
+                node.restarts.popleft()
+            if len(node.restarts) >= policy.max_restarts:
+                node.state = "failed"
+                self.fail(f"{what}; already restarted {len(node.restarts)} times within {policy.window_s:g} s")
+                return
+            delay = min(policy.backoff_cap_s, policy.backoff_base_s * 2 ** len(node.restarts))
+            node.state = f"restarting in {delay:.1f}s"
+            self._say(f"{what}; restarting it in {delay:.1f} s (restart policy on-failure)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay)
+            if self._stop.is_set():
+                node.state = "stopped"
+                return
+            node.restarts.append(time.monotonic())
+            await self._spawn(node)
+
+    async def _shutdown(self) -> None:
+        self._say(f"stopping: {self.stop_reason}; draining every node")
+        running = [n for n in self.nodes if n.proc is not None and n.proc.returncode is None]
+        for node in running:
+            assert node.proc is not None
+            node.state = "draining"
+            with contextlib.suppress(ProcessLookupError):
+                node.proc.send_signal(signal.SIGTERM)
+        grace = self.topology.run.drain_timeout_s + 10.0
+        waits = [asyncio.ensure_future(n.proc.wait()) for n in running if n.proc is not None]
+        if waits:
+            await asyncio.wait(waits, timeout=grace)
+        for node in running:
+            assert node.proc is not None
+            if node.proc.returncode is None:
+                self._say(f"node {node.spec.name} did not exit within {grace:g} s of SIGTERM: killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    node.proc.kill()
+                await node.proc.wait()
+
+    # -- status -------------------------------------------------------------------------------
+
+    async def _poll(self, http: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self._poll_node(http, node) for node in self.nodes))
+            if all(node.state in ("running", "paused") for node in self.nodes):
+                self._healthy.set()
+            self._render()
+            await asyncio.sleep(POLL_S)
+
+    async def _poll_node(self, http: aiohttp.ClientSession, node: NodeProcess) -> None:
+        if node.proc is None or node.proc.returncode is not None:
+            return
+        url = f"http://{_connectable(node.spec.admin_host)}:{node.spec.admin_port}/status"
+        try:
+            async with http.get(url) as response:
+                node.status = await response.json()
+        except (aiohttp.ClientError, TimeoutError):
+            node.status = None
+            return
+        if node.state == "starting" or node.state in ("running", "paused"):
+            node.state = node.status["state"] if node.status else node.state
+
+    def _render(self, *, final: bool = False) -> None:
+        lines = [self._line(node) for node in self.nodes]
+        elapsed = time.monotonic() - self._started_at
+        header = f"[{elapsed:6.1f}s] {self.topology.run.name}: " + (
+            "stopped" if final else "Ctrl-C drains and stops every node"
+        )
+        if self.tty:
+            if self._lines_drawn:
+                self.out.write(f"\x1b[{self._lines_drawn}F\x1b[J")
+            self.out.write("\n".join([header, *lines]) + "\n")
+            self._lines_drawn = len(lines) + 1
+        elif final or elapsed - self._last_print >= NON_TTY_EVERY_S:
+            self._last_print = elapsed
+            self.out.write("\n".join([header, *lines]) + "\n")
+        self.out.flush()
+
+    def _line(self, node: NodeProcess) -> str:
+        status = node.status or {}
+        sessions = status.get("sessions", {})
+        all_sessions = sessions.get("outgoing", []) + sessions.get("incoming", [])
+        up = sum(1 for s in all_sessions if s.get("state") == "up")
+        queues = ",".join(f"{k}={v}" for k, v in status.get("queues", {}).items()) or "-"
+        pid = node.proc.pid if node.proc else "-"
+        uptime = f"{status['uptime_s']:.0f}s" if "uptime_s" in status else "-"
+        return (
+            f"  {node.spec.name:<16} {node.spec.role.value:<15} {node.state:<22} pid {pid!s:<7} up {uptime:<6} "
+            f"sessions {up}/{len(all_sessions)} up  queues {queues}  restarts {len(node.restarts)}"
+        )
+
+    def _say(self, text: str) -> None:
+        if self.tty and self._lines_drawn:
+            self.out.write(f"\x1b[{self._lines_drawn}F\x1b[J")
+            self._lines_drawn = 0
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _summary(self) -> int:
+        if self.failure:
+            self._say(f"run failed: {self.failure}")
+            return EXIT_NODE_FAILED
+        unclean = [n for n in self.nodes if n.exit_code not in (0, None)]
+        for node in unclean:
+            self._say(f"node {node.spec.name} {describe_exit(node.exit_code or 0)} (log: {node.log_path})")
+        if unclean:
+            return EXIT_NODE_FAILED
+        self._say(f"all {len(self.nodes)} nodes stopped cleanly")
+        return EXIT_OK
+
+
+def _connectable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host

@@ -1,0 +1,71 @@
+"""Entry point of one node: `python -m rollart.node --topology FILE --node NAME` (`bin/rollart-node`).
+
+Parses the topology before anything heavy is imported, sets up JSON logging bound with the node
+and its role, then runs the role's daemon on uvloop until it is drained (SIGTERM, SIGINT or
+`POST /drain`). Exit codes: 0 drained cleanly; 2 bad configuration (message on stderr);
+1 the node failed (the error is logged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import structlog
+
+from rollart.protocol.errors import ConfigError
+from rollart.topology import Topology, load_topology
+
+EXIT_CONFIG = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rollart-node", description="Run one node of a RollArt topology.")
+    parser.add_argument("--topology", required=True, help="the topology YAML file")
+    parser.add_argument("--node", required=True, help="the name of the node to run, as in the topology")
+    return parser.parse_args(argv)
+
+
+async def run_node(topology: Topology, name: str) -> None:
+    """Build the node's daemon and run it until drained."""
+    from rollart.nodes import DAEMONS
+
+    spec = topology.node(name)
+    secret = topology.read_secret()
+    try:
+        token: str | None = topology.read_admin_token()
+    except ConfigError as exc:
+        structlog.get_logger("rollart.node").warning("node.no_admin_token", detail=str(exc))
+        token = None
+    daemon = DAEMONS[spec.role](topology, spec, secret=secret, admin_token=token)
+    await daemon.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        topology = load_topology(args.topology)
+        spec = topology.node(args.node)
+        topology.read_secret()  # fail here, with the config error, not inside the loop
+    except ConfigError as exc:
+        print(f"rollart-node: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+    import uvloop
+
+    from rollart.logs import configure_logging
+
+    configure_logging(node=spec.name, role=spec.role.value, level=topology.run.log_level)
+    log = structlog.get_logger("rollart.node")
+    try:
+        uvloop.run(run_node(topology, spec.name))
+    except Exception as exc:  # the process is ending: log every cause, exit non-zero
+        causes = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
+        for cause in causes:
+            log.error("node.failed", error=f"{type(cause).__name__}: {cause}", exc_info=cause)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

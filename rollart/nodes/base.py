@@ -1,0 +1,248 @@
+"""The daemon every node role is built on.
+
+A `NodeDaemon` is one asyncio program: it listens for sessions on its topology port, opens a
+client session to every node its role talks to, serves the admin HTTP endpoint, and runs the
+role's own work, all as tasks of one `asyncio.TaskGroup` so that any crash surfaces. SIGTERM
+and SIGINT (or `POST /drain`) start a drain: new work is refused, in-flight work is given
+`run.drain_timeout_s` to finish, sessions are closed with `Bye`, and `run()` returns so the
+process exits 0.
+
+A role subclasses it, sets `role`, and overrides `work()` (its long-lived loop),
+`on_role_request()` / `on_role_event()` (its messages) and `queue_depths()` (for `/status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import time
+from typing import Any, ClassVar
+
+import structlog
+
+from rollart.nodes.admin import AdminServer
+from rollart.protocol import (
+    CONTROL,
+    ClientSession,
+    Identity,
+    Session,
+    SessionServer,
+    State,
+    tcp_connector,
+)
+from rollart.protocol.errors import RemoteError, RollartError
+from rollart.protocol.messages import Echo, NodeStatus, Notice, StatusRequest
+from rollart.topology import NodeSpec, Role, Topology
+
+log = structlog.get_logger("rollart.node")
+
+CONNECTS_TO: dict[Role, tuple[Role, ...]] = {
+    Role.TRAINER: (Role.GENERATOR,),
+    Role.GENERATOR: (),
+    Role.ENV_HOST: (Role.TRAINER, Role.GENERATOR, Role.REWARD_GATEWAY),
+    Role.REWARD_GATEWAY: (),
+}
+"""Who opens a session to whom (DESIGN.md, "Shape"); the other side accepts."""
+
+PEER_POLL_S = 2.0
+"""How often a node asks the peers it connects to for their status."""
+
+
+class NodeDaemon:
+    """One node of a topology. Subclasses set `role` and add their work."""
+
+    role: ClassVar[Role]
+
+    def __init__(self, topology: Topology, spec: NodeSpec, *, secret: bytes, admin_token: str | None) -> None:
+        if spec.role is not self.role:
+            raise RollartError(f"node {spec.name!r} has role {spec.role.value}; this daemon is a {self.role.value}")
+        self.topology = topology
+        self.spec = spec
+        self.cfg = topology.run.session
+        self.identity = Identity(spec.name, spec.role.value)
+        self.admin_token = admin_token
+        self.started_at = time.time()
+        self.paused = False
+        self.draining = False
+        self.unpaused = asyncio.Event()
+        """Set while the node admits new work; role loops wait on it."""
+        self.unpaused.set()
+        self.last_error: str | None = None
+        self.peer_status: dict[str, NodeStatus] = {}
+        self.server = SessionServer(
+            local=self.identity, secret=secret, channel=CONTROL, handler=self, cfg=self.cfg, on_bulk=None
+        )
+        self.clients: dict[str, ClientSession] = {}
+        for peer in topology.nodes:
+            if peer.role in CONNECTS_TO[self.role] and peer.name != spec.name:
+                self.clients[peer.name] = ClientSession(
+                    functools.partial(tcp_connector, peer.host, peer.port, self.cfg),
+                    secret=secret,
+                    local=self.identity,
+                    channel=CONTROL,
+                    handler=self,
+                    cfg=self.cfg,
+                    peer_name=peer.name,
+                )
+        self.admin = AdminServer(self)
+        self._drain_requested = asyncio.Event()
+        self._stopped = asyncio.Event()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until drained. Raises if a long-lived task fails (the process then exits non-zero)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain, f"signal {sig.name}")
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.server.serve())
+                await self.server.listen_tcp(self.spec.host, self.spec.port)
+                await self.admin.start()
+                for client in self.clients.values():
+                    tg.create_task(client.run())
+                work = tg.create_task(self.work())
+                watch = tg.create_task(self._watch_peers())
+                log.info(
+                    "node.started",
+                    port=self.spec.port,
+                    admin=f"{self.spec.admin_host}:{self.spec.admin_port}",
+                    peers=list(self.clients),
+                )
+                await self._drain_requested.wait()
+                await self._drain()
+                work.cancel()
+                watch.cancel()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self.admin.stop()
+            self._stopped.set()
+        log.info("node.stopped")
+
+    def pause(self) -> None:
+        """Stop admitting new work (in-flight work goes on)."""
+        self.paused = True
+        self.unpaused.clear()
+        log.info("node.paused")
+
+    def resume(self) -> None:
+        self.paused = False
+        self.unpaused.set()
+        log.info("node.resumed")
+
+    def request_drain(self, why: str) -> None:
+        """Start draining (idempotent): refuse new work, finish what is in flight, stop."""
+        if not self._drain_requested.is_set():
+            log.info("node.drain_requested", why=why)
+            self.draining = True
+            self._drain_requested.set()
+
+    async def _drain(self) -> None:
+        timeout = self.topology.run.drain_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await self.drain_work()
+                serving = [task for session in self._sessions() for task in session.serving_tasks()]
+                if serving:
+                    await asyncio.wait(serving)
+        except TimeoutError:
+            log.warning("node.drain_timeout", timeout_s=timeout, in_flight=self.in_flight())
+        closing = [client.close("draining", timeout=5.0) for client in self.clients.values()]
+        await asyncio.gather(*closing, self.server.close("draining", timeout=5.0))
+
+    def _sessions(self) -> list[Session]:
+        return [*self.server.sessions.values(), *self.clients.values()]
+
+    def in_flight(self) -> int:
+        """Requests this node is serving right now (drain waits for them)."""
+        return sum(len(session.serving_tasks()) for session in self._sessions())
+
+    # -- role hooks -----------------------------------------------------------------------------
+
+    async def work(self) -> None:
+        """The role's long-lived loop; the base has none."""
+        await asyncio.Event().wait()
+
+    async def drain_work(self) -> None:
+        """Finish the role's own in-flight work when draining (requests are waited for anyway)."""
+
+    async def on_role_request(self, session: Session, msg: Any) -> Any:
+        raise RemoteError("unknown-request", f"a {self.role.value} does not serve {type(msg).__name__} requests")
+
+    async def on_role_event(self, session: Session, msg: Any) -> None:
+        log.warning("node.unexpected_event", peer=session.peer.node if session.peer else "?", event=type(msg).__name__)
+
+    def queue_depths(self) -> dict[str, int]:
+        """The role's queues, for `/status` and metrics."""
+        return {}
+
+    # -- session handler ------------------------------------------------------------------------
+
+    async def on_request(self, session: Session, msg: Any) -> Any:
+        match msg:
+            case StatusRequest():
+                return self.node_status()
+            case Echo():
+                return msg
+            case _ if self.draining:
+                raise RemoteError("draining", f"{self.spec.name} is draining and takes no new work")
+            case _:
+                return await self.on_role_request(session, msg)
+
+    async def on_event(self, session: Session, msg: Any) -> None:
+        match msg:
+            case Notice(text=text):
+                log.info("node.notice", peer=session.peer.node if session.peer else "?", text=text)
+            case _:
+                await self.on_role_event(session, msg)
+
+    async def _watch_peers(self) -> None:
+        """Ask each peer this node connects to for its status, so a stuck peer shows in `/status`."""
+        while True:
+            for name, client in self.clients.items():
+                if client.state is State.UP:
+                    try:
+                        self.peer_status[name] = await client.request(StatusRequest(), timeout=PEER_POLL_S)
+                    except RollartError as exc:
+                        self.last_error = f"status of {name}: {exc}"
+                        log.warning("node.peer_status_failed", peer=name, error=str(exc))
+            await asyncio.sleep(PEER_POLL_S)
+
+    # -- status ---------------------------------------------------------------------------------
+
+    def uptime_s(self) -> float:
+        return time.time() - self.started_at
+
+    def node_status(self) -> NodeStatus:
+        return NodeStatus(self.spec.name, self.role.value, round(self.uptime_s(), 3), self.paused, self.draining)
+
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        return "paused" if self.paused else "running"
+
+    def status(self) -> dict[str, Any]:
+        """Everything `/status` shows."""
+        return {
+            "node": self.spec.name,
+            "role": self.role.value,
+            "hardware": self.spec.hardware,
+            "state": self.state(),
+            "uptime_s": round(self.uptime_s(), 3),
+            "paused": self.paused,
+            "draining": self.draining,
+            "in_flight": self.in_flight(),
+            "queues": self.queue_depths(),
+            "last_error": self.last_error,
+            "sessions": {
+                "outgoing": [client.describe() for client in self.clients.values()],
+                "incoming": [session.describe() for session in self.server.sessions.values()],
+            },
+            "peers": {
+                name: {"role": st.role, "paused": st.paused, "draining": st.draining, "uptime_s": st.uptime_s}
+                for name, st in self.peer_status.items()
+            },
+        }
