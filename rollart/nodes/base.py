@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import signal
 import time
 from typing import Any, ClassVar
@@ -230,6 +231,7 @@ class NodeDaemon:
             "node": self.spec.name,
             "role": self.role.value,
             "hardware": self.spec.hardware,
+            "pid": os.getpid(),
             "state": self.state(),
             "uptime_s": round(self.uptime_s(), 3),
             "paused": self.paused,

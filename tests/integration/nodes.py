@@ -1,0 +1,100 @@
+"""Helpers for tests that run real node processes: free ports, topology files, admin HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_ports(n: int) -> list[int]:
+    """N distinct ports that were free a moment ago (bound to port 0 together, then released)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def write_topology(
+    folder: Path, roles: dict[str, str], *, restart: str = "on-failure", extra_run: str = ""
+) -> tuple[Path, dict[str, tuple[int, int]]]:
+    """Write a topology with the given {name: role} nodes on free ports; returns its path and ports."""
+    ports = free_ports(2 * len(roles))
+    nodes, assigned = [], {}
+    for i, (name, role) in enumerate(roles.items()):
+        port, admin = ports[2 * i], ports[2 * i + 1]
+        assigned[name] = (port, admin)
+        nodes.append(f"  - {{name: {name}, role: {role}, port: {port}, admin_port: {admin}}}")
+    text = (
+        f"run:\n  name: test\n  run_dir: {folder / 'run'}\n  drain_timeout_s: 5\n"
+        f"  restart: {{policy: {restart}, backoff_base_s: 0.2}}\n"
+        "  session: {heartbeat_interval_s: 0.2, heartbeat_deadline_s: 2.0}\n"
+        f"{extra_run}"
+        "nodes:\n" + "\n".join(nodes) + "\n"
+    )
+    path = folder / "topology.yaml"
+    path.write_text(text)
+    return path, assigned
+
+
+def node_env(secret: str = "test-secret", token: str = "test-token") -> dict[str, str]:
+    return {**os.environ, "ROLLART_SECRET": secret, "ROLLART_ADMIN_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+
+
+def start_node(topology: Path, name: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rollart.node", "--topology", str(topology), "--node", name],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env or node_env(),
+            cwd=ROOT,
+        )
+
+
+def http(method: str, port: int, path: str, token: str | None = None) -> tuple[int, Any]:
+    """A request to a node's admin endpoint; returns (status, parsed JSON or text)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            status, body = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(body)
+    except json.JSONDecodeError:
+        return status, body
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll `predicate()` until it returns something truthy (processes can't signal us an event)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (OSError, urllib.error.URLError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def healthy(admin_port: int) -> bool:
+    status, body = http("GET", admin_port, "/healthz")
+    return status == 200 and body.get("ok") is True

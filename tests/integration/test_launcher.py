@@ -1,0 +1,95 @@
+"""`rollart run`: every node as its own process, health, live status, restart policies, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.nodes import ROOT, healthy, http, node_env, wait_for, write_topology
+
+pytestmark = pytest.mark.integration
+
+ROLES = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
+
+
+def launch(topology: Path, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollart.cli", "run", str(topology), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def pid_of(admin_port: int) -> int:
+    return int(http("GET", admin_port, "/status")[1]["pid"])
+
+
+def test_run_starts_every_node_and_stops_cleanly_after_duration(tmp_path: Path) -> None:
+    topology, _ = write_topology(tmp_path, ROLES)
+    proc = launch(topology, "--duration", "1")
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0, out
+    assert "all 4 nodes healthy" in out
+    assert "all 4 nodes stopped cleanly" in out
+    for name in ROLES:
+        log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+        assert '"event": "node.started"' in log and '"event": "node.stopped"' in log
+    token = tmp_path / "run" / "admin.token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) > 20
+
+
+def test_on_failure_restarts_a_killed_node_and_ctrl_c_drains_the_run(tmp_path: Path) -> None:
+    topology, ports = write_topology(tmp_path, ROLES, restart="on-failure")
+    proc = launch(topology)
+    try:
+        for name, (_, admin) in ports.items():
+            wait_for(lambda admin=admin: healthy(admin), 60, f"{name} healthy")
+        gen_admin = ports["gen-0"][1]
+        first = pid_of(gen_admin)
+        os.kill(first, signal.SIGKILL)
+        second = wait_for(lambda: pid_of(gen_admin) != first and pid_of(gen_admin), 30, "gen-0 restarted")
+        assert second != first
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "node gen-0 was killed by SIGKILL" in out and "restart policy on-failure" in out
+    assert "SIGINT received" in out and "all 4 nodes stopped cleanly" in out
+
+
+def test_stop_all_ends_the_run_with_an_error_naming_the_node(tmp_path: Path) -> None:
+    topology, ports = write_topology(tmp_path, ROLES, restart="stop-all")
+    proc = launch(topology)
+    try:
+        for name, (_, admin) in ports.items():
+            wait_for(lambda admin=admin: healthy(admin), 60, f"{name} healthy")
+        os.kill(pid_of(ports["reward"][1]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "node reward was killed by SIGKILL" in out
+    assert "restart policy stop-all: stopping the run" in out
+
+
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    import socket
+
+    topology, ports = write_topology(tmp_path, {"gen-0": "generator"})
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", ports["gen-0"][1]))
+        busy.listen()
+        proc = launch(topology, "--duration", "1")
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert f"nodes[0].admin_port: port {ports['gen-0'][1]} on 127.0.0.1 is not free" in out
