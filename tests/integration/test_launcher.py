@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.nodes import ROOT, healthy, http, node_env, wait_for, write_topology
+from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.nodes import ROOT, healthy, http, node_env, start_node, wait_for, write_topology
+from tests.support import ROOT, healthy, http, node_env, start_node, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Helpers for tests that run real node processes: free ports, topology files, admin HTTP."""
+"""Helpers for tests that run nodes: free ports, topology files, admin HTTP, waiting on processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_ports(n: int) -> list[int]:

@@ -1,0 +1,85 @@
+"""The daemon base in one process over loopback TCP: drain finishes in-flight work, refuses new work."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollart.nodes.generator import GeneratorNode
+from rollart.nodes.trainer import TrainerNode
+from rollart.protocol import Session
+from rollart.protocol.errors import RemoteError
+from rollart.protocol.messages import Echo, Notice
+from rollart.topology import parse_topology
+from tests.support import free_ports
+
+
+class SlowGenerator(GeneratorNode):
+    """A generator whose role request (a Notice, for the test) takes until released."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def on_role_request(self, session: Session, msg: Any) -> Any:
+        self.started.set()
+        await self.release.wait()
+        return Echo(7)
+
+
+def topology(tmp_path: Path) -> Any:
+    p = free_ports(4)
+    return parse_topology(
+        f"run: {{run_dir: {tmp_path}, drain_timeout_s: 5}}\n"
+        "nodes:\n"
+        f"  - {{name: trainer, role: trainer, port: {p[0]}, admin_port: {p[1]}}}\n"
+        f"  - {{name: gen-0, role: generator, port: {p[2]}, admin_port: {p[3]}}}\n"
+    )
+
+
+async def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) -> None:
+    topo = topology(tmp_path)
+    gen = SlowGenerator(topo, topo.node("gen-0"), secret=b"s", admin_token="t")
+    trainer = TrainerNode(topo, topo.node("trainer"), secret=b"s", admin_token="t")
+    async with asyncio.timeout(20), asyncio.TaskGroup() as tg:
+        gen_run = tg.create_task(gen.run())
+        trainer_run = tg.create_task(trainer.run())
+        session = trainer.clients["gen-0"]
+        await session.up.wait()
+        in_flight = asyncio.ensure_future(session.request(Notice("slow"), timeout=10))
+        await gen.started.wait()
+        gen.request_drain("test")
+        assert gen.status()["state"] == "draining"
+        with pytest.raises(RemoteError) as refused:
+            await session.request(Notice("new"), timeout=5)
+        assert refused.value.code == "draining"
+        assert not gen_run.done()  # still waiting for the in-flight request
+        gen.release.set()
+        assert await in_flight == Echo(7)
+        await gen_run  # the generator exits once in-flight work is done
+        status = trainer.status()
+        assert status["sessions"]["outgoing"][0]["peer"] == "gen-0"
+        trainer.request_drain("test")
+        await trainer_run
+
+
+async def test_unknown_requests_get_a_clear_error(tmp_path: Path) -> None:
+    topo = topology(tmp_path)
+    gen = GeneratorNode(topo, topo.node("gen-0"), secret=b"s", admin_token="t")
+    trainer = TrainerNode(topo, topo.node("trainer"), secret=b"s", admin_token="t")
+    async with asyncio.timeout(20), asyncio.TaskGroup() as tg:
+        tg.create_task(gen.run())
+        tg.create_task(trainer.run())
+        session = trainer.clients["gen-0"]
+        await session.up.wait()
+        assert await session.request(Echo(3, b"x"), timeout=5) == Echo(3, b"x")
+        with pytest.raises(RemoteError) as refused:
+            await session.request(Notice("?"), timeout=5)
+        assert refused.value.code == "unknown-request"
+        assert "a generator does not serve Notice requests" in str(refused.value)
+        gen.request_drain("test")
+        trainer.request_drain("test")
