@@ -97,12 +97,9 @@ class ClientSession(Session):
                         State.FAILED,
                     )
                     raise self._error from exc  # type: ignore[misc]
-                delay = random.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_base_s * 2**attempt))
-                delay = min(delay, cfg.give_up_after_s - waited)
-                attempt += 1
                 log.debug("session.retry", session=self.id, peer=self._peer_name, attempt=attempt, error=str(exc))
-                with contextlib.suppress(TimeoutError):  # close() ends the wait early
-                    await asyncio.wait_for(self._finished.wait(), delay)
+                await self._back_off(attempt, limit=cfg.give_up_after_s - waited)
+                attempt += 1
                 continue
             if self._finished.is_set():
                 conn.close()
@@ -113,9 +110,21 @@ class ClientSession(Session):
                 self._restart_numbering()
                 self._peer_epoch = welcome.epoch
             log.info("session.connected", session=self.id, peer=peer.node, resumed=resumed, attempts=attempt + 1)
-            attempt = 0
             await self._run_connection(conn, welcome.recv_seq if resumed else 0)
+            lasted = self._loop.time() - self.last_connected
             down_since = self._loop.time()
+            if lasted >= cfg.heartbeat_deadline_s:
+                attempt = 0  # a connection that held resets the backoff; one that breaks at once does not
+            else:
+                await self._back_off(attempt, limit=cfg.backoff_cap_s)
+                attempt += 1
+
+    async def _back_off(self, attempt: int, *, limit: float) -> None:
+        """Sleep a full-jitter delay for this attempt (at most `limit`); `close()` ends it early."""
+        cfg = self.cfg
+        delay = min(limit, random.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_base_s * 2**attempt)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._finished.wait(), max(0.0, delay))
 
 
 async def tcp_connector(host: str, port: int, cfg: SessionConfig) -> Connection:

@@ -53,6 +53,7 @@ class SessionServer:
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._closing = False  # set when close() begins: no new connection or session after that
         self._listeners: list[asyncio.Server] = []
 
     async def serve(self) -> None:
@@ -75,12 +76,16 @@ class SessionServer:
 
     def accept(self, conn: Connection) -> None:
         """Take over a new connection (the listener's callback)."""
-        if self._tg is None or self._stopping.is_set():
+        if self._tg is None or self._closing:
             conn.close()
             return
         self._tg.create_task(self._handle(conn))
 
     def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
+        if self._closing:
+            # A session created now would outlive close() and keep serve() from returning; the
+            # client sees a dropped connection and retries (a refusal would make it give up).
+            raise ConnectionClosed(f"{self.local.node} is closing")
         if hello.purpose != "session":
             return self.epoch, False, 0
         session = self.sessions.get(hello.session_id)
@@ -142,6 +147,7 @@ class SessionServer:
 
     async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
         """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
+        self._closing = True
         for listener in self._listeners:
             listener.close()
         await asyncio.gather(*(s.close(reason, timeout=timeout) for s in list(self.sessions.values())))

@@ -56,6 +56,7 @@ from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel
 log = structlog.get_logger("rollart.protocol.session")
 
 _ENVELOPE_BYTES = 64  # a Msg's own fields, bounded well above what they encode to
+_NO_BODY = b"\xc0"  # msgpack nil: a Msg body is spliced in raw, so even "nothing" must be a value
 
 
 class Handler(Protocol):
@@ -133,6 +134,7 @@ class Session:
         self.up = asyncio.Event()
         self.last_heard = 0.0
         self.down_since: float | None = None
+        self.last_connected = 0.0
         self._loop = asyncio.get_running_loop()
         self._conn: Connection | None = None
         self._attach_lock = asyncio.Lock()
@@ -185,8 +187,10 @@ class Session:
                 f"{type(msg).__name__} request to {self._peer_name} timed out after {timeout} s"
             ) from None
         finally:
-            if self._pending.pop(corr, None) is not None and not future.done() and self._error is None:
-                self._emit_now(Kind.CANCEL, corr, 0, b"")
+            # A timeout or a cancelled caller cancels `future` too, so "no answer came" is
+            # "still pending" (a response pops it), not "future not done".
+            if self._pending.pop(corr, None) is not None and self._error is None:
+                self._emit_now(Kind.CANCEL, corr, 0, _NO_BODY)
 
     async def _emit(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> _Out:
         if len(body) + _ENVELOPE_BYTES > self.cfg.max_frame_bytes:
@@ -299,14 +303,14 @@ class Session:
             log.error("session.bad_event", session=self.id, peer=self._peer_name, error=str(exc))
             return
         if self.handler is None:
-            log.warning("session.unhandled_event", session=self.id, event=type(event).__name__)
+            log.warning("session.unhandled_event", session=self.id, message=type(event).__name__)
             return
         try:
             await self.handler.on_event(self, event)
         except Exception:
             # Fault isolation: one failing event handler must not take the session down.
             self.stats.handler_errors += 1
-            log.exception("session.event_handler_failed", session=self.id, event=type(event).__name__)
+            log.exception("session.event_handler_failed", session=self.id, message=type(event).__name__)
 
     async def _serve(self, msg: Msg) -> None:
         self.stats.requests_served += 1
@@ -359,6 +363,7 @@ class Session:
     async def _run_connection(self, conn: Connection, peer_recv_seq: int) -> str:
         """Serve one connection until it drops; returns why it ended."""
         self._conn = conn
+        self.last_connected = self._loop.time()
         self.state = State.UP
         self.down_since = None
         self.last_heard = self._loop.time()
@@ -429,16 +434,25 @@ class Session:
     # -- lifetime -----------------------------------------------------------------------------
 
     async def _life(self, body: Callable[[], Awaitable[object]]) -> None:
-        """Run the dispatcher and `body` under one task group; end both when the session ends."""
+        """Run the dispatcher and `body` under one task group; end both when the session ends.
+
+        `SessionLost` from `body` (gave up, refused) is raised as itself: an exception raised in a
+        task group's body would otherwise reach the owner wrapped in an `ExceptionGroup`.
+        """
+        lost: SessionLost | None = None
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
             dispatcher = tg.create_task(self._dispatch())
             try:
                 await body()
+            except SessionLost as exc:
+                lost = exc
             finally:
                 dispatcher.cancel()
                 for task in list(self._serving.values()):
                     task.cancel()
+        if lost is not None:
+            raise lost
 
     def _finish(self, error: RollartError, state: State) -> None:
         if self._finished.is_set():

@@ -32,7 +32,9 @@ finite = st.floats(allow_nan=False)
 
 control_messages = st.one_of(
     st.builds(StatusRequest),
-    st.builds(NodeStatus, node=st.text(), role=st.text(), uptime_s=finite, paused=st.booleans(), draining=st.booleans()),
+    st.builds(
+        NodeStatus, node=st.text(), role=st.text(), uptime_s=finite, paused=st.booleans(), draining=st.booleans()
+    ),
     st.builds(Echo, n=i64, data=st.binary(max_size=512)),
     st.builds(Echo, n=i64),  # the default `data` is omitted on the wire
     st.builds(Notice, text=st.text()),
@@ -51,28 +53,13 @@ def test_control_messages_round_trip(msg: object) -> None:
     assert type(decoded) is type(msg)
 
 
-@given(
-    seq=u64,
-    ack=u64,
-    kind=st.sampled_from(Kind),
-    corr=u64,
-    timeout_ms=u64,
-    body=control_messages,
-)
-def test_session_msg_frames_round_trip_with_any_body(
-    seq: int, ack: int, kind: Kind, corr: int, timeout_ms: int, body: object
-) -> None:
+@given(fields=st.tuples(u64, u64, st.sampled_from(Kind), u64, u64), body=control_messages)
+def test_session_msg_frames_round_trip_with_any_body(fields: tuple[int, int, Kind, int, int], body: object) -> None:
     encoded_body = CONTROL.encode(body)
-    frame = Msg(seq, ack, kind, corr, timeout_ms, msgspec.Raw(encoded_body))
+    frame = Msg(*fields, body=msgspec.Raw(encoded_body))
     decoded = SESSION.decode(SESSION.encode(frame))
     assert isinstance(decoded, Msg)
-    assert (decoded.seq, decoded.ack, decoded.kind, decoded.corr, decoded.timeout_ms) == (
-        seq,
-        ack,
-        kind,
-        corr,
-        timeout_ms,
-    )
+    assert (decoded.seq, decoded.ack, decoded.kind, decoded.corr, decoded.timeout_ms) == fields
     assert bytes(decoded.body) == encoded_body
     assert CONTROL.decode(decoded.body) == body
 
