@@ -174,7 +174,9 @@ class NodeDaemon:
         raise RemoteError("unknown-request", f"a {self.role.value} does not serve {type(msg).__name__} requests")
 
     async def on_role_event(self, session: Session, msg: Any) -> None:
-        log.warning("node.unexpected_event", peer=session.peer.node if session.peer else "?", event=type(msg).__name__)
+        log.warning(
+            "node.unexpected_event", peer=session.peer.node if session.peer else "?", message=type(msg).__name__
+        )
 
     def queue_depths(self) -> dict[str, int]:
         """The role's queues, for `/status` and metrics."""

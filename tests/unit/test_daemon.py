@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from rollart.nodes.generator import GeneratorNode
 from rollart.nodes.trainer import TrainerNode
@@ -81,5 +82,9 @@ async def test_unknown_requests_get_a_clear_error(tmp_path: Path) -> None:
             await session.request(Notice("?"), timeout=5)
         assert refused.value.code == "unknown-request"
         assert "a generator does not serve Notice requests" in str(refused.value)
+        with structlog.testing.capture_logs() as logs:
+            await session.send(Echo(5))  # an event a generator does not expect: logged, nothing breaks
+            assert await session.request(Echo(6), timeout=5) == Echo(6)
+        assert {"event": "node.unexpected_event", "message": "Echo", "peer": "trainer", "log_level": "warning"} in logs
         gen.request_drain("test")
         trainer.request_drain("test")
