@@ -1,9 +1,9 @@
 """Protocol benchmark: what RollArt's wire layers cost next to plain TCP, on loopback.
 
-Run from the repository root (a full run takes about a minute and a half):
+Run from the repository root (a full run takes about a minute):
 
     .venv/bin/python benchmarks/protocol.py            # full run, writes benchmarks/results/protocol.md
-    .venv/bin/python benchmarks/protocol.py --quick    # smaller N, a smoke run
+    .venv/bin/python benchmarks/protocol.py --quick    # a tenth of N: a smoke run
     .venv/bin/python benchmarks/protocol.py --out /tmp/protocol.md
 
 Every message is the CONTROL channel's `Echo(n, data=<32 bytes>)`. What is measured:
@@ -13,18 +13,24 @@ Every message is the CONTROL channel's `Echo(n, data=<32 bytes>)`. What is measu
 - (b) one-way framed messages over TCP to a receiver process that decodes each `Echo`:
   (b1) textbook asyncio streams (4-byte length prefix, `writer.write` with a `drain` every
   64 messages, `readexactly` on the reader); (b2) RollArt's framing alone (`open_tcp` /
-  `serve_tcp`, `TcpConnection.send` / `recv`, same drain period).
+  `serve_tcp`, `TcpConnection.send` / `recv`, the same drain period). For reference to (c1):
+  (b3) sequential request/response over RollArt's framing, the receiver echoing each `Echo`.
 - (c) the session layer, `ClientSession` -> `SessionServer` after the HMAC handshake:
-  one-way events (`await session.send(Echo(...))`), and request/response round trips,
-  (c1) one at a time and (c2) 64 in flight.
-- (d) one 64 MiB payload: `open_bulk` + `send_blob` to a server whose `on_bulk` does
-  `recv_blob` and answers with a small frame, next to asyncio streams (`writer.write` of the
-  whole payload + `drain`, the receiver `readexactly(64 MiB)` and a one-byte answer).
+  one-way events (`await session.send(Echo(...))`, then one request whose answer is the count
+  the server's handler saw), and request/response round trips, (c1) one at a time and
+  (c2) 64 in flight.
+- (d) one 64 MiB payload: `open_bulk` + `send_blob` to the session server, whose `on_bulk` does
+  `recv_blob` and answers with a small frame; (d0) the same over asyncio streams
+  (`writer.write` of the whole payload + `drain`; the receiver `readexactly(64 MiB)` and answers
+  one byte).
 
 Every receiver runs in its own process (multiprocessing, 'spawn'); both ends run uvloop. A
 rate is items / time from the sender's first byte to the receiver's answer saying it has
-everything (one extra round trip, microseconds). Each measurement does a warm-up round, then
-3 rounds of a fixed N (5 for bulk), and reports the median round; the table shows every round.
+everything (so it includes one round trip, microseconds). Each measurement has a warm-up round
+(a tenth of N; one payload for bulk), then 3 rounds of a fixed N (5 payloads for bulk); the
+report gives the median round and shows every round. Rounds of (b1), (b2), (c), (c1), (c2)
+are interleaved, as are (d) and (d0), so that load from other jobs on the machine falls on
+each side of a ratio alike.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import multiprocessing
@@ -43,7 +50,6 @@ import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from importlib.metadata import version
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -72,62 +78,69 @@ from rollart.protocol.framing import serve_tcp
 from rollart.protocol.messages import SESSION, Echo, Kind, Msg
 
 HOST = "127.0.0.1"
-DATA = bytes(range(32))  # the Echo payload: 32 bytes
+DATA = bytes(range(32))  # the Echo payload
 DRAIN_EVERY = 64  # plain-TCP senders await drain() once per this many messages
 IN_FLIGHT = 64  # concurrent requests in (c2)
+ECHO_ROUND = b"echo"  # (b3) round header prefix
 COUNT_QUERY = -1  # Echo(n=COUNT_QUERY) asks the session server how many events it has handled
+CODEC_CHUNK = 10_000  # (a) encodes this many frames, then decodes them: bounded memory
+GIB = 1024**3
 _LEN = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "protocol.md"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sizes:
-    """Items per measured round (sized for ~1-3 s each on a 2-core machine), and repetitions."""
+    """Items per round, sized for 1-3 s a round on a 2-core machine; and how many rounds."""
 
-    codec: int
-    oneway: int
-    session_oneway: int
-    rtt_sequential: int
-    rtt_pipelined: int
-    bulk_bytes: int
-    rounds: int
-    bulk_rounds: int
+    codec: int = 2_000_000
+    streams_oneway: int = 250_000
+    framing_oneway: int = 2_500_000
+    framing_rtt: int = 20_000
+    session_oneway: int = 600_000
+    rtt_sequential: int = 12_000
+    rtt_pipelined: int = 80_000
+    bulk_bytes: int = 64 * 1024**2
+    rounds: int = 3
+    bulk_rounds: int = 5
 
-
-FULL = Sizes(
-    codec=1_000_000,
-    oneway=500_000,
-    session_oneway=300_000,
-    rtt_sequential=30_000,
-    rtt_pipelined=150_000,
-    bulk_bytes=64 * 1024**2,
-    rounds=3,
-    bulk_rounds=5,
-)
-QUICK = Sizes(
-    codec=100_000,
-    oneway=50_000,
-    session_oneway=30_000,
-    rtt_sequential=3_000,
-    rtt_pipelined=15_000,
-    bulk_bytes=64 * 1024**2,
-    rounds=3,
-    bulk_rounds=3,
-)
+    def quick(self) -> Sizes:
+        counts = (
+            "codec",
+            "streams_oneway",
+            "framing_oneway",
+            "framing_rtt",
+            "session_oneway",
+            "rtt_sequential",
+            "rtt_pipelined",
+        )
+        return dataclasses.replace(self, bulk_rounds=3, **{name: getattr(self, name) // 10 for name in counts})
 
 
-@dataclass
+@dataclasses.dataclass
 class Result:
     key: str
     what: str
-    unit: str
-    n: int  # items per round
-    rates: list[float] = field(default_factory=list)
+    unit: str  # "msg/s", "rt/s" or "GiB/s"
+    n: int  # items per round (bytes for GiB/s)
+    rates: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
         return statistics.median(self.rates)
+
+    def add(self, seconds: float) -> None:
+        self.rates.append(self.n / seconds / (GIB if self.unit == "GiB/s" else 1))
+
+
+@dataclasses.dataclass
+class Bench:
+    """One measurement: `run_round(n)` sends n items (or one payload) and returns the seconds."""
+
+    result: Result
+    run_round: Callable[[int], Awaitable[float]]
+    warmup_n: int
 
 
 def quiet_logs() -> None:
@@ -135,13 +148,13 @@ def quiet_logs() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
-async def measure(result: Result, rounds: int, run_round: Callable[[int], Awaitable[float]]) -> Result:
-    """One warm-up round (a tenth of N), then `rounds` rounds of N; `run_round(n)` returns seconds."""
-    await run_round(max(1, result.n // 10))
+async def run_interleaved(benches: list[Bench], rounds: int) -> None:
+    """Warm each up, then run round 1 of each, round 2 of each, ..."""
+    for bench in benches:
+        await bench.run_round(bench.warmup_n)
     for _ in range(rounds):
-        seconds = await run_round(result.n)
-        result.rates.append(result.n / seconds)
-    return result
+        for bench in benches:
+            bench.result.add(await bench.run_round(bench.result.n))
 
 
 # -- (a) msgspec alone ---------------------------------------------------------------------------
@@ -152,30 +165,30 @@ def bench_codec(sizes: Sizes) -> list[Result]:
     encode_frame, decode_frame = SESSION.encode, SESSION.decode
     raw, event = msgspec.Raw, Kind.EVENT
 
-    def encode_round(n: int) -> tuple[float, list[bytes]]:
-        frames = []
-        t0 = time.perf_counter()
-        for i in range(n):
-            frames.append(encode_frame(Msg(i, i, event, 0, 0, raw(encode_body(Echo(i, DATA))))))
-        return time.perf_counter() - t0, frames
+    def run_round(n: int) -> tuple[float, float]:
+        encode_s = decode_s = 0.0
+        for first in range(0, n, CODEC_CHUNK):
+            t0 = time.perf_counter()
+            frames = [
+                encode_frame(Msg(i, i, event, 0, 0, raw(encode_body(Echo(i, DATA)))))
+                for i in range(first, min(n, first + CODEC_CHUNK))
+            ]
+            t1 = time.perf_counter()
+            for frame in frames:
+                msg = decode_frame(frame)
+                decode_body(msg.body)  # type: ignore[union-attr]
+            encode_s, decode_s = encode_s + t1 - t0, decode_s + time.perf_counter() - t1
+        return encode_s, decode_s
 
-    def decode_round(frames: list[bytes]) -> float:
-        t0 = time.perf_counter()
-        for frame in frames:
-            msg = decode_frame(frame)
-            decode_body(msg.body)  # type: ignore[union-attr]
-        return time.perf_counter() - t0
-
-    enc = Result("a.enc", "msgspec encode (Echo in Msg envelope)", "msg/s", sizes.codec)
-    dec = Result("a.dec", "msgspec typed decode (envelope + Echo)", "msg/s", sizes.codec)
-    both = Result("a", "msgspec encode + decode", "msg/s", sizes.codec)
-    decode_round(encode_round(sizes.codec // 10)[1])  # warm-up
+    both = Result("a", "msgspec encode + typed decode, Echo in a Msg envelope", "msg/s", sizes.codec)
+    enc = Result("a.enc", "  of which encode (Echo, then Msg)", "msg/s", sizes.codec)
+    dec = Result("a.dec", "  of which typed decode (Msg, then Echo)", "msg/s", sizes.codec)
+    run_round(sizes.codec // 10)
     for _ in range(sizes.rounds):
-        enc_s, frames = encode_round(sizes.codec)
-        dec_s = decode_round(frames)
-        enc.rates.append(sizes.codec / enc_s)
-        dec.rates.append(sizes.codec / dec_s)
-        both.rates.append(sizes.codec / (enc_s + dec_s))
+        encode_s, decode_s = run_round(sizes.codec)
+        both.add(encode_s + decode_s)
+        enc.add(encode_s)
+        dec.add(decode_s)
     return [both, enc, dec]
 
 
@@ -183,7 +196,7 @@ def bench_codec(sizes: Sizes) -> list[Result]:
 
 
 class CountingHandler:
-    """Counts events; answers Echo(COUNT_QUERY) with the count so far (and resets it), echoes the rest."""
+    """Counts events; answers Echo(COUNT_QUERY) with the count (and resets it); echoes other requests."""
 
     def __init__(self) -> None:
         self.events = 0
@@ -199,7 +212,7 @@ class CountingHandler:
 
 
 async def streams_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """(b1): rounds of [u64 N] + N Echo frames; answers each round with a 1-byte frame."""
+    """(b1): rounds of a frame holding u64 N, then N Echo frames; answers each round with a frame."""
     decode = CONTROL.decode
     with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
         while True:
@@ -214,7 +227,7 @@ async def streams_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 
 async def streams_bulk_receiver(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """(d) baseline: rounds of [u64 N] + N raw bytes; answers each with one byte."""
+    """(d0): rounds of u64 N, then N raw bytes; answers each round with one byte."""
     with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
         while True:
             (n,) = _U64.unpack(await reader.readexactly(8))
@@ -226,11 +239,17 @@ async def streams_bulk_receiver(reader: asyncio.StreamReader, writer: asyncio.St
 
 
 async def framing_receiver(conn: Connection) -> None:
-    """(b2): the same rounds as `streams_receiver`, over RollArt's framing."""
-    decode = CONTROL.decode
+    """(b2): the rounds of `streams_receiver`, over RollArt's framing; (b3): a round whose first
+    frame is `ECHO_ROUND` + u64 N echoes the N frames that follow, one by one."""
+    encode, decode = CONTROL.encode, CONTROL.decode
     with contextlib.suppress(ConnectionClosed):
         while True:
-            (n,) = _U64.unpack(await conn.recv())
+            header = await conn.recv()
+            (n,) = _U64.unpack_from(header, len(header) - _U64.size)
+            if header.startswith(ECHO_ROUND):
+                for _ in range(n):
+                    conn.send(encode(decode(await conn.recv())))
+                continue
             for _ in range(n):
                 decode(await conn.recv())
             conn.send(b"k")
@@ -246,23 +265,11 @@ async def bulk_receiver(conn: Connection, peer: Identity) -> None:
             conn.send(b"ok")
 
 
-async def serve_child(kind: str, pipe: Pipe, secret: bytes) -> None:
-    """Listen on a free port, send it to the parent, serve until the parent closes the pipe."""
-    loop = asyncio.get_running_loop()
-    parent_gone = asyncio.Event()
-    loop.add_reader(pipe.fileno(), parent_gone.set)  # readable only at EOF: the parent closed it or died
-    try:
-        await _serve_until(kind, pipe, secret, parent_gone)
-    except* _Stop:
-        pass
-    loop.remove_reader(pipe.fileno())
-
-
 class _Stop(Exception):
-    """Raised in the receiver's task group to cancel every task in it."""
+    """Raised in a receiver's task group to cancel every task in it."""
 
 
-async def _serve_until(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> None:
+async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> None:
     async with asyncio.TaskGroup() as tg:
         server: asyncio.Server
         if kind == "streams":
@@ -276,11 +283,7 @@ async def _serve_until(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event
                 tg.create_task(framing_receiver(conn))
 
             server = await serve_tcp(
-                HOST,
-                0,
-                on_connection,
-                max_frame_bytes=cfg.max_frame_bytes,
-                max_bulk_bytes=cfg.max_bulk_bytes,
+                HOST, 0, on_connection, max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes
             )
         elif kind == "session":
             session_server = SessionServer(
@@ -301,15 +304,28 @@ async def _serve_until(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event
         raise _Stop  # cancels the connection and session tasks
 
 
+async def receiver_main(kind: str, pipe: Pipe, secret: bytes) -> None:
+    """Listen on a free port, send it to the parent, serve until the parent closes the pipe."""
+    loop = asyncio.get_running_loop()
+    parent_gone = asyncio.Event()
+    # The parent never writes again: the pipe turns readable only at EOF (parent closed it or died).
+    loop.add_reader(pipe.fileno(), parent_gone.set)
+    try:
+        await serve(kind, pipe, secret, parent_gone)
+    except* _Stop:
+        pass
+    loop.remove_reader(pipe.fileno())
+
+
 def child_main(kind: str, pipe: Pipe, secret: bytes) -> None:
     quiet_logs()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the whole process group
-        uvloop.run(serve_child(kind, pipe, secret))
+        uvloop.run(receiver_main(kind, pipe, secret))
 
 
 @contextlib.contextmanager
 def receiver(kind: str, secret: bytes = b"") -> Iterator[int]:
-    """Start a receiver process; yield its port; stop it on the way out, whatever happened."""
+    """Start a receiver process and yield its port; stop it on the way out, whatever happened."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=child_main, args=(kind, theirs, secret), name=f"bench-{kind}", daemon=True)
@@ -320,7 +336,7 @@ def receiver(kind: str, secret: bytes = b"") -> Iterator[int]:
             raise RuntimeError(f"{kind} receiver did not report its port within 30 s (exit code {proc.exitcode})")
         yield ours.recv()
     finally:
-        ours.close()  # the child sees EOF and shuts down
+        ours.close()  # the child sees EOF and exits
         proc.join(5)
         if proc.is_alive():
             proc.terminate()
@@ -330,11 +346,13 @@ def receiver(kind: str, secret: bytes = b"") -> Iterator[int]:
             proc.join()
 
 
-# -- (b) plain framed TCP ------------------------------------------------------------------------
+# -- senders -------------------------------------------------------------------------------------
 
 
-async def bench_streams_oneway(port: int, sizes: Sizes) -> Result:
+async def streams_oneway(port: int, sizes: Sizes, stack: contextlib.AsyncExitStack) -> Bench:
+    """(b1)"""
     reader, writer = await asyncio.open_connection(HOST, port)
+    stack.callback(writer.close)
     encode = CONTROL.encode
 
     async def run_round(n: int) -> float:
@@ -351,17 +369,15 @@ async def bench_streams_oneway(port: int, sizes: Sizes) -> Result:
         await reader.readexactly(5)
         return time.perf_counter() - t0
 
-    try:
-        return await measure(
-            Result("b1", "plain TCP one-way, asyncio streams", "msg/s", sizes.oneway), sizes.rounds, run_round
-        )
-    finally:
-        writer.close()
+    n = sizes.streams_oneway
+    return Bench(Result("b1", "plain TCP one-way, asyncio streams", "msg/s", n), run_round, n // 10)
 
 
-async def bench_framing_oneway(port: int, sizes: Sizes) -> Result:
+async def framing_oneway(port: int, sizes: Sizes, stack: contextlib.AsyncExitStack) -> Bench:
+    """(b2)"""
     cfg = SessionConfig()
     conn = await open_tcp(HOST, port, max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes, timeout=5)
+    stack.callback(conn.close)
     encode = CONTROL.encode
 
     async def run_round(n: int) -> float:
@@ -375,18 +391,34 @@ async def bench_framing_oneway(port: int, sizes: Sizes) -> Result:
         await conn.recv()
         return time.perf_counter() - t0
 
-    try:
-        return await measure(
-            Result("b2", "plain TCP one-way, RollArt framing", "msg/s", sizes.oneway), sizes.rounds, run_round
-        )
-    finally:
-        conn.close()
+    n = sizes.framing_oneway
+    return Bench(Result("b2", "plain TCP one-way, RollArt framing", "msg/s", n), run_round, n // 10)
 
 
-# -- (c) sessions --------------------------------------------------------------------------------
+async def framing_rtt(port: int, sizes: Sizes, stack: contextlib.AsyncExitStack) -> Bench:
+    """(b3)"""
+    cfg = SessionConfig()
+    conn = await open_tcp(HOST, port, max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes, timeout=5)
+    stack.callback(conn.close)
+    encode, decode = CONTROL.encode, CONTROL.decode
+
+    async def run_round(n: int) -> float:
+        t0 = time.perf_counter()
+        conn.send(ECHO_ROUND + _U64.pack(n))
+        for i in range(n):
+            conn.send(encode(Echo(i, DATA)))
+            decode(await conn.recv())
+        return time.perf_counter() - t0
+
+    n = sizes.framing_rtt
+    what = "plain TCP request/response, sequential, RollArt framing"
+    return Bench(Result("b3", what, "rt/s", n), run_round, n // 10)
 
 
-async def bench_session(port: int, secret: bytes, sizes: Sizes) -> list[Result]:
+async def session_benches(
+    port: int, secret: bytes, sizes: Sizes, tg: asyncio.TaskGroup, stack: contextlib.AsyncExitStack
+) -> list[Bench]:
+    """(c), (c1), (c2) over one session."""
     cfg = SessionConfig()
     client = ClientSession(
         lambda: tcp_connector(HOST, port, cfg),
@@ -396,6 +428,10 @@ async def bench_session(port: int, secret: bytes, sizes: Sizes) -> list[Result]:
         cfg=cfg,
         peer_name="bench-server",
     )
+    tg.create_task(client.run())
+    stack.push_async_callback(client.close)  # then run() returns
+    async with asyncio.timeout(10):
+        await client.up.wait()
 
     async def oneway_round(n: int) -> float:
         t0 = time.perf_counter()
@@ -404,7 +440,7 @@ async def bench_session(port: int, secret: bytes, sizes: Sizes) -> list[Result]:
         reply = await client.request(Echo(COUNT_QUERY), timeout=60)
         seconds = time.perf_counter() - t0
         if reply.n != n:
-            raise RuntimeError(f"session server handled {reply.n} events; {n} were sent")
+            raise RuntimeError(f"the session server handled {reply.n} events; {n} were sent")
         return seconds
 
     async def sequential_round(n: int) -> float:
@@ -424,59 +460,35 @@ async def bench_session(port: int, secret: bytes, sizes: Sizes) -> list[Result]:
                 workers.create_task(worker(first))
         return time.perf_counter() - t0
 
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(client.run())
-        async with asyncio.timeout(10):
-            await client.up.wait()
-        results = [
-            await measure(
-                Result("c", "session one-way events", "msg/s", sizes.session_oneway), sizes.rounds, oneway_round
-            ),
-            await measure(
-                Result("c1", "session request/response, sequential", "rt/s", sizes.rtt_sequential),
-                sizes.rounds,
-                sequential_round,
-            ),
-            await measure(
-                Result("c2", f"session request/response, {IN_FLIGHT} in flight", "rt/s", sizes.rtt_pipelined),
-                sizes.rounds,
-                pipelined_round,
-            ),
-        ]
-        await client.close()
-    return results
+    n1, n2, n3 = sizes.session_oneway, sizes.rtt_sequential, sizes.rtt_pipelined
+    return [
+        Bench(Result("c", "session one-way events", "msg/s", n1), oneway_round, n1 // 10),
+        Bench(Result("c1", "session request/response, sequential", "rt/s", n2), sequential_round, n2 // 10),
+        Bench(Result("c2", f"session request/response, {IN_FLIGHT} in flight", "rt/s", n3), pipelined_round, n3 // 10),
+    ]
 
 
-# -- (d) bulk ------------------------------------------------------------------------------------
-
-
-def gib_per_s(result: Result) -> Result:
-    """Turn payloads/s into GiB/s."""
-    result.rates = [rate * result.n / 1024**3 for rate in result.rates]
-    return result
-
-
-async def bench_bulk(port: int, secret: bytes, sizes: Sizes, payload: bytes) -> Result:
+async def bulk(port: int, secret: bytes, payload: bytes, stack: contextlib.AsyncExitStack) -> Bench:
+    """(d)"""
     conn = await open_bulk(HOST, port, local=Identity("bench-client", "bench"), secret=secret, cfg=SessionConfig())
+    stack.callback(conn.close)
 
-    async def run_round(n: int) -> float:
+    async def run_round(_n: int) -> float:
         t0 = time.perf_counter()
         await send_blob(conn, "payload", payload)
         await conn.recv()
         return time.perf_counter() - t0
 
-    mib = sizes.bulk_bytes // 1024**2
-    try:
-        result = Result("d", f"bulk {mib} MiB, open_bulk + send_blob", "GiB/s", sizes.bulk_bytes)
-        return gib_per_s(await measure_payloads(result, sizes.bulk_rounds, run_round))
-    finally:
-        conn.close()
+    what = f"bulk {len(payload) // 1024**2} MiB, open_bulk + send_blob"
+    return Bench(Result("d", what, "GiB/s", len(payload)), run_round, 1)
 
 
-async def bench_streams_bulk(port: int, sizes: Sizes, payload: bytes) -> Result:
+async def streams_bulk(port: int, payload: bytes, stack: contextlib.AsyncExitStack) -> Bench:
+    """(d0)"""
     reader, writer = await asyncio.open_connection(HOST, port)
+    stack.callback(writer.close)
 
-    async def run_round(n: int) -> float:
+    async def run_round(_n: int) -> float:
         t0 = time.perf_counter()
         writer.write(_U64.pack(len(payload)))
         writer.write(payload)
@@ -484,20 +496,26 @@ async def bench_streams_bulk(port: int, sizes: Sizes, payload: bytes) -> Result:
         await reader.readexactly(1)
         return time.perf_counter() - t0
 
-    mib = sizes.bulk_bytes // 1024**2
-    try:
-        result = Result("d0", f"plain TCP {mib} MiB, asyncio streams", "GiB/s", sizes.bulk_bytes)
-        return gib_per_s(await measure_payloads(result, sizes.bulk_rounds, run_round))
-    finally:
-        writer.close()
+    what = f"plain TCP {len(payload) // 1024**2} MiB, asyncio streams"
+    return Bench(Result("d0", what, "GiB/s", len(payload)), run_round, 1)
 
 
-async def measure_payloads(result: Result, rounds: int, run_round: Callable[[int], Awaitable[float]]) -> Result:
-    """Like `measure`, but a round is one whole payload: rates are payloads/s."""
-    await run_round(1)
-    for _ in range(rounds):
-        result.rates.append(1 / await run_round(1))
-    return result
+async def run_network(ports: dict[str, int], secret: bytes, sizes: Sizes) -> list[Result]:
+    payload = os.urandom(sizes.bulk_bytes)
+    async with asyncio.TaskGroup() as tg, contextlib.AsyncExitStack() as stack:
+        messages = [
+            await streams_oneway(ports["streams"], sizes, stack),
+            await framing_oneway(ports["framing"], sizes, stack),
+            await framing_rtt(ports["framing"], sizes, stack),
+            *await session_benches(ports["session"], secret, sizes, tg, stack),
+        ]
+        payloads = [
+            await bulk(ports["session"], secret, payload, stack),
+            await streams_bulk(ports["streams-bulk"], payload, stack),
+        ]
+        await run_interleaved(messages, sizes.rounds)
+        await run_interleaved(payloads, sizes.bulk_rounds)
+    return [bench.result for bench in [*messages, *payloads]]
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -508,10 +526,7 @@ def fmt(rate: float, unit: str) -> str:
 
 
 def table(results: list[Result]) -> list[str]:
-    lines = [
-        "| id | what | N per round | median | unit | rounds |",
-        "|---|---|---:|---:|---|---|",
-    ]
+    lines = ["| id | what | N per round | median | unit | rounds |", "|---|---|---:|---:|---|---|"]
     for r in results:
         n = f"{r.n // 1024**2} MiB" if r.unit == "GiB/s" else f"{r.n:,}"
         rounds = ", ".join(fmt(rate, r.unit) for rate in r.rates)
@@ -520,18 +535,21 @@ def table(results: list[Result]) -> list[str]:
 
 
 def ratios(by_key: dict[str, Result]) -> list[str]:
-    session = by_key["c"].median
+    def ratio(a: str, b: str) -> float:
+        return by_key[a].median / by_key[b].median
+
     lines = []
     for base, name in (("b1", "asyncio streams"), ("b2", "RollArt framing")):
-        ratio = session / by_key[base].median
-        verdict = "PASS" if ratio >= 0.5 else "FAIL"
+        verdict = "PASS" if ratio("c", base) >= 0.5 else "FAIL"
         lines.append(
-            f"- session one-way (c) / plain framed TCP ({base}, {name}): {ratio:.2f}  {verdict} (target >= 0.5)"
+            f"- session one-way (c) / plain framed TCP ({base}, {name}): {ratio('c', base):.2f} "
+            f"-> {verdict} against the target >= 0.5"
         )
     lines += [
-        f"- RollArt framing (b2) / asyncio streams (b1): {by_key['b2'].median / by_key['b1'].median:.2f}",
-        f"- session one-way (c) / msgspec encode + decode (a): {session / by_key['a'].median:.2f}",
-        f"- bulk (d) / plain TCP (d0): {by_key['d'].median / by_key['d0'].median:.2f}",
+        f"- RollArt framing (b2) / asyncio streams (b1): {ratio('b2', 'b1'):.2f}",
+        f"- session one-way (c) / msgspec encode + decode in one process (a): {ratio('c', 'a'):.2f}",
+        f"- session sequential request/response (c1) / plain framed request/response (b3): {ratio('c1', 'b3'):.2f}",
+        f"- bulk (d) / plain TCP (d0): {ratio('d', 'd0'):.2f}",
     ]
     return lines
 
@@ -552,7 +570,6 @@ def machine() -> str:
 
 
 def report(results: list[Result], started: datetime.datetime, host: str, seconds: float) -> str:
-    by_key = {r.key: r for r in results}
     return "\n".join(
         [
             "# Protocol benchmark",
@@ -560,13 +577,13 @@ def report(results: list[Result], started: datetime.datetime, host: str, seconds
             f"- date: {started.isoformat(timespec='seconds')}",
             f"- machine: {host}",
             f"- command: `{shlex.join(sys.orig_argv)}` (from the repository root; took {seconds:.0f} s)",
-            "- every rate is the median of the rounds (all shown); bulk rounds are one payload each",
+            "- rate: median of the rounds (every round shown); a bulk round is one payload",
             "",
             *table(results),
             "",
-            "Ratios (medians):",
+            "Ratios of the medians:",
             "",
-            *ratios(by_key),
+            *ratios({r.key: r for r in results}),
             "",
         ]
     )
@@ -574,29 +591,23 @@ def report(results: list[Result], started: datetime.datetime, host: str, seconds
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller N: a smoke run of a few seconds each")
+    parser.add_argument("--quick", action="store_true", help="a tenth of N, 3 bulk rounds: a smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
     args = parser.parse_args()
-    sizes = QUICK if args.quick else FULL
+    sizes = Sizes().quick() if args.quick else Sizes()
     quiet_logs()
     started = datetime.datetime.now().astimezone()
     host = machine()
-    t_start = time.perf_counter()
+    t0 = time.perf_counter()
     secret = os.urandom(32)
-    payload = os.urandom(sizes.bulk_bytes)
 
     results = bench_codec(sizes)
-    with receiver("streams") as port:
-        results.append(uvloop.run(bench_streams_oneway(port, sizes)))
-    with receiver("framing") as port:
-        results.append(uvloop.run(bench_framing_oneway(port, sizes)))
-    with receiver("session", secret) as port:
-        results += uvloop.run(bench_session(port, secret, sizes))
-        results.append(uvloop.run(bench_bulk(port, secret, sizes, payload)))
-    with receiver("streams-bulk") as port:
-        results.append(uvloop.run(bench_streams_bulk(port, sizes, payload)))
+    with contextlib.ExitStack() as stack:
+        ports = {kind: stack.enter_context(receiver(kind, secret)) for kind in ("streams", "framing", "session")}
+        ports["streams-bulk"] = stack.enter_context(receiver("streams-bulk"))
+        results += uvloop.run(run_network(ports, secret, sizes))
 
-    text = report(results, started, host, time.perf_counter() - t_start)
+    text = report(results, started, host, time.perf_counter() - t0)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
@@ -604,4 +615,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the receivers were stopped on the way out
+        sys.exit("interrupted")
