@@ -56,6 +56,9 @@ class Connection(Protocol):
     async def send_bulk(self, payload: bytes | bytearray | memoryview) -> None:
         """Write one bulk frame, in chunks, waiting for the socket between them."""
 
+    async def recv_batch(self) -> list[bytes]:
+        """Every message frame that has arrived (at least one), in order: one wake-up for many."""
+
     async def recv_bulk(self) -> memoryview:
         """The next frame, which must be a bulk frame."""
 
@@ -242,7 +245,8 @@ class TcpConnection(asyncio.BufferedProtocol):
     def closed(self) -> bool:
         return self._closed.done() or self._error is not None
 
-    async def _next(self) -> bytes | _Bulk:
+    async def _arrived(self) -> None:
+        """Wait until at least one frame is queued; raise the connection's error at its end."""
         while not self._frames:
             if self._error is not None:
                 raise self._error
@@ -251,10 +255,16 @@ class TcpConnection(asyncio.BufferedProtocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        item = self._frames.popleft()
+
+    def _popped(self) -> None:
         if self._reading_paused and len(self._frames) < _MAX_QUEUED_FRAMES // 2 and self._transport:
             self._transport.resume_reading()
             self._reading_paused = False
+
+    async def _next(self) -> bytes | _Bulk:
+        await self._arrived()
+        item = self._frames.popleft()
+        self._popped()
         return item
 
     async def recv(self) -> bytes:
@@ -262,6 +272,17 @@ class TcpConnection(asyncio.BufferedProtocol):
         if isinstance(item, _Bulk):
             raise ProtocolError("expected a message frame; got a bulk frame")
         return item
+
+    async def recv_batch(self) -> list[bytes]:
+        await self._arrived()
+        frames = self._frames
+        batch: list[bytes] = []
+        while frames and not isinstance(frames[0], _Bulk):
+            batch.append(frames.popleft())  # type: ignore[arg-type]  # checked just above
+        if not batch:
+            raise ProtocolError("expected a message frame; got a bulk frame")
+        self._popped()
+        return batch
 
     async def recv_bulk(self) -> memoryview:
         item = await self._next()

@@ -84,6 +84,12 @@ class MemoryConnection:
             raise ProtocolError("expected a message frame; got a bulk frame")
         return item
 
+    async def recv_batch(self) -> list[bytes]:
+        batch = [await self.recv()]
+        while self._frames and not isinstance(self._frames[0], memoryview):
+            batch.append(self._frames.popleft())  # type: ignore[arg-type]  # checked just above
+        return batch
+
     async def recv_bulk(self) -> memoryview:
         item = await self._next()
         if not isinstance(item, memoryview):

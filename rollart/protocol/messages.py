@@ -12,6 +12,7 @@ Schema evolution: new fields get defaults and go at the end (the structs are arr
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar, get_args
 
 import msgspec
@@ -180,24 +181,28 @@ class Channel(Generic[T]):
         self.name = name
         self.types: tuple[type[msgspec.Struct], ...] = get_args(union) or (union,)
         self.tags = [msgspec.inspect.type_info(t).tag for t in self.types]  # type: ignore[attr-defined]
-        self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(union)
-
-    def encode(self, msg: T) -> bytes:
-        return self._encoder.encode(msg)
+        # Bound methods, not wrappers: these run once per message on both ends of every session.
+        self.encode: Callable[[T], bytes] = msgspec.msgpack.Encoder().encode
+        self.decode_native: Callable[[bytes | memoryview], T] = self._decoder.decode
+        """Decode raising msgspec's own errors; hot paths catch them and call `explain`."""
 
     def decode(self, data: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(data)
-        except msgspec.ValidationError as exc:
-            text = str(exc)
-            if text.startswith("Invalid value") and text.endswith("- at `$[0]`"):
-                got = text.removeprefix("Invalid value ").removesuffix(" - at `$[0]`")
-                known = ", ".join(repr(t) for t in self.tags)
-                raise MessageDecodeError(f"{self.name} channel: unknown message tag {got}; known: {known}") from None
-            raise MessageDecodeError(f"{self.name} channel: invalid message: {text}") from None
         except msgspec.DecodeError as exc:
-            raise MessageDecodeError(f"{self.name} channel: malformed msgpack: {exc}") from None
+            raise self.explain(exc) from None
+
+    def explain(self, exc: msgspec.DecodeError) -> MessageDecodeError:
+        """The error to raise for msgspec's `exc`: it names the channel and what was wrong."""
+        text = str(exc)
+        if not isinstance(exc, msgspec.ValidationError):
+            return MessageDecodeError(f"{self.name} channel: malformed msgpack: {text}")
+        if text.startswith("Invalid value") and text.endswith("- at `$[0]`"):
+            got = text.removeprefix("Invalid value ").removesuffix(" - at `$[0]`")
+            known = ", ".join(repr(t) for t in self.tags)
+            return MessageDecodeError(f"{self.name} channel: unknown message tag {got}; known: {known}")
+        return MessageDecodeError(f"{self.name} channel: invalid message: {text}")
 
 
 HANDSHAKE: Channel[HandshakeMsg] = Channel("handshake", HandshakeMsg)

@@ -97,18 +97,10 @@ class SessionStats:
 
 
 @dataclass(slots=True)
-class _Out:
-    seq: int
-    kind: Kind
-    corr: int
-    timeout_ms: int
-    body: bytes
-
-
-@dataclass(slots=True)
 class _Pending:
     future: asyncio.Future[Any]
-    out: _Out
+    out: Msg
+    """The request as sent, to send again if the peer loses the session."""
 
 
 class Session:
@@ -139,7 +131,7 @@ class Session:
         self._conn: Connection | None = None
         self._attach_lock = asyncio.Lock()
         self._send_seq = 0
-        self._unacked: collections.deque[_Out] = collections.deque()
+        self._unacked: collections.deque[Msg] = collections.deque()  # the resend buffer
         self._space = asyncio.Event()
         self._space.set()
         self._all_acked = asyncio.Event()
@@ -150,7 +142,8 @@ class Session:
         self._ack_scheduled = False
         self._ack_every = max(1, cfg.resend_buffer // 4)
         self._generation = 0  # bumped when the peer lost our session and numbering restarts
-        self._inbox: asyncio.Queue[tuple[int, Msg]] = asyncio.Queue()
+        self._inbox: collections.deque[tuple[int, list[Msg]]] = collections.deque()  # (generation, batch)
+        self._inbox_ready = asyncio.Event()
         self._next_corr = 0
         self._pending: dict[int, _Pending] = {}
         self._serving: dict[int, asyncio.Task[None]] = {}
@@ -162,7 +155,11 @@ class Session:
 
     async def send(self, msg: Any) -> None:
         """Send a one-way event; waits only while the resend buffer is full."""
-        await self._emit(Kind.EVENT, 0, 0, self.channel.encode(msg))
+        body = self.channel.encode(msg)
+        if len(self._unacked) < self.cfg.resend_buffer and len(body) + _ENVELOPE_BYTES <= self.cfg.max_frame_bytes:
+            self._emit_now(Kind.EVENT, 0, 0, body)  # the common case, without another coroutine
+        else:
+            await self._emit(Kind.EVENT, 0, 0, body)
 
     async def request(self, msg: Any, *, timeout: float | None = None) -> Any:
         """Send a request and return the peer's response.
@@ -192,7 +189,7 @@ class Session:
             if self._pending.pop(corr, None) is not None and self._error is None:
                 self._emit_now(Kind.CANCEL, corr, 0, _NO_BODY)
 
-    async def _emit(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> _Out:
+    async def _emit(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> Msg:
         if len(body) + _ENVELOPE_BYTES > self.cfg.max_frame_bytes:
             raise FrameTooLarge(f"message of {len(body)} bytes exceeds the frame limit of {self.cfg.max_frame_bytes}")
         while len(self._unacked) >= self.cfg.resend_buffer and self._error is None:
@@ -200,27 +197,30 @@ class Session:
             await self._space.wait()
         return self._emit_now(kind, corr, timeout_ms, body)
 
-    def _emit_now(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> _Out:
-        """Sequence and send without waiting for room (responses and cancels must not block)."""
+    def _emit_now(self, kind: Kind, corr: int, timeout_ms: int, body: bytes) -> Msg:
+        """Sequence and send without waiting for room (responses and cancels must not block).
+
+        This is the hot path of every message: it is kept flat on purpose.
+        """
         if self._error is not None:
             raise self._error
         self._send_seq += 1
-        out = _Out(self._send_seq, kind, corr, timeout_ms, body)
-        self._unacked.append(out)
-        self._all_acked.clear()
-        self._transmit(out)
-        return out
+        msg = Msg(self._send_seq, self._delivered, kind, corr, timeout_ms, msgspec.Raw(body))
+        self._unacked.append(msg)
+        if self._all_acked.is_set():
+            self._all_acked.clear()
+        self._transmit(msg)
+        return msg
 
-    def _transmit(self, out: _Out) -> None:
+    def _transmit(self, msg: Msg) -> None:
         conn = self._conn
-        if conn is None or self.state is not State.UP:
+        if conn is None:
             return  # kept in the resend buffer until the next connection
-        frame = SESSION.encode(Msg(out.seq, self._delivered, out.kind, out.corr, out.timeout_ms, msgspec.Raw(out.body)))
         try:
-            conn.send(frame)
+            conn.send(SESSION.encode(msg))
         except ConnectionClosed:
             return
-        self._acked_sent = self._delivered
+        self._acked_sent = msg.ack
         self.stats.sent += 1
 
     def _on_ack(self, ack: int) -> None:
@@ -251,25 +251,38 @@ class Session:
     # -- receiving ----------------------------------------------------------------------------
 
     async def _read(self, conn: Connection) -> str:
+        decode = SESSION.decode_native
         while True:
-            frame = SESSION.decode(await conn.recv())
+            frames = await conn.recv_batch()
             self.last_heard = self._loop.time()
-            match frame:
-                case Msg(seq=seq, ack=ack):
+            ack = -1
+            accepted: list[Msg] = []
+            try:
+                for raw in frames:
+                    match decode(raw):
+                        case Msg() as msg:
+                            ack = max(ack, msg.ack)
+                            if msg.seq <= self._received:
+                                self.stats.duplicates += 1
+                            elif msg.seq == self._received + 1:
+                                self._received = msg.seq
+                                accepted.append(msg)
+                            else:
+                                raise ProtocolError(f"sequence gap: expected {self._received + 1}, got {msg.seq}")
+                        case Ack() as frame:
+                            ack = max(ack, frame.ack)
+                        case Bye(reason=reason):
+                            self._on_bye(reason)
+                            return f"peer said bye: {reason}"
+            except msgspec.DecodeError as exc:
+                raise SESSION.explain(exc) from None
+            finally:  # what arrived before a bad frame or a Bye is still handled
+                if ack >= 0:
                     self._on_ack(ack)
-                    if seq <= self._received:
-                        self.stats.duplicates += 1
-                        continue
-                    if seq != self._received + 1:
-                        raise ProtocolError(f"sequence gap: expected {self._received + 1}, got {seq}")
-                    self._received = seq
-                    self.stats.received += 1
-                    self._inbox.put_nowait((self._generation, frame))
-                case Ack(ack=ack):
-                    self._on_ack(ack)
-                case Bye(reason=reason):
-                    self._on_bye(reason)
-                    return f"peer said bye: {reason}"
+                if accepted:
+                    self.stats.received += len(accepted)
+                    self._inbox.append((self._generation, accepted))
+                    self._inbox_ready.set()
 
     def _on_bye(self, reason: str) -> None:
         """The peer ended the session on purpose; each end reacts in its own way."""
@@ -277,30 +290,35 @@ class Session:
 
     async def _dispatch(self) -> None:
         """Handle received messages one at a time, in order; requests each get a task."""
+        inbox = self._inbox
         while True:
-            generation, msg = await self._inbox.get()
-            match msg.kind:
-                case Kind.EVENT:
-                    await self._handle_event(msg)
-                case Kind.REQUEST:
-                    assert self._tg is not None
-                    self._serving[msg.corr] = self._tg.create_task(self._serve(msg))
-                case Kind.RESPONSE | Kind.ERROR:
-                    self._resolve(msg)
-                case Kind.CANCEL:
-                    task = self._serving.pop(msg.corr, None)
-                    if task is not None:
-                        task.cancel()
-            if generation == self._generation:
-                self._delivered = msg.seq
-                self._schedule_ack()
+            while not inbox:
+                self._inbox_ready.clear()
+                await self._inbox_ready.wait()
+            generation, batch = inbox.popleft()
+            for msg in batch:
+                match msg.kind:
+                    case Kind.EVENT:
+                        await self._handle_event(msg)
+                    case Kind.REQUEST:
+                        assert self._tg is not None
+                        self._serving[msg.corr] = self._tg.create_task(self._serve(msg))
+                    case Kind.RESPONSE | Kind.ERROR:
+                        self._resolve(msg)
+                    case Kind.CANCEL:
+                        task = self._serving.pop(msg.corr, None)
+                        if task is not None:
+                            task.cancel()
+                if generation == self._generation:
+                    self._delivered = msg.seq
+            self._schedule_ack()
 
     async def _handle_event(self, msg: Msg) -> None:
         try:
-            event = self.channel.decode(msg.body)
-        except MessageDecodeError as exc:
+            event = self.channel.decode_native(msg.body)
+        except msgspec.DecodeError as exc:
             self.stats.decode_errors += 1
-            log.error("session.bad_event", session=self.id, peer=self._peer_name, error=str(exc))
+            log.error("session.bad_event", session=self.id, peer=self._peer_name, error=str(self.channel.explain(exc)))
             return
         if self.handler is None:
             log.warning("session.unhandled_event", session=self.id, message=type(event).__name__)
@@ -370,8 +388,8 @@ class Session:
         self.stats.connects += 1
         self.up.set()
         self._on_ack(peer_recv_seq)
-        for out in self._unacked:
-            self._transmit(out)
+        for msg in self._unacked:
+            self._transmit(msgspec.structs.replace(msg, ack=self._delivered))
             self.stats.resent += 1
         reader = asyncio.ensure_future(self._read(conn))
         heartbeat = asyncio.ensure_future(self._heartbeat(conn))
@@ -419,16 +437,19 @@ class Session:
         """The peer lost this session's state: resend what it may not have, numbered afresh."""
         self._generation += 1
         self._received = self._delivered = self._acked_sent = 0
-        keep = {id(out): out for out in self._unacked if out.kind in (Kind.EVENT, Kind.REQUEST)}
+        keep = {id(msg): msg for msg in self._unacked if msg.kind in (Kind.EVENT, Kind.REQUEST)}
         for pending in self._pending.values():
             keep.setdefault(id(pending.out), pending.out)
         for task in self._serving.values():
             task.cancel()  # their callers are gone with the old peer
-        outs = sorted(keep.values(), key=lambda out: out.seq)
-        for seq, out in enumerate(outs, start=1):
-            out.seq = seq
-        self._send_seq = len(outs)
-        self._unacked = collections.deque(outs)
+        renumbered = {
+            key: msgspec.structs.replace(msg, seq=seq, ack=0)
+            for seq, (key, msg) in enumerate(sorted(keep.items(), key=lambda item: item[1].seq), start=1)
+        }
+        for pending in self._pending.values():
+            pending.out = renumbered[id(pending.out)]
+        self._send_seq = len(renumbered)
+        self._unacked = collections.deque(renumbered.values())
         self._on_ack(0)
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -508,7 +529,7 @@ class Session:
             "unacked": len(self._unacked),
             "pending_requests": len(self._pending),
             "serving": len(self._serving),
-            "inbox": self._inbox.qsize(),
+            "inbox": sum(len(batch) for _, batch in self._inbox),
             "last_heard_s_ago": round(self._loop.time() - self.last_heard, 3) if self.last_heard else None,
             **asdict(self.stats),
         }
