@@ -322,6 +322,8 @@ class TcpConnection(asyncio.BufferedProtocol):
         view = memoryview(payload).cast("B")
         if self.closed or self._transport is None:
             raise self._error or ConnectionClosed(f"connection to {self._peer} closed")
+        if len(view) > self.max_bulk_bytes:
+            raise FrameTooLarge(f"refusing to send a {len(view)}-byte bulk frame (limit {self.max_bulk_bytes})")
         self._flush()  # frames queued before this one go first
         self._transport.write(_LEN.pack(BULK_MARK) + _BULK_LEN.pack(len(view)))
         for offset in range(0, len(view), _BULK_CHUNK):

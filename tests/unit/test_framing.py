@@ -260,6 +260,13 @@ async def test_send_above_the_limit_raises_locally_and_sends_nothing() -> None:
     assert bytes(transport.written) == frame(b"x" * 1000)
 
 
+async def test_bulk_send_above_the_limit_raises_locally_and_sends_nothing() -> None:
+    conn, transport = connected(max_bulk_bytes=1000)
+    with pytest.raises(FrameTooLarge, match="1001-byte bulk frame"):
+        await conn.send_bulk(b"x" * 1001)
+    assert bytes(transport.written) == b""
+
+
 async def test_send_after_close_raises_connection_closed() -> None:
     conn, _ = connected()
     conn.close()
