@@ -34,7 +34,6 @@ ensure_venv() {
         "$python" -m venv "$ROLLART_VENV"
     fi
     echo "[setup] installing rollart${extra:+[$extra]} into $ROLLART_VENV (first run only)" >&2
-    "$ROLLART_PY" -m pip install -qq --disable-pip-version-check --upgrade pip >&2
     "$ROLLART_PY" -m pip install -qq --disable-pip-version-check -e "$ROLLART_ROOT${extra:+[$extra]}" >&2
     echo "$want" >"$stamp"
     exec 9>&-
