@@ -1,0 +1,85 @@
+"""The generation engine interface every backend implements (transformers, vLLM, simulated).
+
+An engine takes token ids and sampling parameters and returns the sampled tokens with their
+log-probs under the sampling distribution (the behaviour policy, for off-policy correction) and
+the weight version that produced each token. Many requests may be in flight at once; the engine
+batches them. `abort` frees a request; `load_weights` swaps in a new version without stopping
+the requests in flight (they finish partly under the old weights, and say so in `versions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """How to sample one response."""
+
+    max_tokens: int
+    """Upper bound on generated tokens."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    stop_token_ids: list[int] = []
+    """Generation ends after any of these (the tokenizer's EOS is always one)."""
+    seed: int | None = None
+    """Per-request seed, for reproducible sampling."""
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerationResult(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What one request produced."""
+
+    token_ids: list[int]
+    """Generated tokens (the stop token included when it was sampled)."""
+    logprobs: list[float]
+    """Log-prob of each generated token under the distribution it was sampled from."""
+    versions: list[int]
+    """Policy version of the weights that generated each token."""
+    finish_reason: FinishReason
+    prompt_tokens: int
+    """How many prompt tokens were processed (for measuring a task's prefill/decode profile)."""
+
+
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of how busy an engine is."""
+
+    running: int
+    """Requests being generated now."""
+    waiting: int
+    """Requests queued for the next batch."""
+    busy_fraction: float
+    """Fraction of wall time spent generating since the engine started."""
+    generated_tokens: int
+    """Tokens generated since start."""
+    version: int
+    """Policy version of the weights in use."""
+
+
+class GenerationEngine(Protocol):
+    """What the generator node drives."""
+
+    async def start(self) -> None:
+        """Load the model; after this `generate` may be called."""
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Generate one response; cancelling the caller aborts the request."""
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free what it holds; its `generate` returns with finish_reason 'abort'.
+        False when no such request is running."""
+
+    async def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Swap in new weights (HF names) without stopping requests in flight."""
+
+    def load(self) -> EngineLoad: ...
+
+    async def close(self) -> None: ...
