@@ -1,0 +1,77 @@
+"""copy-reverse: a decode-heavy, single-turn task small enough for a tiny char-level model.
+
+The prompt gives a random string over a small alphabet (default `abcdefgh`, length 16-32) and
+asks for it reversed inside `\\boxed{...}`. The reward gives partial credit, so a tiny model can
+improve gradually: the fraction of positions where the answer matches the reversed string,
+counted over the longer of the two (padding does not pay), 1.0 for an exact answer. A reply with
+no `\\boxed{...}` gets the format penalty. `info["answer"]` holds the reference (on reset and on
+step), for reward functions that score elsewhere. Sample (seed 0):
+
+    Reverse this string: gaehgehfdcecbecebbfhbfgfdhhe
+    Put the reversed string in \\boxed{}.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, last_boxed, not_running, require, resolve_seed
+
+SYSTEM_PROMPT = "Write the given string reversed inside \\boxed{}. Example: abc -> \\boxed{cba}"
+
+
+def position_match(answer: str, reference: str) -> float:
+    """Fraction of positions where `answer` equals `reference`, over the longer of the two."""
+    length = max(len(answer), len(reference))
+    if length == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(answer, reference, strict=False)) / length
+
+
+class CopyReverseEnv(Env):
+    """Reverse a random string; one turn; partial credit per position."""
+
+    name = "copy-reverse"
+    profile = "decode-heavy"
+    max_turns = 1
+    system_prompt = SYSTEM_PROMPT
+
+    def __init__(
+        self,
+        *,
+        min_len: int = 16,
+        max_len: int = 32,
+        alphabet: str = "abcdefgh",
+        format_penalty: float = FORMAT_PENALTY,
+    ) -> None:
+        require(1 <= min_len <= max_len, self.name, f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        require(
+            alphabet != "" and alphabet.isalnum() and len(set(alphabet)) == len(alphabet),
+            self.name,
+            f"alphabet must be distinct letters or digits, got {alphabet!r}",
+        )
+        self.min_len = min_len
+        self.max_len = max_len
+        self.alphabet = alphabet
+        self.format_penalty = format_penalty
+        self._answer: str | None = None
+
+    def reset(self, seed: int | None = None) -> tuple[str, Info]:
+        episode_seed = resolve_seed(seed)
+        rng = random.Random(episode_seed)
+        text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
+        self._answer = text[::-1]
+        obs = f"Reverse this string: {text}\nPut the reversed string in \\boxed{{}}."
+        return obs, {"seed": episode_seed, "answer": self._answer}
+
+    def step(self, action: str) -> StepResult:
+        if self._answer is None:
+            raise not_running(self.name)
+        answer, self._answer = self._answer, None
+        boxed = last_boxed(action)
+        info: Info = {"answer": answer, "format_error": boxed is None, "turn": 1, "success": False}
+        if boxed is None:
+            return "No \\boxed{...} answer found.", self.format_penalty, True, False, info
+        score = position_match(boxed.strip(), answer)
+        info["success"] = score == 1.0
+        return f"The reversed string is {answer}.", score, True, False, info

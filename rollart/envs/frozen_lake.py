@@ -1,0 +1,130 @@
+"""FrozenLake as text: walk across an N x N lake from S to G without falling into a hole.
+
+The board comes from the episode seed: start and goal on two random cells at least N - 1 moves
+apart, then each other cell a hole with probability `hole_prob`. A board is kept only when a
+breadth-first search finds a path from S to G within `max_turns` moves; after 100 rejected
+boards the holes on one L-shaped path are cleared, so every episode is solvable within its
+turn limit.
+
+Reward 1 on reaching G (terminated), 0 for other moves; stepping into a hole terminates with 0;
+a move off the edge leaves the player in place. Sample first observation (4x4, seed 0):
+
+    You are on a frozen lake. Reach the goal G without falling into a hole H.
+    Legend: P you, S start, F frozen ice, H hole, G goal.
+    HFFF
+    FFFG
+    FFHH
+    PHFF
+    Turns left: 8. Answer with \\boxed{up}, \\boxed{down}, \\boxed{left} or \\boxed{right}.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
+from rollart.envs.grid import GridEnv, Pos, shift
+
+_MAX_REJECTED_BOARDS = 100
+
+
+def shortest_path(holes: set[Pos], size: int, start: Pos, goal: Pos) -> list[str] | None:
+    """The moves of a shortest hole-free path from `start` to `goal`, or None if there is none."""
+    came_from: dict[Pos, tuple[Pos, str] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        pos = queue.popleft()
+        if pos == goal:
+            moves: list[str] = []
+            step = came_from[pos]
+            while step is not None:
+                pos, move = step
+                moves.append(move)
+                step = came_from[pos]
+            return moves[::-1]
+        for move in DIRECTIONS:
+            nxt = shift(pos, move)
+            if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in holes and nxt not in came_from:
+                came_from[nxt] = (pos, move)
+                queue.append(nxt)
+    return None
+
+
+class FrozenLakeEnv(GridEnv):
+    """An N x N frozen lake, solvable within `max_turns` moves by construction."""
+
+    name = "frozen-lake"
+    intro = (
+        "You are on a frozen lake. Reach the goal G without falling into a hole H.\n"
+        "Legend: P you, S start, F frozen ice, H hole, G goal."
+    )
+
+    def __init__(
+        self,
+        *,
+        size: int = 4,
+        hole_prob: float = 0.2,
+        max_turns: int = 8,
+        format_penalty: float = FORMAT_PENALTY,
+    ) -> None:
+        super().__init__(max_turns=max_turns, format_penalty=format_penalty)
+        require(size >= 2, self.name, f"size must be >= 2, got {size}")
+        require(0.0 <= hole_prob < 1.0, self.name, f"hole_prob must be in [0, 1), got {hole_prob}")
+        require(
+            max_turns >= 2 * (size - 1),
+            self.name,
+            f"max_turns={max_turns} is too few to cross a {size}x{size} lake (needs >= {2 * (size - 1)})",
+        )
+        self.size = size
+        self.hole_prob = hole_prob
+        self.start: Pos = (0, 0)
+        self.goal: Pos = (size - 1, size - 1)
+        self.holes: set[Pos] = set()
+        self.player: Pos = self.start
+
+    def _generate(self, rng: random.Random) -> None:
+        cells = [(r, c) for r in range(self.size) for c in range(self.size)]
+        self.start = rng.choice(cells)
+        # At least size - 1 moves apart, so that no episode is won in one step.
+        far = [p for p in cells if abs(p[0] - self.start[0]) + abs(p[1] - self.start[1]) >= self.size - 1]
+        self.goal = rng.choice(far)
+        for _ in range(_MAX_REJECTED_BOARDS):
+            self.holes = {p for p in cells if p not in (self.start, self.goal) and rng.random() < self.hole_prob}
+            path = shortest_path(self.holes, self.size, self.start, self.goal)
+            if path is not None and len(path) <= self.max_turns:
+                break
+        else:
+            # Rows first, then columns: a path of Manhattan length, which the constructor
+            # checked fits in max_turns.
+            (r0, c0), (r1, c1) = self.start, self.goal
+            path_cells = {(r, c0) for r in range(min(r0, r1), max(r0, r1) + 1)}
+            path_cells |= {(r1, c) for c in range(min(c0, c1), max(c0, c1) + 1)}
+            self.holes -= path_cells
+        self.player = self.start
+
+    def _move(self, direction: str) -> tuple[str, float, bool]:
+        nxt = shift(self.player, direction)
+        if not (0 <= nxt[0] < self.size and 0 <= nxt[1] < self.size):
+            return f"You cannot move {direction}: that is the edge of the lake.", 0.0, False
+        self.player = nxt
+        if nxt == self.goal:
+            return f"You moved {direction} and reached the goal!", 1.0, True
+        if nxt in self.holes:
+            return f"You moved {direction} and fell into a hole.", 0.0, True
+        return f"You moved {direction}.", 0.0, False
+
+    def _solved(self) -> bool:
+        return self.player == self.goal
+
+    def _rows(self) -> list[str]:
+        def cell(pos: Pos) -> str:
+            if pos == self.player:
+                return "P"
+            if pos == self.goal:
+                return "G"
+            if pos == self.start:
+                return "S"
+            return "H" if pos in self.holes else "F"
+
+        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]

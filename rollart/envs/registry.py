@@ -1,0 +1,113 @@
+"""Envs by name: the registry the topology's task names resolve against.
+
+`make_env("frozen-lake", size=5)` builds a registered env. Names with a prefix, `gem:<id>` and
+`gym:<id>`, go to a family factory with the id as first argument (`make_env("gym:FrozenLake-v1")`),
+so any GEM or Gymnasium env can be named without registering each one.
+
+The built-ins register when `rollart.envs` is imported. A user's envs live in their own modules,
+named in the topology under `run.env_modules`; `import_env_modules` imports each one, and each
+registers its envs on import:
+
+    # my_pkg/my_envs.py
+    from rollart.envs import Env, register_env
+
+    class Maze(Env): ...
+
+    register_env("maze", Maze)
+
+Every mistake here (unknown name, unknown keyword, a module that fails to import, a name taken
+twice) is a `ConfigError` that says what was wrong and what would work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rollart.envs.base import Env
+from rollart.protocol.errors import ConfigError
+
+EnvFactory = Callable[..., Env]
+
+_envs: dict[str, EnvFactory] = {}
+_families: dict[str, EnvFactory] = {}
+
+
+def _where(factory: EnvFactory) -> str:
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
+
+
+def register_env(name: str, factory: EnvFactory, *, overwrite: bool = False) -> None:
+    """Make `make_env(name, **kwargs)` call `factory(**kwargs)`."""
+    if not name or ":" in name or name != name.strip():
+        raise ConfigError(f"env name {name!r} is invalid: it must be non-empty, without ':' or surrounding spaces")
+    if name in _envs and not overwrite and _envs[name] is not factory:
+        raise ConfigError(
+            f"env {name!r} is already registered (by {_where(_envs[name])}); choose another name or pass overwrite=True"
+        )
+    _envs[name] = factory
+
+
+def register_env_family(prefix: str, factory: EnvFactory, *, overwrite: bool = False) -> None:
+    """Make `make_env(f"{prefix}:{id}", **kwargs)` call `factory(id, **kwargs)`."""
+    if not prefix.isidentifier():
+        raise ConfigError(f"env family prefix {prefix!r} must be an identifier")
+    if prefix in _families and not overwrite and _families[prefix] is not factory:
+        raise ConfigError(f"env family {prefix!r} is already registered (by {_where(_families[prefix])})")
+    _families[prefix] = factory
+
+
+def registered_envs() -> list[str]:
+    """The registered names, sorted (family prefixes such as `gem:` are not listed)."""
+    return sorted(_envs)
+
+
+def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins and some callables have none; the call will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        named = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        accepted = [p.name for p in named[len(args) :]]
+        raise ConfigError(f"env {name!r}: {exc}; it accepts: {', '.join(accepted) or 'no arguments'}") from None
+
+
+def make_env(name: str, **kwargs: Any) -> Env:
+    """Build the env registered as `name` (or `prefix:id`) with `kwargs`."""
+    prefix, sep, env_id = name.partition(":")
+    if sep and prefix in _families:
+        factory = _families[prefix]
+        if not env_id:
+            raise ConfigError(f"env {name!r}: give an id after {prefix!r}:, e.g. {prefix}:<id>")
+        _check_kwargs(name, factory, (env_id,), kwargs)
+        return factory(env_id, **kwargs)
+    if name in _envs:
+        _check_kwargs(name, _envs[name], (), kwargs)
+        return _envs[name](**kwargs)
+    parts = [f"unknown env {name!r}."]
+    close = difflib.get_close_matches(name, list(_envs), n=1)
+    if close:
+        parts.append(f"Did you mean {close[0]!r}?")
+    parts.append(f"Registered envs: {', '.join(registered_envs()) or 'none'}")
+    if _families:
+        parts.append(f"(and {', '.join(f'{p}:<id>' for p in sorted(_families))})")
+    raise ConfigError(" ".join(parts))
+
+
+def import_env_modules(modules: list[str]) -> None:
+    """Import each module (each registers its envs on import), as `run.env_modules` asks."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            # Anything a user module raises on import is a configuration problem to report,
+            # with the module named; re-raised, not swallowed.
+            raise ConfigError(
+                f"run.env_modules: cannot import env module {module!r}: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -1,0 +1,112 @@
+"""EnvRunner: an env's blocking calls, run off the event loop, with timeouts and contained failures.
+
+An env-host runs hundreds of trajectory coroutines on one event loop, and env code is plain
+blocking Python written by anyone. The runner gives each env one worker thread of its own (a
+`ThreadPoolExecutor` with one worker, so the env never sees two calls at once and needs no
+locks) and awaits every call under a deadline:
+
+    runner = EnvRunner(make_env("sokoban"), name="sokoban", timeout_s=10)
+    obs, info = await runner.reset(seed)
+    obs, reward, terminated, truncated, info = await runner.step(reply)
+    await runner.close()
+
+Whatever goes wrong comes out as `EnvFailure`, naming the env, the call and the cause, so one bad
+env fails only its own trajectory: an exception raised by the env (any kind, `SystemExit`
+included), a call past its deadline, or a call on a runner that is broken or closed.
+`CancelledError` passes through untouched (the trajectory was cancelled; the call in the worker
+thread finishes on its own, and a later `close()` queues behind it).
+
+A call that times out leaves the runner *broken*: every later `reset`/`step` raises at once, and
+`close()` only lets go of the thread. A hung thread cannot be killed in Python: it keeps running
+(and keeps its thread) until the env's code returns, and interpreter exit waits for it. Env
+worker processes with resource limits, which can be killed, are a later step; until then, a
+timeout bounds how long a trajectory waits, not how long the env runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from rollart.envs.base import Env, EnvFailure, Info, StepResult
+
+T = TypeVar("T")
+
+
+def _contain(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` in the worker thread, turning BaseExceptions (SystemExit, ...) into Exceptions,
+    so the only BaseException the awaiting side sees is its own cancellation."""
+    try:
+        return fn(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise RuntimeError(f"{type(exc).__name__} raised inside the env: {exc}") from exc
+
+
+class EnvRunner:
+    """Runs one env's `reset`/`step`/`close` in a worker thread under a per-call timeout."""
+
+    def __init__(self, env: Env, *, name: str | None = None, timeout_s: float = 30.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.env = env
+        self.name = name or type(env).__name__
+        self.timeout_s = timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env-{self.name}")
+        self._broken: str | None = None
+        self._closed = False
+
+    @property
+    def broken(self) -> bool:
+        """Whether a call timed out (the worker thread may still be stuck in it)."""
+        return self._broken is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def reset(self, seed: int | None = None) -> tuple[str, Info]:
+        """`env.reset(seed)` in the worker thread."""
+        return await self._call("reset", self.env.reset, seed)
+
+    async def step(self, action: str) -> StepResult:
+        """`env.step(action)` in the worker thread."""
+        return await self._call("step", self.env.step, action)
+
+    async def close(self) -> None:
+        """`env.close()` in the worker thread (skipped if broken), then release the thread.
+
+        Idempotent. An env whose `close` raises or hangs still gets its thread released; the
+        failure is raised as `EnvFailure` once.
+        """
+        if self._closed:
+            return
+        try:
+            if self._broken is None:
+                await self._call("close", self.env.close)
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _call(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+        if self._broken is not None:
+            raise EnvFailure(f"env {self.name!r}: {call}() refused: the env is broken ({self._broken})")
+        if self._closed:
+            raise EnvFailure(f"env {self.name!r}: {call}() refused: the runner is closed")
+        deadline = asyncio.timeout(self.timeout_s)
+        try:
+            async with deadline:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, _contain, fn, *args)
+        except TimeoutError as exc:
+            if not deadline.expired():  # the env itself raised TimeoutError
+                raise EnvFailure(f"env {self.name!r}: {call}() raised TimeoutError: {exc}") from exc
+            self._broken = f"{call}() timed out after {self.timeout_s:g} s"
+            # The stuck call holds the only worker; new calls are refused above, and queued
+            # ones (none, as calls are awaited one at a time) would never run.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            raise EnvFailure(f"env {self.name!r}: {self._broken}") from None
+        except Exception as exc:
+            raise EnvFailure(f"env {self.name!r}: {call}() raised {type(exc).__name__}: {exc}") from exc

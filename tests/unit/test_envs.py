@@ -1,0 +1,581 @@
+"""Tests of `rollart.envs`: the built-in envs (deterministic, solvable, format penalties), the
+registry and user env modules, the flaky env, the adapters (with hand-written fake `gem` and
+`gymnasium` modules; the real Gymnasium only where installed), and `EnvRunner`'s containment of
+exceptions and hangs.
+
+The solvers here read only the observation text, so they also check that it says enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import threading
+import types
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rollart.envs import (
+    DIRECTIONS,
+    FORMAT_PENALTY,
+    Env,
+    EnvFailure,
+    EnvRunner,
+    Info,
+    StepResult,
+    import_env_modules,
+    last_boxed,
+    make_env,
+    parse_choice,
+    position_match,
+    register_env,
+    registered_envs,
+)
+from rollart.envs import registry as registry_module
+from rollart.protocol.errors import ConfigError
+
+Pos = tuple[int, int]
+
+
+def board(obs: str, cells: str) -> list[str]:
+    """The rows of the board in an observation: the lines made only of `cells` characters."""
+    return [line for line in obs.splitlines() if line and all(ch in cells for ch in line)]
+
+
+def find(rows: list[str], chars: str) -> Pos:
+    return next((r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch in chars)
+
+
+def move(pos: Pos, direction: str) -> Pos:
+    return pos[0] + DIRECTIONS[direction][0], pos[1] + DIRECTIONS[direction][1]
+
+
+def bfs(start: Any, neighbours: Any, done: Any) -> list[str] | None:
+    """Shortest move list from `start` to a state where `done(state)`; `neighbours(state)`
+    yields (move, next state)."""
+    seen: dict[Any, tuple[Any, str] | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        state = queue.popleft()
+        if done(state):
+            moves = []
+            while (back := seen[state]) is not None:
+                state, step = back
+                moves.append(step)
+            return moves[::-1]
+        for step, nxt in neighbours(state):
+            if nxt not in seen:
+                seen[nxt] = (state, step)
+                queue.append(nxt)
+    return None
+
+
+def solve_frozen_lake(obs: str) -> list[str] | None:
+    rows = board(obs, "SFHGP")
+    size = len(rows)
+
+    def neighbours(pos: Pos) -> Iterator[tuple[str, Pos]]:
+        for d in DIRECTIONS:
+            r, c = move(pos, d)
+            if 0 <= r < size and 0 <= c < size and rows[r][c] != "H":
+                yield d, (r, c)
+
+    return bfs(find(rows, "P"), neighbours, lambda p: rows[p[0]][p[1]] == "G")
+
+
+def solve_sokoban(obs: str) -> list[str] | None:
+    rows = board(obs, "#_$.@*+")
+
+    def neighbours(state: tuple[Pos, Pos]) -> Iterator[tuple[str, tuple[Pos, Pos]]]:
+        player, box = state
+        for d in DIRECTIONS:
+            nxt = move(player, d)
+            if rows[nxt[0]][nxt[1]] == "#":
+                continue
+            if nxt != box:
+                yield d, (nxt, box)
+            elif rows[(beyond := move(box, d))[0]][beyond[1]] != "#":
+                yield d, (nxt, beyond)
+
+    target = find(rows, ".*+")
+    return bfs((find(rows, "@+"), find(rows, "$*")), neighbours, lambda s: s[1] == target)
+
+
+# --- built-ins ------------------------------------------------------------------------------
+
+
+def test_builtins_are_registered() -> None:
+    assert {"frozen-lake", "sokoban", "copy-reverse", "flaky"} <= set(registered_envs())
+    assert make_env("frozen-lake").profile == "prefill-heavy"
+    assert make_env("sokoban").profile == "prefill-heavy"
+    assert make_env("copy-reverse").profile == "decode-heavy"
+    assert all("\\boxed{" in make_env(n).system_prompt for n in ("frozen-lake", "sokoban", "copy-reverse"))
+
+
+@pytest.mark.parametrize("name", ["frozen-lake", "sokoban", "copy-reverse"])
+def test_same_seed_same_episode(name: str) -> None:
+    a, b = make_env(name), make_env(name)
+    assert a.reset(seed=7) == b.reset(seed=7)
+    for action in ["\\boxed{up}", "left", "\\boxed{RIGHT}", "nonsense"][: a.max_turns]:
+        assert a.step(action) == b.step(action)
+    assert len({make_env(name).reset(seed=s)[0] for s in range(20)}) >= 15
+    obs, info = make_env(name).reset()
+    assert isinstance(info["seed"], int)
+    assert make_env(name).reset(seed=info["seed"])[0] == obs
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_frozen_lake_is_solvable_by_reading_the_board(seed: int) -> None:
+    env = make_env("frozen-lake")
+    obs, _ = env.reset(seed=seed)
+    path = solve_frozen_lake(obs)
+    assert path is not None and len(path) <= env.max_turns
+    for i, direction in enumerate(path):
+        obs, reward, terminated, truncated, info = env.step(f"I go {direction}. \\boxed{{{direction}}}")
+        last = i == len(path) - 1
+        assert (reward, terminated, truncated, info["success"]) == (
+            (1.0, True, False, True) if last else (0.0, False, False, False)
+        )
+    assert "P" in board(obs, "SFHGP")[-1] or "reached the goal" in obs
+
+
+def test_frozen_lake_larger_and_with_many_holes_stays_solvable() -> None:
+    env = make_env("frozen-lake", size=6, hole_prob=0.6, max_turns=12)
+    for seed in range(20):
+        obs, _ = env.reset(seed=seed)
+        assert len(board(obs, "SFHGP")) == 6
+        path = solve_frozen_lake(obs)
+        assert path is not None and len(path) <= 12
+
+
+def test_frozen_lake_hole_terminates_and_edge_keeps_place() -> None:
+    env = make_env("frozen-lake", hole_prob=0.4)
+    for seed in range(100):
+        obs, _ = env.reset(seed=seed)
+        rows = board(obs, "SFHGP")
+        player = find(rows, "P")
+        into_hole = [
+            d for d in DIRECTIONS if 0 <= (p := move(player, d))[0] < 4 and 0 <= p[1] < 4 and rows[p[0]][p[1]] == "H"
+        ]
+        off_edge = [d for d in DIRECTIONS if not (0 <= (p := move(player, d))[0] < 4 and 0 <= p[1] < 4)]
+        if into_hole and off_edge:
+            break
+    else:
+        pytest.fail("no seed put the player beside both a hole and the edge")
+    obs, reward, terminated, _, _ = env.step(f"\\boxed{{{off_edge[0]}}}")
+    assert (reward, terminated) == (0.0, False) and board(obs, "SFHGP") == rows and "edge" in obs
+    obs, reward, terminated, truncated, info = env.step(f"\\boxed{{{into_hole[0]}}}")
+    assert (reward, terminated, truncated, info["success"]) == (0.0, True, False, False)
+    assert "hole" in obs
+    with pytest.raises(RuntimeError, match=r"no episode running"):
+        env.step("\\boxed{up}")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sokoban_is_solvable_by_reading_the_board(seed: int) -> None:
+    env = make_env("sokoban")
+    obs, _ = env.reset(seed=seed)
+    rows = board(obs, "#_$.@*+")
+    assert len(rows) == 6 and rows[0] == "######" and not any("*" in row for row in rows)
+    assert sum(row.count("$") for row in rows) == 1 and sum(row.count(".") + row.count("+") for row in rows) == 1
+    path = solve_sokoban(obs)
+    assert path is not None and 1 <= len(path) <= env.max_turns
+    for i, direction in enumerate(path):
+        obs, reward, terminated, _, info = env.step(f"\\boxed{{{direction}}}")
+        assert (reward, terminated) == ((1.0, True) if i == len(path) - 1 else (0.0, False))
+    assert info["success"] and "*" in "".join(board(obs, "#_$.@*+"))
+
+
+def test_sokoban_truncates_at_max_turns_with_step_penalty() -> None:
+    env = make_env("sokoban", max_turns=4, step_penalty=0.05)
+    env.reset(seed=3)
+    results = [env.step("\\boxed{up}") for _ in range(4)]
+    assert [r[3] for r in results] == [False, False, False, True]
+    assert all(r[1] in (-0.05, 1.0) for r in results)
+    assert "episode is over" in results[-1][0]
+
+
+@pytest.mark.parametrize("name", ["frozen-lake", "sokoban"])
+def test_grid_format_penalty_keeps_the_board_and_counts_turns(name: str) -> None:
+    env = make_env(name)
+    obs, _ = env.reset(seed=11)
+    cells = "SFHGP" if name == "frozen-lake" else "#_$.@*+"
+    for turn in range(1, env.max_turns + 1):
+        new_obs, reward, terminated, truncated, info = env.step("I am not sure what to do, maybe \\boxed{north}")
+        assert reward == FORMAT_PENALTY and info["format_error"] and not terminated
+        assert board(new_obs, cells) == board(obs, cells)
+        assert truncated == (turn == env.max_turns)
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("\\boxed{up}", "up"),
+        ("Thinking... \\boxed{ LEFT }", "left"),
+        ("\\boxed{down} no wait \\boxed{right}", "right"),
+        ("Right.", "right"),
+        ("I should go down", "down"),
+        ("up or down?", None),
+        ("\\boxed{north} but also up", None),
+        ("upward", None),
+        ("", None),
+    ],
+)
+def test_parse_choice(reply: str, expected: str | None) -> None:
+    assert parse_choice(reply, DIRECTIONS) == expected
+
+
+def test_last_boxed_balances_braces() -> None:
+    assert last_boxed("a \\boxed{x} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{unclosed") is None
+    assert last_boxed("no box") is None
+
+
+def test_copy_reverse_rewards() -> None:
+    env = make_env("copy-reverse")
+    obs, info = env.reset(seed=5)
+    text = re.search(r"Reverse this string: ([a-z]+)", obs)
+    assert text is not None and 16 <= len(text[1]) <= 32 and set(text[1]) <= set("abcdefgh")
+    answer = info["answer"]
+    assert answer == text[1][::-1]
+    assert env.step(f"\\boxed{{{answer}}}")[1:4] == (1.0, True, False)
+
+    env.reset(seed=5)
+    half = len(answer) // 2
+    _, reward, terminated, _, step_info = env.step(f"\\boxed{{{answer[:half] + 'z' * (len(answer) - half)}}}")
+    assert reward == pytest.approx(0.5, abs=0.05) and terminated and step_info["answer"] == answer
+
+    env.reset(seed=5)
+    _, reward, terminated, _, step_info = env.step(answer)
+    assert (reward, terminated, step_info["format_error"]) == (FORMAT_PENALTY, True, True)
+
+
+def test_position_match() -> None:
+    assert position_match("cba", "cba") == 1.0
+    assert position_match("cbaxxx", "cba") == 0.5  # padding does not pay
+    assert position_match("", "cba") == 0.0
+    assert position_match("cxa", "cba") == pytest.approx(2 / 3)
+
+
+def test_copy_reverse_configuration() -> None:
+    env = make_env("copy-reverse", min_len=3, max_len=3, alphabet="ab")
+    _, info = env.reset(seed=0)
+    assert len(info["answer"]) == 3 and set(info["answer"]) <= {"a", "b"}
+    with pytest.raises(ConfigError, match=r"min_len"):
+        make_env("copy-reverse", min_len=10, max_len=5)
+
+
+# --- registry -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made by the test are undone afterwards."""
+    monkeypatch.setattr(registry_module, "_envs", dict(registry_module._envs))
+
+
+def test_unknown_env_suggests_a_close_name() -> None:
+    with pytest.raises(ConfigError, match=r"Did you mean 'frozen-lake'") as caught:
+        make_env("frozen-lak")
+    assert "copy-reverse" in str(caught.value) and "gym:<id>" in str(caught.value)
+
+
+def test_bad_keyword_and_bad_values_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"frozen-lake.*sise.*accepts: size, hole_prob"):
+        make_env("frozen-lake", sise=5)
+    with pytest.raises(ConfigError, match=r"too few to cross"):
+        make_env("frozen-lake", size=8)
+    with pytest.raises(ConfigError, match=r"hole_prob"):
+        make_env("frozen-lake", hole_prob=1.0)
+    with pytest.raises(ConfigError, match=r"size must be >= 5"):
+        make_env("sokoban", size=4)
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_register_refuses_duplicates_unless_overwrite() -> None:
+    register_env("tmp-env", lambda: make_env("copy-reverse"))
+    with pytest.raises(ConfigError, match=r"already registered"):
+        register_env("tmp-env", lambda: make_env("sokoban"))
+    register_env("tmp-env", lambda: make_env("sokoban"), overwrite=True)
+    assert make_env("tmp-env").profile == "prefill-heavy"
+    with pytest.raises(ConfigError, match=r"invalid"):
+        register_env("a:b", lambda: make_env("sokoban"))
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_import_env_modules_registers_user_envs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "user_envs_ok.py").write_text(
+        "from rollart.envs import CopyReverseEnv, register_env\n"
+        "class Short(CopyReverseEnv):\n"
+        "    pass\n"
+        "register_env('short-reverse', lambda: Short(min_len=2, max_len=2))\n"
+    )
+    (tmp_path / "user_envs_broken.py").write_text("raise ValueError('boom at import')\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    for name in ("user_envs_ok", "user_envs_broken"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import_env_modules(["user_envs_ok"])
+    assert "short-reverse" in registered_envs()
+    assert len(make_env("short-reverse").reset(seed=1)[1]["answer"]) == 2
+    with pytest.raises(ConfigError, match=r"'user_envs_broken'.*ValueError: boom at import"):
+        import_env_modules(["user_envs_broken"])
+    with pytest.raises(ConfigError, match=r"'no_such_pkg.envs'.*ModuleNotFoundError"):
+        import_env_modules(["no_such_pkg.envs"])
+    sys.modules.pop("user_envs_ok", None)
+
+
+# --- flaky ----------------------------------------------------------------------------------
+
+
+def test_flaky_fails_at_the_configured_rates_deterministically() -> None:
+    env = make_env("flaky", inner="frozen-lake", reset_failure=0.2, step_failure=0.3, hole_prob=0.0)
+    reset_failed, step_failed, steps = [], 0, 0
+    for seed in range(1000):
+        try:
+            env.reset(seed=seed)
+        except EnvFailure:
+            reset_failed.append(seed)
+            continue
+        steps += 1
+        try:
+            env.step("garbage")
+        except EnvFailure:
+            step_failed += 1
+    assert len(reset_failed) / 1000 == pytest.approx(0.2, abs=0.04)
+    assert step_failed / steps == pytest.approx(0.3, abs=0.05)
+    again = make_env("flaky", inner="frozen-lake", reset_failure=0.2, hole_prob=0.0)
+    assert [s for s in range(100) if _reset_fails(again, s)] == [s for s in reset_failed if s < 100]
+
+
+def _reset_fails(env: Env, seed: int) -> bool:
+    try:
+        env.reset(seed=seed)
+    except EnvFailure:
+        return True
+    return False
+
+
+def test_flaky_passes_through_its_inner_env() -> None:
+    env = make_env("flaky", inner="copy-reverse", reset_failure=0.0, step_failure=0.0, min_len=4, max_len=4)
+    assert (env.profile, env.max_turns) == ("decode-heavy", 1)
+    _, info = env.reset(seed=2)
+    assert env.step(f"\\boxed{{{info['answer']}}}")[1] == 1.0
+    with pytest.raises(ConfigError, match=r"reset_failure"):
+        make_env("flaky", reset_failure=1.5)
+
+
+# --- adapters -------------------------------------------------------------------------------
+
+
+def test_adapters_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gem", None)  # makes `import gem` fail even where it is installed
+    monkeypatch.setitem(sys.modules, "gymnasium", None)
+    with pytest.raises(ConfigError, match=r"install the gem extra: pip install gem-llm"):
+        make_env("gem:game:Sokoban-v0-easy")
+    with pytest.raises(ConfigError, match=r"pip install gymnasium"):
+        make_env("gym:FrozenLake-v1")
+    with pytest.raises(ConfigError, match=r"give an id"):
+        make_env("gym:")
+
+
+class FakeGemGuess:
+    """A stand-in for a GEM env: guess the number 3, in `\\boxed{}`."""
+
+    max_turns = 4
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        return "Guess a number from 1 to 5.", {"seed": seed}
+
+    def step(self, action: str) -> tuple[str, int, bool, bool, dict[str, Any]]:
+        right = last_boxed(action) == "3"
+        return ("Correct!" if right else "Wrong."), int(right), right, False, {}
+
+
+def test_gem_adapter_with_a_fake_gem(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("gem")
+    fake.make = lambda env_id, **kwargs: FakeGemGuess()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gem", fake)
+    env = make_env("gem:game:GuessTheNumber-v0")
+    assert (env.profile, env.max_turns) == ("prefill-heavy", 4)
+    assert make_env("gem:math:Foo").profile == "decode-heavy"
+    assert env.reset(seed=1) == ("Guess a number from 1 to 5.", {"seed": 1})
+    result = env.step("\\boxed{3}")
+    assert result == ("Correct!", 1.0, True, False, {}) and isinstance(result[1], float)
+
+
+class FakeLake:
+    """A stand-in for Gymnasium's FrozenLake-v1 on a 2x2 map: S F / F G, not slippery."""
+
+    def __init__(self) -> None:
+        self.action_space = types.SimpleNamespace(n=4)
+        self.spec = types.SimpleNamespace(id="FrozenLake-v1", max_episode_steps=3)
+        self.unwrapped = self
+        self.desc = [[b"S", b"F"], [b"F", b"G"]]
+        self.s = 0
+
+    def reset(self, seed: int | None = None) -> tuple[int, dict[str, Any]]:
+        self.s = 0
+        return 0, {"prob": 1}
+
+    def step(self, action: int) -> tuple[int, float, bool, bool, dict[str, Any]]:
+        row, col = divmod(self.s, 2)
+        dr, dc = [(0, -1), (1, 0), (0, 1), (-1, 0)][action]  # left, down, right, up
+        row, col = min(max(row + dr, 0), 1), min(max(col + dc, 0), 1)
+        self.s = row * 2 + col
+        return self.s, float(self.s == 3), self.s == 3, False, {"prob": 1}
+
+    def close(self) -> None:
+        pass
+
+
+def test_gymnasium_adapter_with_a_fake_gymnasium(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("gymnasium")
+    fake.make = lambda env_id, **kwargs: FakeLake()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gymnasium", fake)
+    env = make_env("gym:FrozenLake-v1")
+    assert env.max_turns == 3 and "\\boxed{left}" in env.system_prompt
+    obs, _ = env.reset(seed=0)
+    assert board(obs, "SFHGP") == ["PF", "FG"]
+    obs, reward, _, _, info = env.step("hmm")
+    assert (reward, info["format_error"], board(obs, "SFHGP")) == (FORMAT_PENALTY, True, ["PF", "FG"])
+    obs, reward, terminated, _, _ = env.step("\\boxed{Right}")
+    assert board(obs, "SFHGP") == ["SP", "FG"] and (reward, terminated) == (0.0, False)
+    obs, reward, terminated, truncated, _ = env.step("\\boxed{down}")
+    assert (reward, terminated, truncated) == (1.0, True, False)
+
+
+def test_gymnasium_adapter_with_the_real_frozen_lake() -> None:
+    pytest.importorskip("gymnasium", reason="gymnasium is optional; the fake above covers the adapter")
+    env = make_env("gym:FrozenLake-v1", is_slippery=False)
+    obs, _ = env.reset(seed=0)
+    assert board(obs, "SFHGP") == ["PFFF", "FHFH", "FFFH", "HFFG"]
+    for i, direction in enumerate(["right", "right", "down", "down", "down", "right"]):
+        obs, reward, terminated, _, _ = env.step(f"\\boxed{{{direction}}}")
+        assert (reward, terminated) == ((1.0, True) if i == 5 else (0.0, False))
+    env.close()
+
+
+# --- runner ---------------------------------------------------------------------------------
+
+
+class Scripted(Env):
+    """An env whose `step` does what the test says: raise, block until released, or answer."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.release = threading.Event()
+        self.closed = False
+
+    def reset(self, seed: int | None = None) -> tuple[str, Info]:
+        return "start", {"seed": seed}
+
+    def step(self, action: str) -> StepResult:
+        if self.behaviour == "raise":
+            raise ValueError("bad state")
+        if self.behaviour == "exit":
+            raise SystemExit(3)
+        if self.behaviour == "timeout-error":
+            raise TimeoutError("socket timed out")
+        if self.behaviour == "block":
+            self.release.wait(timeout=5)
+        return "ok", 1.0, True, False, {}
+
+    def close(self) -> None:
+        if self.behaviour == "raise":
+            raise OSError("close failed")
+        self.closed = True
+
+
+async def test_runner_runs_an_env_and_closes_it() -> None:
+    env = Scripted("answer")
+    runner = EnvRunner(env, name="scripted", timeout_s=5)
+    assert await runner.reset(4) == ("start", {"seed": 4})
+    assert await runner.step("x") == ("ok", 1.0, True, False, {})
+    await runner.close()
+    await runner.close()
+    assert env.closed and runner.closed
+    with pytest.raises(EnvFailure, match=r"'scripted': step\(\) refused: the runner is closed"):
+        await runner.step("x")
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "message"),
+    [
+        ("raise", "'scripted': step\\(\\) raised ValueError: bad state"),
+        ("exit", "'scripted': step\\(\\) raised RuntimeError: SystemExit raised inside the env"),
+        ("timeout-error", "'scripted': step\\(\\) raised TimeoutError: socket timed out"),
+    ],
+)
+async def test_runner_turns_exceptions_into_env_failure(behaviour: str, message: str) -> None:
+    runner = EnvRunner(Scripted(behaviour), name="scripted", timeout_s=5)
+    with pytest.raises(EnvFailure, match=message):
+        await runner.step("x")
+    assert not runner.broken
+    assert await runner.reset(1) == ("start", {"seed": 1})  # the env is still usable
+    if behaviour == "raise":
+        with pytest.raises(EnvFailure, match=r"close\(\) raised OSError"):
+            await runner.close()
+    else:
+        await runner.close()
+    assert runner.closed
+
+
+async def test_runner_times_out_a_hang_and_the_loop_keeps_ticking() -> None:
+    env = Scripted("block")
+    runner = EnvRunner(env, name="stuck", timeout_s=0.2)
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(ticker())
+            with pytest.raises(EnvFailure, match=r"'stuck': step\(\) timed out after 0.2 s"):
+                await runner.step("x")
+            stop.set()
+        assert ticks >= 10 and runner.broken
+        with pytest.raises(EnvFailure, match=r"refused: the env is broken \(step\(\) timed out"):
+            await runner.reset(0)
+        await runner.close()  # lets go of the stuck thread; env.close is not called
+        assert not env.closed
+    finally:
+        env.release.set()
+
+
+async def test_runner_lets_cancellation_through() -> None:
+    env = Scripted("block")
+    runner = EnvRunner(env, name="stuck", timeout_s=5)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(runner.step("x"))
+            await asyncio.sleep(0.02)
+            task.cancel()
+        assert task.cancelled() and not runner.broken
+    finally:
+        env.release.set()
+    await runner.close()
+    assert env.closed
+
+
+async def test_runner_times_out_a_flaky_hang() -> None:
+    env = make_env("flaky", inner="copy-reverse", reset_failure=0.0, hang_prob=1.0, hang_s=0.3)
+    runner = EnvRunner(env, name="flaky", timeout_s=0.05)
+    with pytest.raises(EnvFailure, match=r"'flaky': reset\(\) timed out after 0.05 s"):
+        await runner.reset(0)
+    await runner.close()
+
+
+async def test_runner_reports_injected_failures() -> None:
+    runner = EnvRunner(make_env("flaky", reset_failure=1.0), name="flaky", timeout_s=5)
+    with pytest.raises(EnvFailure, match=r"'flaky': reset\(\) raised EnvFailure: flaky env: injected reset"):
+        await runner.reset(0)
+    await runner.close()
