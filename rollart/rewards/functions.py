@@ -1,0 +1,107 @@
+"""The built-in reward functions, registered by `rollart.rewards` on import.
+
+- `exact-answer`: the last `\\boxed{...}` of the response against the reference answer, with
+  partial credit for matching characters (math and reasoning tasks);
+- `env-reward`: the environment's own reward, passed through (games such as FrozenLake);
+- `tiny-rm`: a tiny, seeded, *untrained* torch network over the response's bytes. It stands in
+  for a reward model so that the pool's model-serving path (a torch model built once per worker,
+  then reused) runs end to end on a CPU. Its scores are deterministic and in [0, 1], but they
+  mean nothing about response quality: swap in a real reward model for training.
+
+Every function raises `RewardError` naming itself and the missing or bad field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput
+from rollart.rewards.worker import in_reward_worker
+
+if TYPE_CHECKING:
+    import torch
+
+_BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text` (nested braces kept), or None if absent or unclosed."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth = 1
+    begin = start + len(_BOXED)
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:i]
+    return None  # truncated: the last box never closes, so there is no final answer to grade
+
+
+def exact_answer(item: ScoreInput) -> ScoreOutput:
+    """1.0 for the reference answer in the last `\\boxed{}`, partial credit for equal positions, 0 for no box."""
+    if item.answer is None or not item.answer.strip():
+        raise RewardError(f"exact-answer: task {item.task!r} gave no reference answer (ScoreInput.answer is empty)")
+    answer = item.answer.strip()
+    boxed = last_boxed(item.response)
+    if boxed is None:
+        return ScoreOutput(reward=0.0, details={"format_error": True, "reason": "no closed \\boxed{...} in response"})
+    extracted = boxed.strip()
+    if extracted == answer:
+        return ScoreOutput(reward=1.0, details={"extracted": extracted, "exact": True})
+    same = sum(a == b for a, b in zip(answer, extracted, strict=False))
+    return ScoreOutput(reward=same / max(len(answer), len(extracted)), details={"extracted": extracted, "exact": False})
+
+
+def env_reward(item: ScoreInput) -> ScoreOutput:
+    """The environment's reward, unchanged."""
+    if item.env_reward is None:
+        raise RewardError(f"env-reward: task {item.task!r} gave no environment reward (ScoreInput.env_reward is None)")
+    if not math.isfinite(item.env_reward):
+        raise RewardError(f"env-reward: task {item.task!r} gave a non-finite environment reward {item.env_reward!r}")
+    return ScoreOutput(reward=float(item.env_reward))
+
+
+TINY_RM_SEED = 1234
+TINY_RM_MAX_BYTES = 4096
+_MODELS: dict[str, Any] = {}  # built on first use in each worker process and kept for its lifetime
+
+
+def _build_tiny_rm() -> torch.nn.Module:
+    import torch
+
+    if in_reward_worker():
+        # One thread per worker: the pool's parallelism is its processes. In-process callers
+        # (tests, a notebook) keep their own setting.
+        torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(TINY_RM_SEED)
+    model = torch.nn.Sequential(
+        torch.nn.EmbeddingBag(256, 16, mode="mean"),
+        torch.nn.Linear(16, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 1),
+    )
+    with torch.no_grad():
+        for p in model.parameters():  # drawn from our own generator: global torch RNG state stays untouched
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def tiny_rm(item: ScoreInput) -> ScoreOutput:
+    """A stand-in reward model: sigmoid of a seeded byte-bag network over the response (see module docstring)."""
+    import torch
+
+    model = _MODELS.get("tiny-rm")
+    if model is None:
+        model = _MODELS["tiny-rm"] = _build_tiny_rm()
+    # An empty bag has no mean; score the empty response as one NUL byte instead.
+    data = item.response.encode("utf-8", errors="replace")[:TINY_RM_MAX_BYTES] or b"\0"
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    with torch.inference_mode():
+        logit = model(ids.unsqueeze(0))
+    score = float(torch.sigmoid(logit).item())
+    return ScoreOutput(reward=score, details={"model": "tiny-rm", "seed": TINY_RM_SEED, "bytes": len(data)})

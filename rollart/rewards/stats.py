@@ -1,0 +1,145 @@
+"""The reward pool's numbers: what `RewardPool.stats()` returns and the meters behind it.
+
+Utilization is busy worker-seconds over live worker-seconds, where a worker is live from its
+spawn to its exit (cold start included: a pool that keeps starting workers it then barely uses
+is wasting them) and busy while it runs a job. It is reported since the pool started and over a
+trailing window (30 s by default), the figure a scaling policy or the admin page wants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+
+
+class ColdStartStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Spawn-to-ready times of the pool's workers."""
+
+    count: int = 0
+    """Workers that became ready."""
+    last_s: float = 0.0
+    """The latest worker's cold start, seconds."""
+    mean_s: float = 0.0
+    """Mean cold start, seconds."""
+    max_s: float = 0.0
+    """Slowest cold start, seconds."""
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of a `RewardPool`."""
+
+    live_workers: int
+    """Workers starting, idle or busy (not the ones retiring)."""
+    starting_workers: int
+    """Workers spawned that have not reported ready yet."""
+    busy_workers: int
+    """Workers running a job."""
+    idle_workers: int
+    """Workers ready and waiting."""
+    peak_workers: int
+    """Most live workers at any moment since start."""
+    queue_depth: int
+    """Requests waiting for a worker."""
+    served: int
+    """Requests answered with a reward."""
+    failed: int
+    """Requests that raised: bad input, failing function, crash, timeout, pool closed."""
+    timed_out: int
+    """Of `failed`, those whose deadline passed."""
+    crashed: int
+    """Workers that died unexpectedly (during start, while idle, or mid-job)."""
+    cold_starts: ColdStartStats
+    """Spawn-to-ready times."""
+    utilization: float
+    """Busy worker-seconds / live worker-seconds since start (0 when nothing ran)."""
+    utilization_window: float
+    """The same over the trailing window."""
+    window_s: float
+    """Length of that window, seconds."""
+
+
+class ColdStartMeter:
+    """Running count, last, mean and max of cold starts."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._total = 0.0
+        self._last = 0.0
+        self._max = 0.0
+
+    def add(self, seconds: float) -> None:
+        self._count += 1
+        self._total += seconds
+        self._last = seconds
+        self._max = max(self._max, seconds)
+
+    def snapshot(self) -> ColdStartStats:
+        mean = self._total / self._count if self._count else 0.0
+        return ColdStartStats(count=self._count, last_s=self._last, mean_s=mean, max_s=self._max)
+
+
+class IntervalMeter:
+    """Summed length of time intervals, overall and within a trailing window.
+
+    Closed intervals are added as they end, so their ends arrive in order and the window can
+    be pruned from the left; open intervals (still running) are passed in by start time.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._closed_total = 0.0
+        self._recent: deque[tuple[float, float]] = deque()
+
+    def close(self, start: float, end: float) -> None:
+        self._closed_total += end - start
+        self._recent.append((start, end))
+
+    def total(self, open_starts: Iterable[float], now: float) -> float:
+        return self._closed_total + sum(now - s for s in open_starts)
+
+    def in_window(self, open_starts: Iterable[float], now: float) -> float:
+        lo = now - self.window_s
+        while self._recent and self._recent[0][1] <= lo:
+            self._recent.popleft()
+        closed = sum(end - max(start, lo) for start, end in self._recent)
+        return closed + sum(now - max(s, lo) for s in open_starts)
+
+
+class PoolMeters:
+    """Everything the pool counts and times; `snapshot` turns it and the workers' state into `PoolStats`."""
+
+    def __init__(self, window_s: float) -> None:
+        self.cold = ColdStartMeter()
+        self.live = IntervalMeter(window_s)
+        self.busy = IntervalMeter(window_s)
+        self.served = self.failed = self.timed_out = self.crashed = self.peak = 0
+
+    def snapshot(
+        self, *, starting: int, idle: int, busy: int, queue_depth: int, live_since: list[float], busy_since: list[float]
+    ) -> PoolStats:
+        """`live_since` / `busy_since`: start times of the workers alive / busy right now."""
+        now = time.monotonic()
+        return PoolStats(
+            live_workers=starting + idle + busy,
+            starting_workers=starting,
+            busy_workers=busy,
+            idle_workers=idle,
+            peak_workers=self.peak,
+            queue_depth=queue_depth,
+            served=self.served,
+            failed=self.failed,
+            timed_out=self.timed_out,
+            crashed=self.crashed,
+            cold_starts=self.cold.snapshot(),
+            utilization=ratio(self.busy.total(busy_since, now), self.live.total(live_since, now)),
+            utilization_window=ratio(self.busy.in_window(busy_since, now), self.live.in_window(live_since, now)),
+            window_s=self.live.window_s,
+        )
+
+
+def ratio(num: float, den: float) -> float:
+    """num / den, 0 for an empty denominator, clipped to [0, 1] against clock rounding."""
+    return min(1.0, max(0.0, num / den)) if den > 0 else 0.0
