@@ -1,0 +1,297 @@
+"""HFEngine on the tiny model: batching, greedy and log-prob exactness, abort, weight swaps, seeds, load, close."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollart.engines.base import GenerationResult, SamplingParams
+from rollart.engines.hf import EngineClosed, HFEngine, InvalidRequest, WeightsMismatch
+from rollart.engines.tiny_model import build_tiny_model, load_model_and_tokenizer
+
+torch.set_num_threads(1)
+
+EOS = 1
+PROMPTS = ["hello world", "abc", "The quick brown fox jumps", "<|im_start|>user\n2+2?<|im_end|>\n", "x"]
+
+
+def noisy_weights(model: torch.nn.Module, *, seed: int, scale: float) -> dict[str, torch.Tensor]:
+    """The model's weights plus seeded noise, without the tied `lm_head.weight` (as a trainer would send them)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in model.state_dict().items()
+        if name != "lm_head.weight"
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its weights shaken up (freshly initialised, greedy decoding only repeats one character)
+    and EOS's (tied) embedding zeroed: its logit is then always 0, below the best of 100 others, so greedy decoding
+    never ends on its own and a long request is surely still running when a test aborts it."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("hf-engine") / "model", seed=0)
+    model, _ = load_model_and_tokenizer(folder)
+    weights = noisy_weights(model, seed=1, scale=0.1)
+    weights["model.embed_tokens.weight"][EOS] = 0.0
+    model.load_state_dict(weights, strict=False)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> torch.nn.Module:
+    """The same model outside the engine, for HF's own generate and teacher-forced log-probs."""
+    model, _ = load_model_and_tokenizer(model_dir)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    _, tokenizer = load_model_and_tokenizer(model_dir)
+    return [tokenizer.encode(text) for text in PROMPTS]
+
+
+@pytest.fixture
+async def engine(model_dir: Path) -> AsyncIterator[HFEngine]:
+    engine = HFEngine(model_dir, max_batch_size=64)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+        )
+    return list(out[0, len(prompt) :].tolist())
+
+
+def teacher_forced_logp(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int], temperature: float
+) -> list[float]:
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return list(logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist())
+
+
+async def until(condition: object) -> None:
+    """Yield to the event loop until `condition()` holds (no real sleeping; bounded)."""
+    for _ in range(100_000):
+        if condition():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def check_shape(result: GenerationResult, max_tokens: int, version: int = 0) -> None:
+    n = len(result.token_ids)
+    assert len(result.logprobs) == n and result.versions == [version] * n
+    if result.finish_reason == "length":
+        assert n == max_tokens
+    else:
+        assert result.finish_reason == "stop" and 1 <= n <= max_tokens and result.token_ids[-1] == EOS
+
+
+async def test_sixteen_concurrent_requests_share_one_batch(engine: HFEngine, prompts: list[list[int]]) -> None:
+    requests = [(prompts[i % len(prompts)] + [10 + i], 4 + i) for i in range(16)]
+    results = await asyncio.gather(
+        *(
+            engine.generate(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0))
+            for i, (prompt, max_tokens) in enumerate(requests)
+        )
+    )
+    assert engine.batches_run == 1
+    for (prompt, max_tokens), result in zip(requests, results, strict=True):
+        check_shape(result, max_tokens)
+        assert result.prompt_tokens == len(prompt)
+    load = engine.load()
+    assert load.running == 0 and load.waiting == 0 and load.version == 0
+    assert load.generated_tokens == sum(len(r.token_ids) for r in results)
+    assert 0 < load.busy_fraction <= 1
+
+
+async def test_greedy_matches_hf_generate(
+    engine: HFEngine, reference: torch.nn.Module, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    results = await asyncio.gather(*(engine.generate(f"g{i}", p, params) for i, p in enumerate(prompts)))
+    assert engine.batches_run == 1  # left-padded together
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(reference, prompt, 24)
+        check_shape(result, 24)
+    assert len({tuple(r.token_ids) for r in results}) > 1  # the test model does not just repeat itself
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.5])
+async def test_logprobs_match_teacher_forcing(
+    engine: HFEngine, reference: torch.nn.Module, prompts: list[list[int]], temperature: float
+) -> None:
+    params = SamplingParams(max_tokens=16, temperature=temperature)
+    results = await asyncio.gather(*(engine.generate(f"l{i}", p, params) for i, p in enumerate(prompts)))
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = teacher_forced_logp(reference, prompt, result.token_ids, temperature)
+        assert result.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_top_p_samples_inside_the_nucleus(
+    engine: HFEngine, reference: torch.nn.Module, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.5)
+    result = await engine.generate("p", prompts[0], params)
+    unrenormalised = teacher_forced_logp(reference, prompts[0], result.token_ids, 0.8)
+    # Renormalised over the nucleus (mass >= 0.5): each log-prob is higher, by at most log 2.
+    for got, full in zip(result.logprobs, unrenormalised, strict=True):
+        assert full - 1e-4 <= got <= full + 0.6931472 + 1e-4
+
+
+async def test_stop_tokens_end_a_row_and_are_included(engine: HFEngine, prompts: list[list[int]]) -> None:
+    free = await engine.generate("free", prompts[0], SamplingParams(max_tokens=24, temperature=0.0))
+    stop_at = free.token_ids[5]
+    stopped = await engine.generate(
+        "stopped", prompts[0], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at])
+    )
+    first = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+
+
+async def test_eos_always_stops(engine: HFEngine, reference: torch.nn.Module, prompts: list[list[int]]) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    first = (await engine.generate("free", prompts[0], greedy)).token_ids[0]
+    with torch.inference_mode():
+        assert reference(torch.tensor([prompts[0]])).logits[0, -1, first] > 0
+    # EOS's (tied) embedding at twice the greedy token's: EOS's logit is then twice the largest one.
+    weights = {name: tensor.clone() for name, tensor in reference.state_dict().items() if name != "lm_head.weight"}
+    weights["model.embed_tokens.weight"][EOS] = 2 * weights["model.embed_tokens.weight"][first]
+    await engine.load_weights(1, weights)
+    result = await engine.generate("eos", prompts[0], greedy)
+    assert (result.token_ids, result.finish_reason, result.versions) == ([EOS], "stop", [1])
+
+
+async def test_seeded_sampling_is_reproducible(engine: HFEngine, prompts: list[list[int]]) -> None:
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=20, temperature=1.0, seed=seed)
+
+    noise = [engine.generate(f"n{i}", p, SamplingParams(max_tokens=20)) for i, p in enumerate(prompts)]
+    a, b, c, *_ = await asyncio.gather(
+        engine.generate("a", prompts[2], params(7)),
+        engine.generate("b", prompts[2], params(7)),
+        engine.generate("c", prompts[2], params(8)),
+        *noise,
+    )
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    assert a.token_ids != c.token_ids
+    again = await engine.generate("a", prompts[2], params(7))
+    assert again.token_ids == a.token_ids
+
+
+async def test_abort_of_a_queued_and_a_running_request(engine: HFEngine, prompts: list[list[int]]) -> None:
+    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=1000, temperature=0)))
+    await until(lambda: engine.load().running == 1)
+    queued = asyncio.create_task(engine.generate("queued", prompts[0], SamplingParams(max_tokens=8)))
+    await until(lambda: engine.load().waiting == 1)
+
+    assert await engine.abort("queued")
+    result = await queued
+    assert (result.finish_reason, result.token_ids, result.prompt_tokens) == ("abort", [], 0)
+    assert engine.load().running == 1  # the batch is still going
+
+    assert await engine.abort("long")
+    result = await running
+    assert result.finish_reason == "abort"
+    assert len(result.token_ids) < 1000
+    assert len(result.logprobs) == len(result.versions) == len(result.token_ids)
+    assert not await engine.abort("long")
+    assert not await engine.abort("never-seen")
+
+
+async def test_cancelling_the_caller_aborts(engine: HFEngine, prompts: list[list[int]]) -> None:
+    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=1000, temperature=0)))
+    await until(lambda: engine.load().running == 1)
+    queued = asyncio.create_task(engine.generate("queued", prompts[0], SamplingParams(max_tokens=8)))
+    await until(lambda: engine.load().waiting == 1)
+    queued.cancel()
+    running.cancel()
+    await asyncio.gather(queued, running, return_exceptions=True)
+    assert engine.load().waiting == 0
+    await until(lambda: engine.load().running == 0)  # the batch stopped early: every row was aborted
+    after = await engine.generate("after", prompts[0], SamplingParams(max_tokens=4))
+    assert len(after.token_ids) <= 4
+
+
+async def test_load_weights_swaps_between_batches_and_versions_every_token(
+    engine: HFEngine, model_dir: Path, reference: torch.nn.Module, prompts: list[list[int]]
+) -> None:
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    before = await engine.generate("before", prompts[0], greedy)
+
+    new_weights = noisy_weights(reference, seed=2, scale=0.1)
+    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=100, temperature=0)))
+    await until(lambda: engine.load().running == 1)
+    await engine.load_weights(1, new_weights)
+    after = await engine.generate("after", prompts[0], greedy)  # queued behind the running batch
+    long = await running
+
+    assert long.versions == [0] * len(long.token_ids)  # the running batch finished under the old weights
+    assert after.versions == [1] * len(after.token_ids)
+    assert engine.load().version == engine.version == 1
+    assert after.token_ids != before.token_ids
+    updated, _ = load_model_and_tokenizer(model_dir)
+    updated.load_state_dict(new_weights, strict=False)  # lm_head is tied: it follows the embeddings
+    assert after.token_ids == hf_greedy(updated, prompts[0], 24)
+
+
+async def test_bad_weights_are_refused_with_the_names(engine: HFEngine, reference: torch.nn.Module) -> None:
+    weights = dict(reference.state_dict())
+    weights.pop("model.norm.weight")
+    weights["model.layers.9.mlp.up_proj.weight"] = torch.zeros(3)
+    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    with pytest.raises(WeightsMismatch) as caught:
+        await engine.load_weights(1, weights)
+    message = str(caught.value)
+    assert "missing: model.norm.weight" in message
+    assert "unexpected: model.layers.9.mlp.up_proj.weight" in message
+    assert "wrong shape: model.layers.0.mlp.up_proj.weight (2, 2) (model: (256, 128))" in message
+
+    untied = dict(reference.state_dict())
+    untied["lm_head.weight"] = untied["lm_head.weight"] + 1
+    with pytest.raises(WeightsMismatch, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight"):
+        await engine.load_weights(1, untied)
+    with pytest.raises(InvalidRequest, match="not newer"):
+        await engine.load_weights(0, dict(reference.state_dict()))
+    assert engine.version == 0
+
+
+async def test_bad_requests_are_refused(engine: HFEngine) -> None:
+    with pytest.raises(InvalidRequest, match="empty"):
+        await engine.generate("e", [], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        await engine.generate("v", [5, 1000], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequest, match="exceeds"):
+        await engine.generate("m", [5], SamplingParams(max_tokens=1024))
+
+
+async def test_close_aborts_what_is_pending(model_dir: Path, prompts: list[list[int]]) -> None:
+    engine = HFEngine(model_dir)
+    await engine.start()
+    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=1000, temperature=0)))
+    await until(lambda: engine.load().running == 1)
+    queued = asyncio.create_task(engine.generate("queued", prompts[0], SamplingParams(max_tokens=8)))
+    await until(lambda: engine.load().waiting == 1)
+    await engine.close()
+    assert (await running).finish_reason == "abort"
+    assert (await queued).finish_reason == "abort"
+    with pytest.raises(EngineClosed):
+        await engine.generate("late", prompts[0], SamplingParams(max_tokens=4))
