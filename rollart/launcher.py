@@ -111,6 +111,12 @@ class Launcher:
     def _prepare(self) -> None:
         run = self.topology.run
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        model = Path(run.model.path)
+        if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():
+            self._say(f"building the tiny default model in {model} (first run only)")
+            from rollart.engines.tiny_model import ensure_tiny_model
+
+            ensure_tiny_model(model, seed=run.model.seed)
         if run.secret_file is None and not os.environ.get(run.secret_env):
             self.env[run.secret_env] = secrets.token_hex(32)
         if run.admin_token_file is None and not os.environ.get(run.admin_token_env):
@@ -263,6 +269,9 @@ class Launcher:
             await asyncio.gather(*(self._poll_node(http, node) for node in self.nodes))
             if all(node.state in ("running", "paused") for node in self.nodes):
                 self._healthy.set()
+            finished = [n.spec.name for n in self.nodes if n.status and n.status.get("done")]
+            if finished:
+                self.stop(f"{', '.join(finished)} finished the run")
             self._render()
             await asyncio.sleep(POLL_S)
 

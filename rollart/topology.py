@@ -23,6 +23,7 @@ import yaml
 
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConfigError
+from rollart.rollout.config import GeneratorSpec, ModelSpec, RewardPoolSpec, RolloutSpec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _WILDCARD_HOSTS = {"0.0.0.0", "::"}
@@ -113,6 +114,16 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """How long a stopping node may finish in-flight work before it is killed."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Least severe log level written."""
+    model: ModelSpec = ModelSpec()
+    """The policy model."""
+    rollout: RolloutSpec | None = None
+    """Tasks, groups and staleness; None: the nodes only start and answer status."""
+    generator: GeneratorSpec = GeneratorSpec()
+    """The inference engine of every generator."""
+    reward_pool: RewardPoolSpec = RewardPoolSpec()
+    """The reward gateway's worker pool."""
+    env_modules: list[str] = []
+    """Python modules imported by env-hosts before they start, to register your own environments."""
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -283,6 +294,12 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems.append(("run.run_dir", problem))
     problems += _below_zero("run", run, positive=("drain_timeout_s",))
     problems += _check_restart("run.restart", run.restart)
+    if run.rollout is not None:
+        problems += [(f"run.rollout.{field}", problem) for field, problem in run.rollout.validate()]
+    pool = run.reward_pool
+    problems += _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
+    if pool.min_workers > pool.max_workers:
+        problems.append(("run.reward_pool.min_workers", f"expected at most max_workers ({pool.max_workers})"))
     if not topology.nodes:
         problems.append(("nodes", "expected at least one node"))
     first_with_name: dict[str, int] = {}

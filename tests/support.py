@@ -29,15 +29,23 @@ def free_ports(n: int) -> list[int]:
 
 
 def write_topology(
-    folder: Path, roles: dict[str, str], *, restart: str = "on-failure", extra_run: str = ""
+    folder: Path,
+    roles: dict[str, str],
+    *,
+    restart: str = "on-failure",
+    extra_run: str = "",
+    hardware: dict[str, str] | None = None,
 ) -> tuple[Path, dict[str, tuple[int, int]]]:
-    """Write a topology with the given {name: role} nodes on free ports; returns its path and ports."""
+    """Write a topology with the given {name: role} nodes on free ports; returns its path and ports.
+
+    `extra_run` is YAML appended to the `run:` section (indented by two spaces)."""
     ports = free_ports(2 * len(roles))
     nodes, assigned = [], {}
     for i, (name, role) in enumerate(roles.items()):
         port, admin = ports[2 * i], ports[2 * i + 1]
         assigned[name] = (port, admin)
-        nodes.append(f"  - {{name: {name}, role: {role}, port: {port}, admin_port: {admin}}}")
+        kind = (hardware or {}).get(name, "cpu")
+        nodes.append(f"  - {{name: {name}, role: {role}, hardware: {kind}, port: {port}, admin_port: {admin}}}")
     text = (
         f"run:\n  name: test\n  run_dir: {folder / 'run'}\n  drain_timeout_s: 5\n"
         f"  restart: {{policy: {restart}, backoff_base_s: 0.2}}\n"

@@ -24,7 +24,6 @@ import structlog
 
 from rollart.nodes.admin import AdminServer
 from rollart.protocol import (
-    CONTROL,
     ClientSession,
     Identity,
     Session,
@@ -33,7 +32,7 @@ from rollart.protocol import (
     tcp_connector,
 )
 from rollart.protocol.errors import RemoteError, RollartError
-from rollart.protocol.messages import Echo, NodeStatus, Notice, StatusRequest
+from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
 from rollart.topology import NodeSpec, Role, Topology
 
 log = structlog.get_logger("rollart.node")
@@ -72,7 +71,7 @@ class NodeDaemon:
         self.last_error: str | None = None
         self.peer_status: dict[str, NodeStatus] = {}
         self.server = SessionServer(
-            local=self.identity, secret=secret, channel=CONTROL, handler=self, cfg=self.cfg, on_bulk=None
+            local=self.identity, secret=secret, channel=APP, handler=self, cfg=self.cfg, on_bulk=None
         )
         self.clients: dict[str, ClientSession] = {}
         for peer in topology.nodes:
@@ -81,7 +80,7 @@ class NodeDaemon:
                     functools.partial(tcp_connector, peer.host, peer.port, self.cfg),
                     secret=secret,
                     local=self.identity,
-                    channel=CONTROL,
+                    channel=APP,
                     handler=self,
                     cfg=self.cfg,
                     peer_name=peer.name,
@@ -170,6 +169,10 @@ class NodeDaemon:
     async def drain_work(self) -> None:
         """Finish the role's own in-flight work when draining (requests are waited for anyway)."""
 
+    def accepts_while_draining(self, msg: Any) -> bool:
+        """Requests that finish work already in flight, which a draining node still takes."""
+        return False
+
     async def on_role_request(self, session: Session, msg: Any) -> Any:
         raise RemoteError("unknown-request", f"a {self.role.value} does not serve {type(msg).__name__} requests")
 
@@ -182,6 +185,10 @@ class NodeDaemon:
         """The role's queues, for `/status` and metrics."""
         return {}
 
+    def role_gauges(self) -> dict[str, tuple[str, float]]:
+        """The role's own metrics: name -> (help, value), exported as gauges."""
+        return {}
+
     # -- session handler ------------------------------------------------------------------------
 
     async def on_request(self, session: Session, msg: Any) -> Any:
@@ -190,7 +197,7 @@ class NodeDaemon:
                 return self.node_status()
             case Echo():
                 return msg
-            case _ if self.draining:
+            case _ if self.draining and not self.accepts_while_draining(msg):
                 raise RemoteError("draining", f"{self.spec.name} is draining and takes no new work")
             case _:
                 return await self.on_role_request(session, msg)

@@ -1,14 +1,205 @@
 """The env-host node: runs environments and one coroutine per trajectory.
 
-For now it runs the node base only: it opens sessions to the trainer, every generator and the
-reward gateway, and polls their status. Trajectories arrive with the rollout issue.
+Each of its `groups_per_env_host` slots asks the trainer for a group task, runs the group's
+G + R trajectories (`rollout.group`, `rollout.trajectory`), sends the first G back and asks
+again. Generation calls go through the `LLMProxy` (hardware affinity, stickiness, failover);
+scores come from the reward gateway. When the trainer announces a new policy version, every
+trajectory started before `version - alpha` is aborted here at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import functools
+from typing import Any
+
+import structlog
+
+from rollart.envs import EnvFailure, import_env_modules, make_env
 from rollart.nodes.base import NodeDaemon
+from rollart.protocol import ClientSession, Session
+from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout, RollartError, SessionLost
+from rollart.protocol.messages import (
+    GroupAck,
+    GroupDone,
+    GroupFailed,
+    GroupTask,
+    NoTask,
+    PolicyVersion,
+    Score,
+    Scored,
+    TaskWanted,
+    Trajectory,
+)
+from rollart.rollout.group import run_group
+from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
+from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
 from rollart.topology import Role
+
+log = structlog.get_logger("rollart.env_host")
+
+RETRY_S = 1.0
 
 
 class EnvHostNode(NodeDaemon):
     role = Role.ENV_HOST
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rollout = self.topology.run.rollout
+        self.version = 0
+        self.running: dict[str, tuple[asyncio.Task[Any], int]] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.renderer: ChatRenderer | None = None
+        self._slots: list[asyncio.Task[None]] = []
+        generators = [
+            GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
+            for peer in self.topology.nodes_with_role(Role.GENERATOR)
+        ]
+        initial = {task.name: task.profile or "decode-heavy" for task in (self.rollout.tasks if self.rollout else [])}
+        self.profiler = TaskProfiler(initial, self.rollout.profile_ratio if self.rollout else 16.0)
+        self.proxy = LLMProxy(
+            generators, self.profiler, timeout_s=self.rollout.generate_timeout_s if self.rollout else 60
+        )
+
+    def _peer(self, role: Role) -> ClientSession:
+        for peer in self.topology.nodes_with_role(role):
+            return self.clients[peer.name]
+        raise ConfigError(f"{self.topology.source}: an env-host needs a {role.value} node in the topology")
+
+    async def work(self) -> None:
+        if self.rollout is None:
+            await super().work()
+            return
+        import_env_modules(self.topology.run.env_modules)
+        for task in self.rollout.tasks:
+            if task.profile is None:  # the environment's own profile is the starting guess
+                env = make_env(task.env, **task.env_kwargs)
+                self.profiler.initial[task.name] = env.profile
+                env.close()
+        self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, self.topology.run.model.path))
+        trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._slots = [
+                    tg.create_task(self._slot(trainer, reward)) for _ in range(self.rollout.groups_per_env_host)
+                ]
+            await super().work()
+        finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
+            log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
+
+    async def _slot(self, trainer: ClientSession, reward: ClientSession) -> None:
+        """Ask for a group, run it, hand it in; until the trainer says the run is done."""
+        while not self.draining:
+            await self.unpaused.wait()
+            try:
+                reply = await trainer.request(TaskWanted(self.spec.name, wait_s=5.0), timeout=20.0)
+            except (RequestTimeout, SessionLost, RemoteError) as exc:
+                log.warning("env_host.no_task", error=str(exc))
+                await asyncio.sleep(RETRY_S)
+                continue
+            match reply:
+                case NoTask(done=True):
+                    return
+                case NoTask():
+                    continue
+                case GroupTask():
+                    self.version = max(self.version, reply.version)
+                    outcome = await run_group(reply, functools.partial(self._trajectory, reply, reward))
+                    await self._hand_in(trainer, outcome)
+
+    async def _hand_in(self, trainer: ClientSession, outcome: GroupDone | GroupFailed) -> None:
+        if isinstance(outcome, GroupDone):
+            self.counts["groups_done"] += 1
+            self.counts["cancelled_extras"] += outcome.cancelled
+        else:
+            self.counts["groups_failed"] += 1
+        while True:
+            try:
+                ack = await trainer.request(outcome, timeout=30.0)
+                break
+            except SessionLost as exc:
+                self.counts["groups_undelivered"] += 1
+                log.error("env_host.group_undelivered", group=outcome.group_id, error=str(exc))
+                return
+            except (RequestTimeout, RemoteError) as exc:
+                log.warning("env_host.hand_in_retry", group=outcome.group_id, error=str(exc))
+                await asyncio.sleep(RETRY_S)
+        if isinstance(ack, GroupAck) and isinstance(outcome, GroupDone):
+            self.counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
+
+    async def _trajectory(self, group: GroupTask, reward: ClientSession, trajectory_id: str) -> Trajectory:
+        assert self.rollout is not None and self.renderer is not None
+        task = next(t for t in self.rollout.tasks if t.name == group.task)
+        job = TrajectoryJob(
+            trajectory_id, group.group_id, task, group.seed, self.rollout.sampling, self.rollout.env_timeout_s
+        )
+        me = asyncio.current_task()
+        assert me is not None
+
+        def started(version: int) -> None:
+            self.running[trajectory_id] = (me, version)
+
+        async def score(request: Score) -> float:
+            reply = await reward.request(request, timeout=self.rollout.reward_timeout_s if self.rollout else 30.0)
+            if not isinstance(reply, Scored):
+                raise RemoteError("bad-response", f"reward gateway answered {type(reply).__name__}")
+            return reply.reward
+
+        env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
+        self.counts["envs_opened"] += 1
+        try:
+            result = await run_trajectory(
+                job,
+                env=env,
+                renderer=self.renderer,
+                proxy=self.proxy,
+                score=score,
+                policy_version=lambda: self.version,
+                on_start=started,
+            )
+        except EnvFailure:
+            self.counts["env_failures"] += 1
+            self.counts["trajectories_failed"] += 1
+            raise
+        except RollartError:
+            self.counts["trajectories_failed"] += 1
+            raise
+        finally:
+            self.running.pop(trajectory_id, None)
+            self.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
+        self.counts["trajectories_done"] += 1
+        return result
+
+    async def on_role_event(self, session: Session, msg: Any) -> None:
+        match msg:
+            case PolicyVersion(version=version, min_start=min_start):
+                self.version = max(self.version, version)
+                for trajectory_id, (task, started) in list(self.running.items()):
+                    if started < min_start:
+                        task.cancel()
+                        self.counts["aborted_stale"] += 1
+                        log.info("env_host.abort_stale", trajectory=trajectory_id, started=started, version=version)
+            case _:
+                await super().on_role_event(session, msg)
+
+    async def drain_work(self) -> None:
+        """Let the groups in flight finish and be handed in (the drain timeout bounds this)."""
+        if self._slots:
+            await asyncio.wait(self._slots)
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"trajectories": len(self.running)}
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        if self.rollout is not None:
+            status["rollout"] = {"version": self.version, **self.counts, "routing": self.proxy.describe()}
+        return status
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,14 +1,130 @@
 """The generator node: an inference engine of one hardware class, serving generation requests.
 
-For now it runs the node base only: it accepts sessions from env-hosts and the trainer and
-answers status and echo. Engines arrive with the rollout issue.
+Env-hosts send `Generate` requests; the engine batches every request in flight (transformers
+or vLLM backend, `run.generator.backend`). A request whose caller gives up (timeout, a
+redundant trajectory cancelled, a stale trajectory aborted) is cancelled here too, which aborts
+it in the engine; the aborts are counted in `/status`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from rollart.engines.base import GenerationEngine, SamplingParams
 from rollart.nodes.base import NodeDaemon
+from rollart.protocol import Session
+from rollart.protocol.errors import ConfigError, RemoteError
+from rollart.protocol.messages import Generate, Generated
 from rollart.topology import Role
+
+log = structlog.get_logger("rollart.generator")
+
+
+def build_engine(backend: str, model_path: str, *, max_batch_size: int, dtype: str) -> GenerationEngine:
+    """The configured backend; imported here so a node without rollout never imports torch."""
+    if backend == "vllm":
+        raise ConfigError("run.generator.backend: the vllm backend is not in this build yet; use 'hf'")
+    import torch
+
+    from rollart.engines.hf import HFEngine
+
+    return HFEngine(model_path, max_batch_size=max_batch_size, dtype=getattr(torch, dtype))
 
 
 class GeneratorNode(NodeDaemon):
     role = Role.GENERATOR
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine: GenerationEngine | None = None
+        self.ready = asyncio.Event()
+        self.served = 0
+        self.aborted = 0
+        self.engine_start_s: float | None = None
+
+    async def work(self) -> None:
+        run = self.topology.run
+        if run.rollout is None:
+            await super().work()
+            return
+        started = time.monotonic()
+        engine = build_engine(
+            run.generator.backend,
+            run.model.path,
+            max_batch_size=run.generator.max_batch_size,
+            dtype=run.generator.dtype,
+        )
+        await engine.start()
+        self.engine = engine
+        self.engine_start_s = round(time.monotonic() - started, 3)
+        self.ready.set()
+        log.info("generator.ready", backend=run.generator.backend, start_s=self.engine_start_s)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await engine.close()
+
+    async def on_role_request(self, session: Session, msg: Any) -> Any:
+        match msg:
+            case Generate():
+                return await self._generate(msg)
+            case _:
+                return await super().on_role_request(session, msg)
+
+    async def _generate(self, msg: Generate) -> Generated:
+        await self.ready.wait()  # bounded by the request's own deadline
+        assert self.engine is not None
+        params = SamplingParams(
+            max_tokens=msg.max_tokens,
+            temperature=msg.temperature,
+            top_p=msg.top_p,
+            stop_token_ids=msg.stop_token_ids,
+            seed=msg.seed,
+        )
+        try:
+            result = await self.engine.generate(msg.request_id, msg.prompt_ids, params)
+        except asyncio.CancelledError:
+            self.aborted += 1  # the caller gave up: the engine has aborted the request
+            raise
+        except ValueError as exc:
+            raise RemoteError("bad-request", str(exc)) from exc
+        if result.finish_reason == "abort":
+            self.aborted += 1
+        self.served += 1
+        return Generated(
+            request_id=msg.request_id,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            versions=result.versions,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            generator=self.spec.name,
+        )
+
+    async def drain_work(self) -> None:
+        log.info("generator.summary", served=self.served, aborted=self.aborted, engine_ready=self.ready.is_set())
+
+    def queue_depths(self) -> dict[str, int]:
+        if self.engine is None:
+            return {}
+        load = self.engine.load()
+        return {"running": load.running, "waiting": load.waiting}
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        engine: dict[str, Any] = {"ready": self.ready.is_set(), "served": self.served, "aborted": self.aborted}
+        if self.engine is not None:
+            load = self.engine.load()
+            engine |= {
+                "backend": self.topology.run.generator.backend,
+                "start_s": self.engine_start_s,
+                "busy_fraction": round(load.busy_fraction, 4),
+                "generated_tokens": load.generated_tokens,
+                "version": load.version,
+            }
+        status["engine"] = engine
+        return status

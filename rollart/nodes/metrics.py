@@ -58,6 +58,8 @@ class NodeCollector(Collector):
         for name, depth in d.queue_depths().items():
             queues.add_metric([name], depth)
         yield queues
+        for name, (doc, value) in d.role_gauges().items():
+            yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(
             "rollart_handshake_refusals", "Incoming connections refused at the handshake", value=d.server.refusals
         )

@@ -1,14 +1,83 @@
 """The reward gateway: Reward-as-a-Service, an elastic pool of stateless reward workers.
 
-For now it runs the node base only: it accepts env-host sessions and answers status. The
-worker pool arrives with the rollout issue.
+Env-hosts send `Score` requests naming a registered reward function; the pool
+(`rollart.rewards.RewardPool`) runs them in worker processes that scale between
+`run.reward_pool.min_workers` (zero allowed) and `max_workers` with the queue. Cold starts,
+utilization and queue depth show in `/status` and `/metrics`. Bad input comes back as a
+`bad-request` error saying what was wrong.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import msgspec
+
 from rollart.nodes.base import NodeDaemon
+from rollart.protocol import Session
+from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout
+from rollart.protocol.messages import Score, Scored
+from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
 from rollart.topology import Role
 
 
 class RewardGatewayNode(NodeDaemon):
     role = Role.REWARD_GATEWAY
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        spec = self.topology.run.reward_pool
+        self.pool = RewardPool(
+            min_workers=spec.min_workers, max_workers=spec.max_workers, idle_timeout_s=spec.idle_timeout_s
+        )
+
+    async def work(self) -> None:
+        async with self.pool:
+            await asyncio.Event().wait()
+
+    async def on_role_request(self, session: Session, msg: Any) -> Any:
+        match msg:
+            case Score():
+                item = ScoreInput(
+                    task=msg.task,
+                    prompt=msg.prompt,
+                    response=msg.response,
+                    answer=msg.answer,
+                    env_reward=msg.env_reward,
+                )
+                rollout = self.topology.run.rollout
+                timeout = rollout.reward_timeout_s if rollout is not None else 30.0
+                try:
+                    out = await self.pool.score(msg.fn, item, timeout=timeout)
+                except (RewardError, ConfigError) as exc:
+                    raise RemoteError("bad-request", str(exc)) from exc
+                except RequestTimeout as exc:
+                    raise RemoteError("timeout", str(exc)) from exc
+                return Scored(out.reward, out.details)
+            case _:
+                return await super().on_role_request(session, msg)
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"reward_queue": self.pool.stats().queue_depth}
+
+    def role_gauges(self) -> dict[str, tuple[str, float]]:
+        stats = self.pool.stats()
+        return {
+            "rollart_reward_workers": ("Live reward worker processes", stats.live_workers),
+            "rollart_reward_workers_busy": ("Reward workers running a job", stats.busy_workers),
+            "rollart_reward_queue_depth": ("Score requests waiting for a worker", stats.queue_depth),
+            "rollart_reward_utilization": ("Busy worker-seconds per live worker-second", stats.utilization),
+            "rollart_reward_cold_starts": ("Reward workers started", stats.cold_starts.count),
+            "rollart_reward_cold_start_last_seconds": (
+                "Spawn-to-ready time of the last worker",
+                stats.cold_starts.last_s,
+            ),
+            "rollart_reward_served": ("Score requests answered", stats.served),
+            "rollart_reward_failed": ("Score requests that failed", stats.failed),
+        }
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        status["reward_pool"] = msgspec.to_builtins(self.pool.stats()) | {"functions": registered_rewards()}
+        return status

@@ -1,14 +1,181 @@
-"""The trainer node: owns the policy, its version, the SampleBuffer and the task dispenser.
+"""The trainer node: owns the policy version, the SampleBuffer and the task dispenser.
 
-For now it runs the node base only: it accepts env-host sessions, connects to every generator
-(the weight-push path), and answers status. Training arrives with the trainer issue.
+Env-hosts ask it for group tasks (`TaskWanted`, answered within the alpha admission limit) and
+return finished groups (`GroupDone`, checked against the staleness bound) or failed ones
+(`GroupFailed`, re-issued). Its loop takes a batch from the SampleBuffer as soon as one is
+complete. In `rollout-only` mode it does not train: it records each batch to
+`RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy version, which
+drops and aborts whatever that version makes too stale, exactly as training would.
 """
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
 from rollart.nodes.base import NodeDaemon
+from rollart.protocol import Session
+from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
+from rollart.rollout.buffer import SampleBuffer
+from rollart.rollout.dispenser import Dispenser
 from rollart.topology import Role
+
+log = structlog.get_logger("rollart.trainer")
+
+LEASE_CHECK_S = 5.0
 
 
 class TrainerNode(NodeDaemon):
     role = Role.TRAINER
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.version = 0
+        self.batches = 0
+        self.done = False
+        self._env_host_sessions: dict[str, str] = {}
+        rollout = self.topology.run.rollout
+        self.rollout = rollout
+        if rollout is not None:
+            self.buffer = SampleBuffer(batch_groups=rollout.batch_groups, alpha=rollout.alpha)
+            self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
+        self.out_path = self.topology.run_dir() / "rollout.jsonl"
+
+    async def work(self) -> None:
+        if self.rollout is None:
+            await super().work()
+            return
+        async with asyncio.TaskGroup() as tg:
+            leases = tg.create_task(self._expire_leases())
+            await self._consume()
+            leases.cancel()
+
+    async def _consume(self) -> None:
+        """Take batches as they complete; in rollout-only mode record them instead of training."""
+        assert self.rollout is not None
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        while self.rollout.steps is None or self.batches < self.rollout.steps:
+            await self.unpaused.wait()
+            batch = await self.buffer.take()
+            self.dispenser.changed()
+            await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
+            self.batches += 1
+            log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
+            if self.rollout.bump_version_every_batch:
+                await self.bump_version()
+        self.done = True
+        self.dispenser.done = True
+        self.dispenser.changed()
+        log.info("trainer.done", batches=self.batches, version=self.version)
+
+    async def bump_version(self) -> None:
+        """The policy moved to a new version: drop and abort what it makes too stale."""
+        assert self.rollout is not None
+        self.version += 1
+        min_start = self.version - self.rollout.alpha
+        for group in self.buffer.drop_stale(self.version):
+            self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
+        notice = PolicyVersion(self.version, min_start)
+        for session in list(self.server.sessions.values()):
+            if session.peer is not None and session.peer.role == Role.ENV_HOST.value and not session.finished:
+                await session.send(notice)
+        self.dispenser.changed()
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            self.dispenser.expire()
+
+    def pause(self) -> None:
+        super().pause()
+        if self.rollout is not None:
+            self.dispenser.paused = True
+
+    def resume(self) -> None:
+        super().resume()
+        if self.rollout is not None:
+            self.dispenser.paused = False
+            self.dispenser.changed()
+
+    def accepts_while_draining(self, msg: Any) -> bool:
+        return isinstance(msg, GroupDone | GroupFailed | TaskWanted)  # groups in flight come home
+
+    async def on_role_request(self, session: Session, msg: Any) -> Any:
+        if self.rollout is None:
+            return await super().on_role_request(session, msg)
+        match msg:
+            case TaskWanted() if self.draining:
+                return NoTask("the trainer is draining", done=True)
+            case TaskWanted(env_host=env_host, wait_s=wait_s):
+                if self._env_host_sessions.setdefault(env_host, session.id) != session.id:
+                    self.dispenser.release_env_host(env_host, "the env-host restarted")
+                    self._env_host_sessions[env_host] = session.id
+                task = await self.dispenser.grant(env_host, self.version, wait_s=min(wait_s, 30.0))
+                if task is not None:
+                    return task
+                if self.done:
+                    return NoTask("the run is done", done=True)
+                return NoTask("paused" if self.paused else "at the alpha admission limit")
+            case GroupDone(group_id=group_id):
+                if group_id not in self.dispenser.leases:
+                    return GroupAck(False, f"group {group_id} is not in flight (expired or re-issued)")
+                accepted, why = self.buffer.put(msg, self.version)
+                if accepted:
+                    self.dispenser.complete(group_id)
+                else:
+                    self.dispenser.reissue(group_id, why)
+                return GroupAck(accepted, why)
+            case GroupFailed(group_id=group_id, reason=reason):
+                self.dispenser.reissue(group_id, reason)
+                return GroupAck(False, "re-issued")
+            case _:
+                return await super().on_role_request(session, msg)
+
+    async def drain_work(self) -> None:
+        if self.rollout is not None:
+            log.info(
+                "trainer.summary",
+                version=self.version,
+                batches=self.batches,
+                **self.dispenser.stats(),
+                buffer=self.buffer.stats(),
+            )
+
+    def queue_depths(self) -> dict[str, int]:
+        if self.rollout is None:
+            return {}
+        return {"buffer": len(self.buffer), "in_flight_groups": len(self.dispenser.leases)}
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        status["done"] = self.done
+        if self.rollout is not None:
+            status["rollout"] = {
+                "mode": self.rollout.mode,
+                "version": self.version,
+                "batches": self.batches,
+                "steps": self.rollout.steps,
+                "alpha": self.rollout.alpha,
+                "buffer": self.buffer.stats(),
+                "dispenser": self.dispenser.stats(),
+            }
+        return status
+
+
+def _append_jsonl(path: Path, version: int, batch: list[GroupDone]) -> None:
+    with path.open("ab") as out:
+        for group in batch:
+            out.write(msgspec.json.encode({"version": version, "group": as_record(group)}) + b"\n")
+
+
+def as_record(value: Any) -> Any:
+    """Wire structs are array-like; records on disk name their fields."""
+    if isinstance(value, msgspec.Struct):
+        return {name: as_record(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, list):
+        return [as_record(item) for item in value]
+    return value

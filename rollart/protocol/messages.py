@@ -4,7 +4,9 @@ A channel is the set of messages one stage of a connection may carry, with one t
 - `HANDSHAKE`: the frames exchanged before a session is established (`Hello` ... `Welcome`);
 - `SESSION`: the session layer's own frames (`Msg`, `Ack`, `Bye`), which carry the
   application's messages as opaque `msgspec.Raw` bodies;
-- `CONTROL`: the application messages every node understands (status, echo, notices).
+- `CONTROL`: the application messages every node understands (status, echo, notices);
+- `APP`: everything nodes say to each other: `CONTROL` plus rollout (generation, group tasks,
+  trajectories, policy versions) and reward messages.
 
 Schema evolution: new fields get defaults and go at the end (the structs are array-like).
 """
@@ -165,6 +167,144 @@ class Notice(msgspec.Struct, tag="notice", **_WIRE):
 ControlMsg = StatusRequest | NodeStatus | Echo | Notice
 
 
+# -- rollout channel: generation, group tasks, trajectories, rewards --------------------------
+
+
+class Generate(msgspec.Struct, tag="gen", **_WIRE):
+    """Env-host -> generator: generate one turn of one trajectory."""
+
+    request_id: str
+    trajectory_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = []
+    seed: int | None = None
+
+
+class Generated(msgspec.Struct, tag="generated", **_WIRE):
+    """Generator -> env-host: the turn's tokens, their behaviour log-probs and weight versions."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    generator: str
+
+
+class TaskWanted(msgspec.Struct, tag="task?", **_WIRE):
+    """Env-host -> trainer: a slot is free; give it a group (the trainer may wait, then say no)."""
+
+    env_host: str
+    wait_s: float = 5.0
+
+
+class GroupTask(msgspec.Struct, tag="group-task", **_WIRE):
+    """Trainer -> env-host: run G + R trajectories of `task` on environment seed `seed`."""
+
+    group_id: str
+    task: str
+    seed: int
+    group_size: int
+    redundancy: int
+    version: int
+    """The trainer's policy version when the group was granted."""
+
+
+class NoTask(msgspec.Struct, tag="no-task", **_WIRE):
+    """Trainer -> env-host: nothing to run now (alpha admission, paused, or the run is done)."""
+
+    reason: str
+    done: bool = False
+
+
+class Trajectory(msgspec.Struct, tag="trajectory", **_WIRE):
+    """One finished trajectory, token by token.
+
+    `response_ids` holds everything after the first prompt: generated tokens and the later
+    observations; `response_mask` is 1 exactly on generated tokens, and `logprobs` / `versions`
+    hold their behaviour log-prob and weight version (0.0 / -1 elsewhere).
+    """
+
+    trajectory_id: str
+    group_id: str
+    task: str
+    seed: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    env_reward: float
+    turns: int
+    finish: str
+    """done (the environment ended it), max-turns or max-tokens."""
+    started_at_version: int
+    """The trainer's policy version when the trajectory made its first generation call."""
+    started_at: float
+    finished_at: float
+    env_wait_s: float
+    gen_wait_s: float
+    generators: list[str] = []
+
+
+class GroupDone(msgspec.Struct, tag="group", **_WIRE):
+    """Env-host -> trainer: the first G finished trajectories of a group."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+    cancelled: int = 0
+    failed: int = 0
+
+
+class GroupFailed(msgspec.Struct, tag="group-failed", **_WIRE):
+    """Env-host -> trainer: the group cannot reach G; re-issue it."""
+
+    group_id: str
+    reason: str
+
+
+class GroupAck(msgspec.Struct, tag="group-ack", **_WIRE):
+    """Trainer -> env-host: whether the group was taken into the SampleBuffer."""
+
+    accepted: bool
+    reason: str = ""
+
+
+class PolicyVersion(msgspec.Struct, tag="version", **_WIRE):
+    """Trainer -> env-hosts: the policy is at `version`; abort what started before `min_start`."""
+
+    version: int
+    min_start: int
+
+
+class Score(msgspec.Struct, tag="score", **_WIRE):
+    """Env-host -> reward gateway: score one trajectory with reward function `fn`."""
+
+    fn: str
+    task: str
+    prompt: str
+    response: str
+    answer: str | None = None
+    env_reward: float | None = None
+
+
+class Scored(msgspec.Struct, tag="scored", **_WIRE):
+    """Reward gateway -> env-host: the reward and what the function reported."""
+
+    reward: float
+    details: dict[str, Any] = {}
+
+
+RolloutMsg = Generate | Generated | TaskWanted | GroupTask | NoTask | GroupDone | GroupFailed | GroupAck | PolicyVersion
+RewardMsg = Score | Scored
+AppMsg = ControlMsg | RolloutMsg | RewardMsg
+
+
 # -- channels -----------------------------------------------------------------------------------
 
 T = TypeVar("T")
@@ -208,5 +348,7 @@ class Channel(Generic[T]):
 HANDSHAKE: Channel[HandshakeMsg] = Channel("handshake", HandshakeMsg)
 SESSION: Channel[SessionFrame] = Channel("session", SessionFrame)
 CONTROL: Channel[ControlMsg] = Channel("control", ControlMsg)
+APP: Channel[AppMsg] = Channel("app", AppMsg)
+"""What nodes say to each other; each role serves the messages that concern it."""
 REMOTE_FAILURE: Channel[RemoteFailure] = Channel("remote-failure", RemoteFailure)
 BLOB: Channel[BlobHeader] = Channel("blob", BlobHeader)

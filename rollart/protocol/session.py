@@ -124,6 +124,9 @@ class Session:
         self.state = State.CONNECTING
         self.stats = SessionStats()
         self.up = asyncio.Event()
+        self.down = asyncio.Event()
+        """Set while the session has no live connection (callers can fail fast on it)."""
+        self.down.set()
         self.last_heard = 0.0
         self.down_since: float | None = None
         self.last_connected = 0.0
@@ -387,6 +390,7 @@ class Session:
         self.last_heard = self._loop.time()
         self.stats.connects += 1
         self.up.set()
+        self.down.clear()
         self._on_ack(peer_recv_seq)
         for msg in self._unacked:
             self._transmit(msgspec.structs.replace(msg, ack=self._delivered))
@@ -410,6 +414,7 @@ class Session:
             conn.abort() if isinstance(conn, TcpConnection) else conn.close()
             self._conn = None
             self.up.clear()
+            self.down.set()
             self.stats.disconnects += 1
             if self.state is State.UP:
                 self.state = State.DOWN

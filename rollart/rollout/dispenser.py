@@ -1,0 +1,144 @@
+"""The dispenser: which group each env-host runs next, and admission control for alpha.
+
+It draws tasks by the mix's weights and gives each group a fresh environment seed. A grant is
+a lease: the group is in flight until its env-host returns it (accepted or not), reports it
+failed, or the lease expires; a failed, expired or refused group is re-issued (same task and
+seed, new group id), so dropped work always gives its capacity back.
+
+Admission (AReaL's rule, in groups): new work starts only while
+    in flight + buffered < (alpha + 1) * batch_groups,
+so the trainer never has more than alpha batches of work beyond the one it is waiting for, and
+staleness is bounded mostly by not starting work rather than by discarding it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from rollart.protocol.messages import GroupTask
+from rollart.rollout.config import RolloutSpec
+
+log = structlog.get_logger("rollart.rollout.dispenser")
+
+
+@dataclass
+class Lease:
+    """A group in flight."""
+
+    task: GroupTask
+    env_host: str
+    granted_at: float
+    attempt: int
+
+
+class Dispenser:
+    """Hands out group tasks within the admission limit."""
+
+    def __init__(self, spec: RolloutSpec, *, buffered: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+        self.spec = spec
+        self.buffered = buffered
+        self.clock = clock
+        self.leases: dict[str, Lease] = {}
+        self.paused = False
+        self.done = False
+        self._rng = random.Random(spec.seed)
+        self._weights = [task.weight for task in spec.tasks]
+        self._next_group = 0
+        self._next_seed = spec.seed * 1_000_003
+        self._retry: collections.deque[tuple[str, int, int]] = collections.deque()  # (task, seed, attempt)
+        self._changed = asyncio.Event()
+        self.granted = self.completed = self.reissued = 0
+
+    @property
+    def limit(self) -> int:
+        return (self.spec.alpha + 1) * self.spec.batch_groups
+
+    def admissible(self) -> bool:
+        return not (self.done or self.paused) and len(self.leases) + self.buffered() < self.limit
+
+    def changed(self) -> None:
+        """Something that admission depends on changed (a batch taken, a pause lifted)."""
+        self._changed.set()
+
+    async def grant(self, env_host: str, version: int, *, wait_s: float) -> GroupTask | None:
+        """A group for `env_host`, waiting up to `wait_s` for room; None when there is none."""
+        try:
+            async with asyncio.timeout(wait_s):
+                while not self.admissible():
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            return None
+        if self._retry:
+            task_name, seed, attempt = self._retry.popleft()
+        else:
+            task_name = self._rng.choices(self.spec.tasks, weights=self._weights)[0].name
+            self._next_seed += 1
+            seed, attempt = self._next_seed, 0
+        self._next_group += 1
+        task = GroupTask(
+            group_id=f"g{self._next_group}" + (f"-r{attempt}" if attempt else ""),
+            task=task_name,
+            seed=seed,
+            group_size=self.spec.group_size,
+            redundancy=self.spec.redundancy,
+            version=version,
+        )
+        self.leases[task.group_id] = Lease(task, env_host, self.clock(), attempt)
+        self.granted += 1
+        return task
+
+    def complete(self, group_id: str) -> Lease | None:
+        """The group came back; None when it was not in flight (expired and re-issued already)."""
+        lease = self.leases.pop(group_id, None)
+        if lease is not None:
+            self.completed += 1
+            self._changed.set()
+        return lease
+
+    def reissue(self, group_id: str, reason: str) -> None:
+        """Put the group's task and seed back in line (failed, refused as stale, or lost)."""
+        lease = self.leases.pop(group_id, None)
+        if lease is None:
+            return
+        self._retry.append((lease.task.task, lease.task.seed, lease.attempt + 1))
+        self.reissued += 1
+        log.info("dispenser.reissue", group=group_id, reason=reason, env_host=lease.env_host)
+        self._changed.set()
+
+    def requeue(self, task: str, seed: int, reason: str) -> None:
+        """Run a task and seed again that came back but cannot be used (dropped as stale)."""
+        self._retry.append((task, seed, 1))
+        self.reissued += 1
+        log.info("dispenser.requeue", task=task, seed=seed, reason=reason)
+        self._changed.set()
+
+    def release_env_host(self, env_host: str, reason: str) -> None:
+        """Re-issue every group an env-host holds (it restarted, or is gone)."""
+        for group_id, lease in list(self.leases.items()):
+            if lease.env_host == env_host:
+                self.reissue(group_id, reason)
+
+    def expire(self) -> None:
+        """Re-issue groups held longer than `group_timeout_s`."""
+        now = self.clock()
+        for group_id, lease in list(self.leases.items()):
+            if now - lease.granted_at > self.spec.group_timeout_s:
+                self.reissue(group_id, f"not returned within {self.spec.group_timeout_s} s")
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "in_flight": len(self.leases),
+            "limit": self.limit,
+            "granted": self.granted,
+            "completed": self.completed,
+            "reissued": self.reissued,
+            "retry_queue": len(self._retry),
+        }

@@ -1,0 +1,227 @@
+"""One trajectory, end to end: the coroutine an env-host runs per environment instance.
+
+    reset(seed) -> render the prompt with the model's chat template -> LLMProxy.generate ->
+    decode the action -> step -> render the observation as the next user turn -> ... ->
+    score with the task's reward function on the reward gateway
+
+It keeps the token-level history the trainer needs: the first prompt's ids, then every later
+token with a mask that is 1 exactly on generated tokens, and each generated token's behaviour
+log-prob and weight version. A trajectory stops when the environment ends it, at the task's
+turn limit, or when the context would pass its token budget. Every environment call runs off
+the event loop with a deadline (`EnvRunner`); an environment that fails fails this trajectory only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollart.envs import Env, EnvRunner
+from rollart.protocol.errors import RollartError
+from rollart.protocol.messages import Generate, Generated, Score, Trajectory
+from rollart.rollout.config import SamplingSpec, TaskSpec
+from rollart.rollout.proxy import LLMProxy
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer a trajectory uses."""
+
+    eos_token_id: int | None
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
+
+    def convert_tokens_to_ids(self, token: str) -> Any: ...
+
+    def convert_ids_to_tokens(self, ids: int) -> Any: ...
+
+
+class ChatRenderer:
+    """Turns a conversation into token ids with the model's own chat template.
+
+    Later turns are rendered as the text the template adds after the assistant's reply, so the
+    generated ids are kept exactly as sampled and only the environment's text is tokenized.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self.stop_ids = sorted(i for i in stops if isinstance(i, int) and i >= 0)
+
+    def render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        assert isinstance(text, str)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def first_prompt(self, system: str, observation: str) -> tuple[list[dict[str, str]], list[int]]:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": observation})
+        return messages, self.encode(self.render(messages, generation_prompt=True))
+
+    def next_turn(
+        self, messages: list[dict[str, str]], reply: str, generated: list[int], observation: str
+    ) -> list[int]:
+        """Ids that follow the generated reply: the end of the assistant turn, the observation
+        as the next user turn, and the next generation prompt. `messages` is extended."""
+        before = self.render(messages, generation_prompt=True)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
+        after = self.render(messages, generation_prompt=True)
+        if not after.startswith(before + reply):
+            raise ValueError("the chat template does not render the reply verbatim after the generation prompt")
+        tail = after[len(before) + len(reply) :]
+        if generated and generated[-1] in self.stop_ids:
+            stop_text = self.tokenizer.convert_ids_to_tokens(generated[-1])
+            if isinstance(stop_text, str) and tail.startswith(stop_text):
+                tail = tail[len(stop_text) :]  # the model already generated the end of its turn
+        return self.encode(tail)
+
+
+Scorer = Callable[[Score], Awaitable[float]]
+
+
+@dataclass
+class TrajectoryJob:
+    """What a trajectory needs to run."""
+
+    trajectory_id: str
+    group_id: str
+    task: TaskSpec
+    seed: int
+    sampling: SamplingSpec
+    env_timeout_s: float
+
+
+class TrajectoryAborted(RollartError):
+    """A generator aborted the turn (its request was cancelled there)."""
+
+
+@dataclass
+class _History:
+    """Every token after the first prompt, with what the trainer needs to know of each."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def generated(self, result: Generated) -> None:
+        self.ids += result.token_ids
+        self.mask += [1] * len(result.token_ids)
+        self.logprobs += result.logprobs
+        self.versions += result.versions
+
+    def context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+
+async def run_trajectory(
+    job: TrajectoryJob,
+    *,
+    env: Env,
+    renderer: ChatRenderer,
+    proxy: LLMProxy,
+    score: Scorer,
+    policy_version: Callable[[], int],
+    on_start: Callable[[int], None] = lambda version: None,
+) -> Trajectory:
+    """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ..."""
+    task = job.task
+    runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s)
+    started_at = time.time()
+    env_wait = gen_wait = 0.0
+    try:
+        t0 = time.monotonic()
+        observation, info = await runner.reset(job.seed)
+        env_wait += time.monotonic() - t0
+        messages, prompt_ids = renderer.first_prompt(env.system_prompt, observation)
+        prompt_text = renderer.render(messages, generation_prompt=True)
+        history = _History()
+        generated_text: list[str] = []
+        generators: list[str] = []
+        started_at_version: int | None = None
+        env_reward, turns, finish = 0.0, 0, "max-turns"
+        max_turns = task.max_turns or env.max_turns
+        while turns < max_turns:
+            budget = min(task.max_tokens_per_turn, task.max_total_tokens - len(prompt_ids) - len(history.ids))
+            if budget <= 0:
+                finish = "max-tokens"
+                break
+            if started_at_version is None:
+                started_at_version = policy_version()
+                on_start(started_at_version)
+            request = Generate(
+                request_id=f"{job.trajectory_id}.t{turns}",
+                trajectory_id=job.trajectory_id,
+                prompt_ids=prompt_ids + history.ids,
+                max_tokens=budget,
+                temperature=job.sampling.temperature,
+                top_p=job.sampling.top_p,
+                stop_token_ids=renderer.stop_ids,
+            )
+            t0 = time.monotonic()
+            result = await proxy.generate(task.name, request)
+            gen_wait += time.monotonic() - t0
+            if result.finish_reason == "abort":
+                raise TrajectoryAborted(f"{request.request_id} was aborted on {result.generator}")
+            history.generated(result)
+            generators.append(result.generator)
+            reply = renderer.decode(result.token_ids)
+            generated_text.append(reply)
+            t0 = time.monotonic()
+            observation, reward, terminated, truncated, info = await runner.step(reply)
+            env_wait += time.monotonic() - t0
+            env_reward += reward
+            turns += 1
+            if terminated or truncated:
+                finish = "done" if terminated else "max-turns"
+                break
+            history.context(renderer.next_turn(messages, reply, result.token_ids, observation))
+        answer = info.get("answer")
+        reward = await score(
+            Score(
+                fn=task.reward,
+                task=task.name,
+                prompt=prompt_text,
+                response="\n".join(generated_text),
+                answer=str(answer) if answer is not None else None,
+                env_reward=env_reward,
+            )
+        )
+    finally:
+        proxy.forget(job.trajectory_id)
+        await runner.close()
+    return Trajectory(
+        trajectory_id=job.trajectory_id,
+        group_id=job.group_id,
+        task=task.name,
+        seed=job.seed,
+        prompt_ids=prompt_ids,
+        response_ids=history.ids,
+        response_mask=history.mask,
+        logprobs=history.logprobs,
+        versions=history.versions,
+        reward=reward,
+        env_reward=env_reward,
+        turns=turns,
+        finish=finish,
+        started_at_version=started_at_version if started_at_version is not None else policy_version(),
+        started_at=started_at,
+        finished_at=time.time(),
+        env_wait_s=round(env_wait, 6),
+        gen_wait_s=round(gen_wait, 6),
+        generators=generators,
+    )

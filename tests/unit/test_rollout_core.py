@@ -1,0 +1,145 @@
+"""SampleBuffer, dispenser admission and groups with redundancy, without any network."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollart.protocol.messages import GroupDone, GroupFailed, GroupTask, Trajectory
+from rollart.rollout.buffer import SampleBuffer
+from rollart.rollout.config import RolloutSpec, TaskSpec
+from rollart.rollout.dispenser import Dispenser
+from rollart.rollout.group import run_group
+
+
+def trajectory(tid: str, started: int = 0, group: str = "g1") -> Trajectory:
+    return Trajectory(
+        trajectory_id=tid,
+        group_id=group,
+        task="t",
+        seed=1,
+        prompt_ids=[1],
+        response_ids=[2],
+        response_mask=[1],
+        logprobs=[-0.5],
+        versions=[started],
+        reward=1.0,
+        env_reward=1.0,
+        turns=1,
+        finish="done",
+        started_at_version=started,
+        started_at=0.0,
+        finished_at=1.0,
+        env_wait_s=0.0,
+        gen_wait_s=0.0,
+    )
+
+
+def group(gid: str, *started: int) -> GroupDone:
+    return GroupDone(gid, [trajectory(f"{gid}.{i}", s, gid) for i, s in enumerate(started)])
+
+
+def spec(**overrides: object) -> RolloutSpec:
+    base: dict[str, object] = {
+        "tasks": [TaskSpec(name="a", env="copy-reverse"), TaskSpec(name="b", env="frozen-lake", weight=3.0)],
+        "group_size": 2,
+        "redundancy": 1,
+        "batch_groups": 2,
+        "alpha": 1,
+    }
+    return RolloutSpec(**(base | overrides))  # type: ignore[arg-type]
+
+
+async def test_buffer_refuses_and_drops_what_breaks_the_alpha_bound() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=1)
+    assert buffer.put(group("g1", 3, 3), version=4) == (True, "")
+    accepted, why = buffer.put(group("g2", 2, 3), version=4)
+    assert not accepted and "started at version 2, the policy is at 4" in why
+    assert buffer.put(group("g3", 4, 4), version=4)[0]
+    dropped = buffer.drop_stale(version=5)  # 3 < 5 - 1: g1 goes, g3 stays
+    assert [g.group_id for g in dropped] == ["g1"]
+    assert buffer.stats() == {"depth": 1, "accepted": 2, "refused_stale": 1, "dropped_stale": 1, "taken": 0}
+
+
+async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=0)
+    taker = asyncio.ensure_future(buffer.take())
+    buffer.put(group("g1", 0), version=0)
+    await asyncio.sleep(0)
+    assert not taker.done()
+    buffer.put(group("g2", 0), version=0)
+    buffer.put(group("g3", 0), version=0)
+    batch = await asyncio.wait_for(taker, 1)
+    assert [g.group_id for g in batch] == ["g1", "g2"] and len(buffer) == 1
+
+
+@pytest.mark.parametrize("alpha", [0, 1, 2])
+async def test_admission_keeps_in_flight_plus_buffered_within_alpha(alpha: int) -> None:
+    buffered = [0]
+    dispenser = Dispenser(spec(alpha=alpha), buffered=lambda: buffered[0])
+    limit = (alpha + 1) * 2
+    granted = [await dispenser.grant("env-0", 0, wait_s=0.01) for _ in range(limit)]
+    assert all(granted) and len({g.group_id for g in granted if g}) == limit
+    assert await dispenser.grant("env-0", 0, wait_s=0.01) is None  # at the limit: nothing more starts
+    first = granted[0]
+    assert first is not None
+    dispenser.complete(first.group_id)
+    buffered[0] = 1  # it went into the buffer: still counts against the limit
+    assert await dispenser.grant("env-0", 0, wait_s=0.01) is None
+    buffered[0] = 0  # the trainer took it
+    dispenser.changed()
+    assert await dispenser.grant("env-0", 0, wait_s=0.01) is not None
+
+
+async def test_failed_groups_are_reissued_with_their_seed_and_give_capacity_back() -> None:
+    dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
+    task = await dispenser.grant("env-0", 0, wait_s=0.01)
+    assert task is not None
+    assert await dispenser.grant("env-0", 0, wait_s=0.01) is None
+    dispenser.reissue(task.group_id, "2 of 2 failed")
+    again = await dispenser.grant("env-1", 0, wait_s=0.01)
+    assert again is not None
+    assert (again.task, again.seed) == (task.task, task.seed) and again.group_id != task.group_id
+    dispenser.release_env_host("env-1", "restarted")
+    third = await dispenser.grant("env-0", 0, wait_s=0.01)
+    assert third is not None and third.seed == task.seed
+
+
+async def test_task_mix_follows_the_weights() -> None:
+    dispenser = Dispenser(spec(alpha=1000), buffered=lambda: 0)
+    names = [(await dispenser.grant("e", 0, wait_s=0.01)).task for _ in range(400)]  # type: ignore[union-attr]
+    assert 0.65 < names.count("b") / len(names) < 0.85  # weight 3 of 4
+
+
+async def test_group_keeps_the_first_g_and_cancels_the_extras() -> None:
+    cancelled: list[str] = []
+    release = {f"g1.{i}": asyncio.Event() for i in range(3)}
+
+    async def one(tid: str) -> Trajectory:
+        try:
+            await release[tid].wait()
+        except asyncio.CancelledError:
+            cancelled.append(tid)
+            raise
+        return trajectory(tid)
+
+    run = asyncio.ensure_future(run_group(GroupTask("g1", "t", 1, group_size=2, redundancy=1, version=0), one))
+    release["g1.2"].set()
+    release["g1.0"].set()
+    outcome = await asyncio.wait_for(run, 1)
+    assert isinstance(outcome, GroupDone)
+    assert sorted(t.trajectory_id for t in outcome.trajectories) == ["g1.0", "g1.2"]
+    assert cancelled == ["g1.1"] and outcome.cancelled == 1
+
+
+async def test_group_fails_as_soon_as_g_cannot_be_reached() -> None:
+    async def one(tid: str) -> Trajectory:
+        if tid != "g1.0":
+            raise RuntimeError(f"env of {tid} broke")
+        await asyncio.Event().wait()  # never finishes: must be cancelled
+        raise AssertionError
+
+    outcome = await asyncio.wait_for(run_group(GroupTask("g1", "t", 1, 2, 1, 0), one), 1)
+    assert isinstance(outcome, GroupFailed)
+    assert outcome.reason.startswith("0 of 2 trajectories finished") and "env of g1.1 broke" in outcome.reason
