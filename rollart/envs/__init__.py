@@ -8,6 +8,7 @@ Importing this package registers the built-ins:
 | `sokoban` | prefill-heavy | push one box onto its target, multi-turn |
 | `copy-reverse` | decode-heavy | reverse a random string, one turn, partial credit |
 | `flaky` | (its inner env's) | another env that fails and hangs on purpose, for tests |
+| `slow` | (its inner env's) | another env whose calls take lognormal time (the latency spread sigma) |
 | `gem:<id>`, `gym:<id>` | (see adapters) | GEM and Gymnasium envs, if those are installed |
 
 Pure code over plain data: nothing here knows the network, the nodes, the engines, or torch.
@@ -38,12 +39,14 @@ from rollart.envs.registry import (
     registered_envs,
 )
 from rollart.envs.runner import EnvRunner
+from rollart.envs.slow import SlowEnv
 from rollart.envs.sokoban import SokobanEnv
 
 register_env("frozen-lake", FrozenLakeEnv)
 register_env("sokoban", SokobanEnv)
 register_env("copy-reverse", CopyReverseEnv)
 register_env("flaky", FlakyEnv)
+register_env("slow", SlowEnv)
 register_env_family("gem", GemEnv)
 register_env_family("gym", GymnasiumTextEnv)
 
@@ -61,6 +64,7 @@ __all__ = [
     "GymnasiumTextEnv",
     "Info",
     "Profile",
+    "SlowEnv",
     "SokobanEnv",
     "StepResult",
     "import_env_modules",

@@ -579,3 +579,19 @@ async def test_runner_reports_injected_failures() -> None:
     with pytest.raises(EnvFailure, match=r"'flaky': reset\(\) raised EnvFailure: flaky env: injected reset"):
         await runner.reset(0)
     await runner.close()
+
+
+def test_slow_env_waits_a_lognormal_time_and_passes_everything_through() -> None:
+    import statistics
+
+    from rollart.envs import SlowEnv
+
+    plain = make_env("copy-reverse")
+    delays = []
+    for seed in range(40):
+        env = make_env("slow", inner="copy-reverse", median_s=0.0005, sigma=1.0, seed=seed)
+        assert isinstance(env, SlowEnv)
+        assert env.reset(seed) == plain.reset(seed)
+        delays.append(env.waited_s)
+    assert 0.0002 < statistics.median(delays) < 0.0012  # median of exp(N(0, 1)) * 0.5 ms is 0.5 ms
+    assert max(delays) > 2 * statistics.median(delays)  # a tail
