@@ -32,6 +32,7 @@ from rollart.protocol.messages import (
     TaskWanted,
     Trajectory,
 )
+from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
@@ -82,32 +83,59 @@ class EnvHostNode(NodeDaemon):
         trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
         try:
             async with asyncio.TaskGroup() as tg:
-                self._slots = [
-                    tg.create_task(self._slot(trainer, reward)) for _ in range(self.rollout.groups_per_env_host)
-                ]
+                if self.rollout.env_stepping == "batch":
+                    self._slots = [tg.create_task(self._batch_rounds(trainer, reward))]
+                else:
+                    slots = range(self.rollout.groups_per_env_host)
+                    self._slots = [tg.create_task(self._slot(trainer, reward)) for _ in slots]
             await super().work()
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
+
+    async def _ask(self, trainer: ClientSession) -> GroupTask | NoTask | None:
+        """One group task from the trainer, its refusal, or None after a transient failure."""
+        try:
+            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=5.0), timeout=20.0)
+        except (RequestTimeout, SessionLost, RemoteError) as exc:
+            log.warning("env_host.no_task", error=str(exc))
+            await asyncio.sleep(RETRY_S)
+            return None
+        if isinstance(reply, GroupTask):
+            self.version = max(self.version, reply.version)
+            return reply
+        return reply if isinstance(reply, NoTask) else None
 
     async def _slot(self, trainer: ClientSession, reward: ClientSession) -> None:
         """Ask for a group, run it, hand it in; until the trainer says the run is done."""
         while not self.draining:
             await self.unpaused.wait()
-            try:
-                reply = await trainer.request(TaskWanted(self.spec.name, wait_s=5.0), timeout=20.0)
-            except (RequestTimeout, SessionLost, RemoteError) as exc:
-                log.warning("env_host.no_task", error=str(exc))
-                await asyncio.sleep(RETRY_S)
-                continue
-            match reply:
+            match await self._ask(trainer):
                 case NoTask(done=True):
                     return
-                case NoTask():
-                    continue
-                case GroupTask():
-                    self.version = max(self.version, reply.version)
-                    outcome = await run_group(reply, functools.partial(self._trajectory, reply, reward))
+                case GroupTask() as task:
+                    outcome = await run_group(task, functools.partial(self._trajectory, task, reward, None))
                     await self._hand_in(trainer, outcome)
+
+    async def _batch_rounds(self, trainer: ClientSession, reward: ClientSession) -> None:
+        """The synchronous baseline: gather a batch of groups, step them turn by turn together."""
+        assert self.rollout is not None
+        done = False
+        while not (done or self.draining):
+            await self.unpaused.wait()
+            tasks: list[GroupTask] = []
+            while len(tasks) < self.rollout.groups_per_env_host and not self.draining:
+                reply = await self._ask(trainer)
+                if isinstance(reply, GroupTask):
+                    tasks.append(reply)
+                elif isinstance(reply, NoTask) and (reply.done or tasks):
+                    done = reply.done
+                    break
+            barrier = TurnBarrier()
+            outcomes = await asyncio.gather(
+                *(run_group(task, functools.partial(self._trajectory, task, reward, barrier)) for task in tasks)
+            )
+            for outcome in outcomes:
+                await self._hand_in(trainer, outcome)
 
     async def _hand_in(self, trainer: ClientSession, outcome: GroupDone | GroupFailed) -> None:
         if isinstance(outcome, GroupDone):
@@ -129,7 +157,9 @@ class EnvHostNode(NodeDaemon):
         if isinstance(ack, GroupAck) and isinstance(outcome, GroupDone):
             self.counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
 
-    async def _trajectory(self, group: GroupTask, reward: ClientSession, trajectory_id: str) -> Trajectory:
+    async def _trajectory(
+        self, group: GroupTask, reward: ClientSession, barrier: TurnBarrier | None, trajectory_id: str
+    ) -> Trajectory:
         assert self.rollout is not None and self.renderer is not None
         task = next(t for t in self.rollout.tasks if t.name == group.task)
         job = TrajectoryJob(
@@ -158,6 +188,7 @@ class EnvHostNode(NodeDaemon):
                 score=score,
                 policy_version=lambda: self.version,
                 on_start=started,
+                barrier=barrier,
             )
         except EnvFailure:
             self.counts["env_failures"] += 1

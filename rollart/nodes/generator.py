@@ -45,6 +45,7 @@ class GeneratorNode(NodeDaemon):
         self.served = 0
         self.aborted = 0
         self.engine_start_s: float | None = None
+        self._engine_started: float | None = None
 
     async def work(self) -> None:
         run = self.topology.run
@@ -60,7 +61,8 @@ class GeneratorNode(NodeDaemon):
         )
         await engine.start()
         self.engine = engine
-        self.engine_start_s = round(time.monotonic() - started, 3)
+        self._engine_started = time.monotonic()
+        self.engine_start_s = round(self._engine_started - started, 3)
         self.ready.set()
         log.info("generator.ready", backend=run.generator.backend, start_s=self.engine_start_s)
         try:
@@ -106,7 +108,11 @@ class GeneratorNode(NodeDaemon):
         )
 
     async def drain_work(self) -> None:
-        log.info("generator.summary", served=self.served, aborted=self.aborted, engine_ready=self.ready.is_set())
+        busy: dict[str, float] = {}
+        if self.engine is not None and self._engine_started is not None:
+            up = time.monotonic() - self._engine_started
+            busy = {"engine_up_s": round(up, 3), "busy_s": round(self.engine.load().busy_fraction * up, 3)}
+        log.info("generator.summary", served=self.served, aborted=self.aborted, **busy)
 
     def queue_depths(self) -> dict[str, int]:
         if self.engine is None:

@@ -77,6 +77,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """In rollout-only mode, count each batch taken as a new policy version (exercises alpha)."""
     groups_per_env_host: int = 4
     """Groups one env-host runs at once."""
+    env_stepping: Literal["trajectory", "batch"] = "trajectory"
+    """trajectory: each trajectory moves on its own (RollArt); batch: each env-host runs its groups
+    as one batch whose every turn waits for all of them (the synchronous baseline)."""
     sampling: SamplingSpec = SamplingSpec()
     generate_timeout_s: float = 60.0
     """Deadline of one generation call; past it the turn is re-issued on another generator."""

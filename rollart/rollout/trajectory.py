@@ -16,11 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rollart.envs import Env, EnvRunner
 from rollart.protocol.errors import RollartError
 from rollart.protocol.messages import Generate, Generated, Score, Trajectory
+from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.proxy import LLMProxy
 
@@ -88,6 +89,7 @@ class ChatRenderer:
 
 
 Scorer = Callable[[Score], Awaitable[float]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -114,12 +116,25 @@ class _History:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    generators: list[str] = field(default_factory=list)
+    waited: dict[str, float] = field(default_factory=lambda: {"env": 0.0, "gen": 0.0})
 
-    def generated(self, result: Generated) -> None:
+    async def timed(self, kind: str, call: Awaitable[T]) -> T:
+        """Await `call`, adding the wait to the trajectory's env or generation time."""
+        t0 = time.monotonic()
+        try:
+            return await call
+        finally:
+            self.waited[kind] += time.monotonic() - t0
+
+    def generated(self, result: Generated, reply: str) -> None:
         self.ids += result.token_ids
         self.mask += [1] * len(result.token_ids)
         self.logprobs += result.logprobs
         self.versions += result.versions
+        self.replies.append(reply)
+        self.generators.append(result.generator)
 
     def context(self, ids: list[int]) -> None:
         self.ids += ids
@@ -137,21 +152,19 @@ async def run_trajectory(
     score: Scorer,
     policy_version: Callable[[], int],
     on_start: Callable[[int], None] = lambda version: None,
+    barrier: TurnBarrier | None = None,
 ) -> Trajectory:
     """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ..."""
     task = job.task
     runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s)
+    if barrier is not None:
+        barrier.join()
     started_at = time.time()
-    env_wait = gen_wait = 0.0
+    history = _History()
     try:
-        t0 = time.monotonic()
-        observation, info = await runner.reset(job.seed)
-        env_wait += time.monotonic() - t0
+        observation, info = await history.timed("env", runner.reset(job.seed))
         messages, prompt_ids = renderer.first_prompt(env.system_prompt, observation)
         prompt_text = renderer.render(messages, generation_prompt=True)
-        history = _History()
-        generated_text: list[str] = []
-        generators: list[str] = []
         started_at_version: int | None = None
         env_reward, turns, finish = 0.0, 0, "max-turns"
         max_turns = task.max_turns or env.max_turns
@@ -160,6 +173,8 @@ async def run_trajectory(
             if budget <= 0:
                 finish = "max-tokens"
                 break
+            if barrier is not None:
+                await barrier.wait()  # batch-level stepping: the whole batch finished the last turn
             if started_at_version is None:
                 started_at_version = policy_version()
                 on_start(started_at_version)
@@ -172,18 +187,12 @@ async def run_trajectory(
                 top_p=job.sampling.top_p,
                 stop_token_ids=renderer.stop_ids,
             )
-            t0 = time.monotonic()
-            result = await proxy.generate(task.name, request)
-            gen_wait += time.monotonic() - t0
+            result = await history.timed("gen", proxy.generate(task.name, request))
             if result.finish_reason == "abort":
                 raise TrajectoryAborted(f"{request.request_id} was aborted on {result.generator}")
-            history.generated(result)
-            generators.append(result.generator)
             reply = renderer.decode(result.token_ids)
-            generated_text.append(reply)
-            t0 = time.monotonic()
-            observation, reward, terminated, truncated, info = await runner.step(reply)
-            env_wait += time.monotonic() - t0
+            history.generated(result, reply)
+            observation, reward, terminated, truncated, info = await history.timed("env", runner.step(reply))
             env_reward += reward
             turns += 1
             if terminated or truncated:
@@ -196,12 +205,14 @@ async def run_trajectory(
                 fn=task.reward,
                 task=task.name,
                 prompt=prompt_text,
-                response="\n".join(generated_text),
+                response="\n".join(history.replies),
                 answer=str(answer) if answer is not None else None,
                 env_reward=env_reward,
             )
         )
     finally:
+        if barrier is not None:
+            barrier.leave()
         proxy.forget(job.trajectory_id)
         await runner.close()
     return Trajectory(
@@ -221,7 +232,7 @@ async def run_trajectory(
         started_at_version=started_at_version if started_at_version is not None else policy_version(),
         started_at=started_at,
         finished_at=time.time(),
-        env_wait_s=round(env_wait, 6),
-        gen_wait_s=round(gen_wait, 6),
-        generators=generators,
+        env_wait_s=round(history.waited["env"], 6),
+        gen_wait_s=round(history.waited["gen"], 6),
+        generators=history.generators,
     )

@@ -143,3 +143,21 @@ async def test_group_fails_as_soon_as_g_cannot_be_reached() -> None:
     outcome = await asyncio.wait_for(run_group(GroupTask("g1", "t", 1, 2, 1, 0), one), 1)
     assert isinstance(outcome, GroupFailed)
     assert outcome.reason.startswith("0 of 2 trajectories finished") and "env of g1.1 broke" in outcome.reason
+
+
+async def test_turn_barrier_releases_a_turn_when_every_live_trajectory_reached_it() -> None:
+    from rollart.rollout.barrier import TurnBarrier
+
+    barrier = TurnBarrier()
+    for _ in range(3):
+        barrier.join()
+    first = asyncio.ensure_future(barrier.wait())
+    second = asyncio.ensure_future(barrier.wait())
+    await asyncio.sleep(0)
+    assert not first.done() and not second.done()  # the third has not arrived
+    barrier.leave()  # ... and never will: it finished
+    await asyncio.wait_for(asyncio.gather(first, second), 1)
+    again = asyncio.ensure_future(barrier.wait())  # the next turn waits for the other survivor
+    await asyncio.sleep(0)
+    assert not again.done()
+    await asyncio.wait_for(asyncio.gather(barrier.wait(), again), 1)
