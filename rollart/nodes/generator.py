@@ -9,6 +9,7 @@ it in the engine; the aborts are counted in `/status`.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from typing import Any
 
@@ -27,7 +28,14 @@ log = structlog.get_logger("rollart.generator")
 def build_engine(backend: str, model_path: str, *, max_batch_size: int, dtype: str) -> GenerationEngine:
     """The configured backend; imported here so a node without rollout never imports torch."""
     if backend == "vllm":
-        raise ConfigError("run.generator.backend: the vllm backend is not in this build yet; use 'hf'")
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "run.generator.backend: vllm is not installed in this environment; run bin/setup-vllm and start "
+                "the nodes with .venv-vllm/bin/python (docs/vllm.md), or use backend: hf"
+            )
+        from rollart.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, max_batch_size=max_batch_size, dtype=dtype)
     import torch
 
     from rollart.engines.hf import HFEngine
@@ -113,6 +121,11 @@ class GeneratorNode(NodeDaemon):
             up = time.monotonic() - self._engine_started
             busy = {"engine_up_s": round(up, 3), "busy_s": round(self.engine.load().busy_fraction * up, 3)}
         log.info("generator.summary", served=self.served, aborted=self.aborted, **busy)
+
+    def progress(self) -> str:
+        if self.engine is None:
+            return "engine starting" if self.topology.run.rollout is not None else ""
+        return f"served {self.served}, busy {self.engine.load().busy_fraction:.0%}"
 
     def queue_depths(self) -> dict[str, int]:
         if self.engine is None:
