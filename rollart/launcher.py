@@ -312,9 +312,10 @@ class Launcher:
         queues = ",".join(f"{k}={v}" for k, v in status.get("queues", {}).items()) or "-"
         pid = node.proc.pid if node.proc else "-"
         uptime = f"{status['uptime_s']:.0f}s" if "uptime_s" in status else "-"
+        progress = f"  {status['progress']}" if status.get("progress") else ""
         return (
             f"  {node.spec.name:<16} {node.spec.role.value:<15} {node.state:<22} pid {pid!s:<7} up {uptime:<6} "
-            f"sessions {up}/{len(all_sessions)} up  queues {queues}  restarts {len(node.restarts)}"
+            f"sessions {up}/{len(all_sessions)} up  queues {queues}  restarts {len(node.restarts)}{progress}"
         )
 
     def _say(self, text: str) -> None:

@@ -185,6 +185,10 @@ class NodeDaemon:
         """The role's queues, for `/status` and metrics."""
         return {}
 
+    def progress(self) -> str:
+        """One short line on what the role has done, for the launcher's live status."""
+        return ""
+
     def role_gauges(self) -> dict[str, tuple[str, float]]:
         """The role's own metrics: name -> (help, value), exported as gauges."""
         return {}
@@ -248,6 +252,7 @@ class NodeDaemon:
             "in_flight": self.in_flight(),
             "queues": self.queue_depths(),
             "last_error": self.last_error,
+            "progress": self.progress(),
             "sessions": {
                 "outgoing": [client.describe() for client in self.clients.values()],
                 "incoming": [session.describe() for session in self.server.sessions.values()],

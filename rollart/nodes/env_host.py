@@ -220,6 +220,10 @@ class EnvHostNode(NodeDaemon):
         if self._slots:
             await asyncio.wait(self._slots)
 
+    def progress(self) -> str:
+        c = self.counts
+        return f"trajectories {c['trajectories_done']} done, {c['trajectories_failed']} failed" if self.rollout else ""
+
     def queue_depths(self) -> dict[str, int]:
         return {"trajectories": len(self.running)}
 

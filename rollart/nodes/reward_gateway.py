@@ -58,6 +58,10 @@ class RewardGatewayNode(NodeDaemon):
             case _:
                 return await super().on_role_request(session, msg)
 
+    def progress(self) -> str:
+        stats = self.pool.stats()
+        return f"workers {stats.live_workers}, served {stats.served}"
+
     def queue_depths(self) -> dict[str, int]:
         return {"reward_queue": self.pool.stats().queue_depth}
 

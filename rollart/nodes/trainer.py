@@ -37,6 +37,7 @@ class TrainerNode(NodeDaemon):
         self.version = 0
         self.batches = 0
         self.done = False
+        self.last_rewards: list[float] = []
         self._env_host_sessions: dict[str, str] = {}
         rollout = self.topology.run.rollout
         self.rollout = rollout
@@ -64,6 +65,7 @@ class TrainerNode(NodeDaemon):
             self.dispenser.changed()
             await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
             self.batches += 1
+            self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
             if self.rollout.bump_version_every_batch:
                 await self.bump_version()
@@ -144,6 +146,14 @@ class TrainerNode(NodeDaemon):
                 **self.dispenser.stats(),
                 buffer=self.buffer.stats(),
             )
+
+    def progress(self) -> str:
+        if self.rollout is None:
+            return ""
+        steps = self.rollout.steps if self.rollout.steps is not None else "-"
+        rewards = self.last_rewards
+        mean = f", mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""
+        return f"batch {self.batches}/{steps}, version {self.version}{mean}"
 
     def queue_depths(self) -> dict[str, int]:
         if self.rollout is None:
