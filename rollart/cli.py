@@ -2,6 +2,7 @@
 
     rollart run TOPOLOGY [--duration S]   start every node of the topology here, show their status
     rollart check TOPOLOGY                validate a topology file and print its nodes
+    rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
 
 Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration or usage.
 """
@@ -26,11 +27,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--start-timeout", type=float, default=120.0, help="seconds for every node to become healthy")
     check = commands.add_parser("check", help="validate a topology file")
     check.add_argument("topology")
+    build = commands.add_parser("build-model", help="build the tiny default model in a folder")
+    build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
+    build.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "build-model":
+        from rollart.engines.tiny_model import main as build_model
+
+        build_model(["--out", args.out, "--seed", str(args.seed)])
+        return 0
     try:
         topology = load_topology(args.topology)
     except ConfigError as exc:

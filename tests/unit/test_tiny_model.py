@@ -147,3 +147,16 @@ def test_cli_prints_what_it_built(tmp_path: Path, capsys: pytest.CaptureFixture[
     printed = capsys.readouterr().out
     assert "parameters" in printed and "vocab 101" in printed and str(out) in printed
     assert json.loads((out / MARKER_FILE).read_text())["seed"] == 2
+
+
+def test_rollart_build_model_command_builds_a_loadable_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollart.cli import main as rollart
+
+    out = tmp_path / "built"
+    assert rollart(["build-model", str(out), "--seed", "4"]) == 0
+    assert str(out) in capsys.readouterr().out
+    model, tokenizer = load_model_and_tokenizer(out)
+    assert json.loads((out / MARKER_FILE).read_text())["seed"] == 4
+    assert model.config.vocab_size == len(tokenizer)
