@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
+from rollart.protocol.errors import RollartError
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,6 +32,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     """Generation ends after any of these (the tokenizer's EOS is always one)."""
     seed: int | None = None
     """Per-request seed, for reproducible sampling."""
+
+
+class EngineClosed(RollartError):
+    """The engine is not started, is closed, or its scheduler died (the cause is chained)."""
+
+
+class InvalidRequest(RollartError, ValueError):
+    """A request or a weight update that the engine cannot take; the message says why."""
+
+
+class WeightsMismatch(InvalidRequest):
+    """New weights whose names or shapes do not match the model's."""
 
 
 FinishReason = Literal["stop", "length", "abort"]

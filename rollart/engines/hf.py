@@ -36,24 +36,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from rollart.engines.base import EngineLoad, FinishReason, GenerationResult, SamplingParams
+from rollart.engines.base import (
+    EngineClosed,
+    EngineLoad,
+    FinishReason,
+    GenerationResult,
+    InvalidRequest,
+    SamplingParams,
+    WeightsMismatch,
+)
 from rollart.engines.tiny_model import load_model_and_tokenizer
-from rollart.errors import RollartError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-
-class EngineClosed(RollartError):
-    """The engine is not started, is closed, or its scheduler died (the cause is chained)."""
-
-
-class InvalidRequest(RollartError, ValueError):
-    """A request or a weight update that the engine cannot take; the message says why."""
-
-
-class WeightsMismatch(InvalidRequest):
-    """New weights whose names or shapes do not match the model's."""
 
 
 @dataclass(eq=False)

@@ -42,8 +42,15 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from rollart.engines.base import EngineLoad, FinishReason, GenerationResult, SamplingParams
-from rollart.engines.hf import EngineClosed, InvalidRequest, WeightsMismatch
+from rollart.engines.base import (
+    EngineClosed,
+    EngineLoad,
+    FinishReason,
+    GenerationResult,
+    InvalidRequest,
+    SamplingParams,
+    WeightsMismatch,
+)
 from rollart.errors import RollartError
 
 if TYPE_CHECKING:

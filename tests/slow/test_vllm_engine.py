@@ -18,8 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollart.engines.base import SamplingParams
-from rollart.engines.hf import EngineClosed, InvalidRequest, WeightsMismatch
+from rollart.engines.base import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.engines.tiny_model import ensure_tiny_model, load_model_and_tokenizer
 from rollart.engines.vllm_engine import VLLMEngine
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.base import GenerationResult, SamplingParams
-from rollart.engines.hf import EngineClosed, HFEngine, InvalidRequest, WeightsMismatch
+from rollart.engines.base import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
+from rollart.engines.hf import HFEngine
 from rollart.engines.tiny_model import build_tiny_model, load_model_and_tokenizer
 
 torch.set_num_threads(1)
