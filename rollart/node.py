@@ -9,7 +9,10 @@ and its role, then runs the role's daemon on uvloop until it is drained (SIGTERM
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
+import time
 
 import structlog
 
@@ -17,6 +20,7 @@ from rollart.protocol.errors import ConfigError
 from rollart.topology import Topology, load_topology
 
 EXIT_CONFIG = 2
+THREAD_GRACE_S = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,14 +61,31 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(node=spec.name, role=spec.role.value, level=topology.run.log_level)
     log = structlog.get_logger("rollart.node")
+    code = 0
     try:
         uvloop.run(run_node(topology, spec.name))
     except Exception as exc:  # the process is ending: log every cause, exit non-zero
         causes = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
         for cause in causes:
             log.error("node.failed", error=f"{type(cause).__name__}: {cause}", exc_info=cause)
-        return 1
-    return 0
+        code = 1
+    _leave_stuck_threads(log, code)
+    return code
+
+
+def _leave_stuck_threads(log: structlog.typing.FilteringBoundLogger, code: int) -> None:
+    """Exit now if threads are still busy (an environment call stuck in a thread cannot be
+    interrupted, and the interpreter would wait for it): a drained node must not hang."""
+    deadline = time.monotonic() + THREAD_GRACE_S
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if stuck:
+        log.warning("node.exit_leaving_threads", threads=stuck)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":

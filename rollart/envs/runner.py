@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rollart.envs.base import Env, EnvFailure, Info, StepResult
@@ -46,6 +46,10 @@ def _contain(fn: Callable[..., T], *args: Any) -> T:
         raise RuntimeError(f"{type(exc).__name__} raised inside the env: {exc}") from exc
 
 
+CLOSE_GRACE_S = 0.2
+"""How long `close` waits for a call that outlived its cancelled caller before leaving it to finish."""
+
+
 class EnvRunner:
     """Runs one env's `reset`/`step`/`close` in a worker thread under a per-call timeout."""
 
@@ -58,6 +62,8 @@ class EnvRunner:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env-{self.name}")
         self._broken: str | None = None
         self._closed = False
+        self._running: Future[Any] | None = None
+        """The latest call handed to the worker thread (it may outlive a cancelled caller)."""
 
     @property
     def broken(self) -> bool:
@@ -84,6 +90,19 @@ class EnvRunner:
         """
         if self._closed:
             return
+        if self._broken is None and self._running is not None and not self._running.done():
+            # A call whose caller was cancelled still runs in the worker: close the env after it,
+            # waiting only briefly (a drain must not wait out a slow environment).
+            self._closed = True
+            closing = self._executor.submit(_contain, self.env.close)
+            self._executor.shutdown(wait=False)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(closing)), CLOSE_GRACE_S)
+            except TimeoutError:
+                pass  # it closes when the call ends; nobody waits on this env any more
+            except Exception as exc:
+                raise EnvFailure(f"env {self.name!r}: close() raised {type(exc).__name__}: {exc}") from exc
+            return
         try:
             if self._broken is None:
                 await self._call("close", self.env.close)
@@ -99,7 +118,8 @@ class EnvRunner:
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                return await asyncio.get_running_loop().run_in_executor(self._executor, _contain, fn, *args)
+                self._running = self._executor.submit(_contain, fn, *args)
+                return await asyncio.wrap_future(self._running)
         except TimeoutError as exc:
             if not deadline.expired():  # the env itself raised TimeoutError
                 raise EnvFailure(f"env {self.name!r}: {call}() raised TimeoutError: {exc}") from exc

@@ -67,6 +67,27 @@ def run_to_completion(topology: Path, timeout: float = 240) -> str:
     return result.stdout
 
 
+def launch_and_wait_for_a_batch(topology: Path, ports: dict[str, tuple[int, int]]) -> subprocess.Popen[str]:
+    """`rollart run` in the background, returned once the trainer has taken its first batch."""
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    trainer_admin = ports["trainer"][1]
+    try:
+        wait_for(lambda: healthy(trainer_admin), 60, "trainer healthy")
+        wait_for(lambda: http("GET", trainer_admin, "/status")[1]["rollout"]["batches"] >= 1, 120, "a first batch")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
 def batches(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
 
@@ -111,19 +132,8 @@ def test_rollout_only_run_collects_complete_groups_and_routes_by_profile(tmp_pat
 @pytest.mark.timeout(300)
 def test_killing_a_generator_mid_run_loses_and_duplicates_nothing(tmp_path: Path, tiny_model: Path) -> None:
     topology, ports = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=rollout_yaml(tiny_model, steps=6))
-    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch_and_wait_for_a_batch(topology, ports)
     try:
-        trainer_admin = ports["trainer"][1]
-        wait_for(lambda: healthy(trainer_admin), 60, "trainer healthy")
-        wait_for(lambda: http("GET", trainer_admin, "/status")[1]["rollout"]["batches"] >= 1, 120, "a first batch")
         pid = http("GET", ports["gen-compute"][1], "/status")[1]["pid"]
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)
@@ -208,19 +218,8 @@ def test_routing_fails_over_when_a_hardware_class_is_down(tmp_path: Path, tiny_m
     topology, ports = write_topology(
         tmp_path, NODES, hardware=HARDWARE, restart="never", extra_run=rollout_yaml(tiny_model, steps=5)
     )
-    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch_and_wait_for_a_batch(topology, ports)
     try:
-        trainer_admin = ports["trainer"][1]
-        wait_for(lambda: healthy(trainer_admin), 60, "trainer healthy")
-        wait_for(lambda: http("GET", trainer_admin, "/status")[1]["rollout"]["batches"] >= 1, 120, "a first batch")
         os.kill(http("GET", ports["gen-bandwidth"][1], "/status")[1]["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)
     finally:

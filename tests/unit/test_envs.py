@@ -595,3 +595,29 @@ def test_slow_env_waits_a_lognormal_time_and_passes_everything_through() -> None
         delays.append(env.waited_s)
     assert 0.0002 < statistics.median(delays) < 0.0012  # median of exp(N(0, 1)) * 0.5 ms is 0.5 ms
     assert max(delays) > 2 * statistics.median(delays)  # a tail
+
+
+async def test_closing_a_runner_whose_cancelled_call_still_runs_does_not_wait_for_it() -> None:
+    import time
+
+    closed = threading.Event()
+
+    from rollart.envs import CopyReverseEnv
+
+    class Sleepy(CopyReverseEnv):
+        def step(self, action: str) -> Any:
+            time.sleep(1.0)
+            return super().step(action)
+
+        def close(self) -> None:
+            closed.set()
+
+    runner = EnvRunner(Sleepy(), timeout_s=10)
+    await runner.reset(0)
+    call = asyncio.ensure_future(runner.step("\\boxed{a}"))
+    await asyncio.sleep(0.05)
+    call.cancel()  # a cancelled trajectory: the step goes on in its thread
+    started = time.monotonic()
+    await runner.close()
+    assert time.monotonic() - started < 0.5  # close did not wait out the step
+    assert await asyncio.to_thread(closed.wait, 3.0)  # the env is closed once the step is done
