@@ -9,7 +9,7 @@ the two modes interleaved so machine noise hits both. Same code, same config but
 Reports trajectories/s, the ratio trajectory-level / batch-level, and the generator's busy
 fraction over the run, and writes them with the command to `benchmarks/results/rollout.md`.
 
-    .venv/bin/python benchmarks/rollout.py            # about 5 minutes on 2 cores
+    .venv/bin/python benchmarks/rollout.py            # about 5 minutes on 2 cores (3 batches per run)
     .venv/bin/python benchmarks/rollout.py --quick    # one sigma, fewer steps: a smoke run
 """
 
@@ -121,7 +121,7 @@ def _last_event(log: Path, event: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="sigma 1 only, 2 steps: a smoke run")
-    parser.add_argument("--steps", type=int, default=4, help="batches per run")
+    parser.add_argument("--steps", type=int, default=3, help="batches per run")
     parser.add_argument("--median", type=float, default=0.2, help="median env call latency, seconds")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "rollout.md")
     args = parser.parse_args()
@@ -154,7 +154,7 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    command = "python benchmarks/rollout.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python", "benchmarks/rollout.py", *sys.argv[1:]])
     shape = (
         f"FrozenLake (max 4 turns, 12 tokens per turn) wrapped in `slow` (median {args.median} s per env call, "
         f"cap 10 s, 3x3 lake); 1 generator (transformers backend, tiny Qwen3), "
