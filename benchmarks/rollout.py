@@ -55,6 +55,7 @@ def topology(folder: Path, model: Path, *, stepping: str, sigma: float, steps: i
   drain_timeout_s: 5
   restart: {{policy: stop-all}}
   model: {{path: {model}}}
+  generator: {{backend: hf}}
   reward_pool: {{min_workers: 1, max_workers: 1}}
   rollout:
     tasks:

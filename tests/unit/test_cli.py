@@ -1,0 +1,31 @@
+"""The command line: which runs need the vLLM environment, and the error when it cannot be had."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from rollart.cli import _needs_vllm, main
+from rollart.topology import parse_topology
+
+NODES = "nodes:\n  - {name: gen-0, role: generator, port: 17001, admin_port: 17002}\n"
+ROLLOUT = "  rollout: {tasks: [{name: t, env: copy-reverse}]}\n"
+
+
+def test_only_a_rollout_whose_generators_run_vllm_needs_the_vllm_environment() -> None:
+    assert _needs_vllm(parse_topology("run:\n" + ROLLOUT + NODES))  # vllm is the default backend
+    assert not _needs_vllm(parse_topology("run:\n  generator: {backend: hf}\n" + ROLLOUT + NODES))
+    assert not _needs_vllm(parse_topology(NODES))  # no rollout: generators start no engine
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed in this environment")
+def test_run_says_how_to_get_vllm_when_even_its_environment_lacks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topology = tmp_path / "t.yaml"
+    topology.write_text("run:\n" + ROLLOUT + NODES)
+    monkeypatch.setenv("ROLLART_IN_VLLM_VENV", "1")  # as after the re-run in .venv-vllm
+    assert main(["run", str(topology)]) == 2
+    assert "run bin/setup-vllm" in capsys.readouterr().err
