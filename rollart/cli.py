@@ -4,6 +4,9 @@
     rollart check TOPOLOGY                validate a topology file and print its nodes
     rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
 
+`run` on a topology whose generators use vLLM (the default backend) sets up `.venv-vllm` with
+`bin/setup-vllm` when vLLM is missing here, and runs again there.
+
 Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration or usage.
 """
 
