@@ -19,8 +19,9 @@ import pytest_asyncio
 import torch
 
 from rollart.engines.base import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.tiny_model import ensure_tiny_model, load_model_and_tokenizer
+from rollart.engines.tiny_model import load_model_and_tokenizer
 from rollart.engines.vllm_engine import VLLMEngine
+from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
 
@@ -36,34 +37,14 @@ pytestmark = [
 
 torch.set_num_threads(1)  # the engine's process needs the cores
 
-EOS = 1
-PROMPTS = ["hello world", "abc", "The quick brown fox jumps", "<|im_start|>user\n2+2?<|im_end|>\n", "x"]
 LONG_PROMPT = "A long prompt, so that whole blocks of it land in the prefix cache. " * 5
 """340 tokens: two whole KV-cache blocks (128 tokens on CPU), which a later request with it reuses. The short
 prompts fill no block, so they are never cached."""
 
 
-def noisy_weights(model: torch.nn.Module, *, seed: int, scale: float) -> dict[str, torch.Tensor]:
-    """The model's weights plus seeded noise, without the tied `lm_head.weight` (as a trainer may send them)."""
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
-        for name, tensor in model.state_dict().items()
-        if name != "lm_head.weight"
-    }
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its weights shaken up (freshly initialised, greedy decoding only repeats one character)
-    and EOS's (tied) embedding zeroed, so greedy decoding never ends on its own and a long request surely runs."""
-    folder = ensure_tiny_model(tmp_path_factory.mktemp("vllm-engine") / "model")
-    model, _ = load_model_and_tokenizer(folder)
-    weights = noisy_weights(model, seed=1, scale=0.1)
-    weights["model.embed_tokens.weight"][EOS] = 0.0
-    model.load_state_dict(weights, strict=False)
-    model.save_pretrained(folder)
-    return folder
+    return build_engine_test_model(tmp_path_factory.mktemp("vllm-engine") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +66,6 @@ async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:
     print(f"\nvLLM engine started in {engine.start_seconds:.1f} s")
     yield engine
     await engine.close()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(  # type: ignore[operator]
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-        )
-    return list(out[0, len(prompt) :].tolist())
 
 
 def teacher_forced_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:

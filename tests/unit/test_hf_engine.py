@@ -11,36 +11,15 @@ import torch
 
 from rollart.engines.base import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.engines.hf import HFEngine
-from rollart.engines.tiny_model import build_tiny_model, load_model_and_tokenizer
+from rollart.engines.tiny_model import load_model_and_tokenizer
+from tests.engine_reference import EOS, PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 
 torch.set_num_threads(1)
-
-EOS = 1
-PROMPTS = ["hello world", "abc", "The quick brown fox jumps", "<|im_start|>user\n2+2?<|im_end|>\n", "x"]
-
-
-def noisy_weights(model: torch.nn.Module, *, seed: int, scale: float) -> dict[str, torch.Tensor]:
-    """The model's weights plus seeded noise, without the tied `lm_head.weight` (as a trainer would send them)."""
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
-        for name, tensor in model.state_dict().items()
-        if name != "lm_head.weight"
-    }
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its weights shaken up (freshly initialised, greedy decoding only repeats one character)
-    and EOS's (tied) embedding zeroed: its logit is then always 0, below the best of 100 others, so greedy decoding
-    never ends on its own and a long request is surely still running when a test aborts it."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("hf-engine") / "model", seed=0)
-    model, _ = load_model_and_tokenizer(folder)
-    weights = noisy_weights(model, seed=1, scale=0.1)
-    weights["model.embed_tokens.weight"][EOS] = 0.0
-    model.load_state_dict(weights, strict=False)
-    model.save_pretrained(folder)
-    return folder
+    return build_engine_test_model(tmp_path_factory.mktemp("hf-engine") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +41,6 @@ async def engine(model_dir: Path) -> AsyncIterator[HFEngine]:
     await engine.start()
     yield engine
     await engine.close()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(  # type: ignore[operator]
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_tokens,
-        )
-    return list(out[0, len(prompt) :].tolist())
 
 
 def teacher_forced_logp(

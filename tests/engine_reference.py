@@ -1,0 +1,47 @@
+"""What the engine tests of every backend compare against: a perturbed tiny model and HF's own generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rollart.engines.tiny_model import ensure_tiny_model, load_model_and_tokenizer
+
+EOS = 1
+PROMPTS = ["hello world", "abc", "The quick brown fox jumps", "<|im_start|>user\n2+2?<|im_end|>\n", "x"]
+
+
+def noisy_weights(model: torch.nn.Module, *, seed: int, scale: float) -> dict[str, torch.Tensor]:
+    """The model's weights plus seeded noise, without the tied `lm_head.weight` (as a trainer would send them)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in model.state_dict().items()
+        if name != "lm_head.weight"
+    }
+
+
+def build_engine_test_model(folder: Path) -> Path:
+    """The tiny model with its weights shaken up (freshly initialised, greedy decoding only repeats one character)
+    and EOS's (tied) embedding zeroed: its logit is then always 0, below the best of 100 others, so greedy decoding
+    never ends on its own and a long request is surely still running when a test aborts it."""
+    ensure_tiny_model(folder, seed=0)
+    model, _ = load_model_and_tokenizer(folder)
+    weights = noisy_weights(model, seed=1, scale=0.1)
+    weights["model.embed_tokens.weight"][EOS] = 0.0
+    model.load_state_dict(weights, strict=False)
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """HF's own greedy generate: what an engine's greedy output must equal."""
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            input_ids=torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+        )
+    return list(out[0, len(prompt) :].tolist())
