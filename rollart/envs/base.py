@@ -68,6 +68,12 @@ class Env(abc.ABC):
     def step(self, action: str) -> StepResult:
         """Apply the model's reply; see the module docstring for the format-error rule."""
 
+    def sample_action(self, rng: random.Random) -> str | None:
+        """A uniformly random *valid* reply for the current state: right format, random content, never
+        chosen to solve anything. It measures the random-policy baseline and feeds the optional
+        format warm-up (`rollart.engines.warmup`). None: this env has no such sampler."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (a no-op default on purpose: most envs hold nothing)
         """Release what the env holds (the built-ins hold nothing)."""
 

@@ -64,6 +64,11 @@ class CopyReverseEnv(Env):
         obs = f"Reverse this string: {text}\nPut the reversed string in \\boxed{{}}."
         return obs, {"seed": episode_seed, "answer": self._answer}
 
+    def sample_action(self, rng: random.Random) -> str | None:
+        if self._answer is None:
+            return None
+        return f"\\boxed{{{''.join(rng.choice(self.alphabet) for _ in self._answer)}}}"
+
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise not_running(self.name)

@@ -6,6 +6,13 @@ breadth-first search finds a path from S to G within `max_turns` moves; after 10
 boards the holes on one L-shaped path are cleared, so every episode is solvable within its
 turn limit.
 
+With `corners=True` the start is always the top-left cell and the goal the bottom-right one, as in
+Gymnasium's `generate_random_map`; only the holes change with the seed.
+
+With `layout` (rows separated by "/", e.g. Gymnasium's classic "SFFF/FHFH/FFFH/HFFG") every
+episode plays that one board instead; the layout must have one S, one G and a path within
+`max_turns`.
+
 Reward 1 on reaching G (terminated), 0 for other moves; stepping into a hole terminates with 0;
 a move off the edge leaves the player in place. Sample first observation (4x4, seed 0):
 
@@ -24,7 +31,7 @@ import random
 from collections import deque
 
 from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.envs.grid import GridEnv, Pos, shift
+from rollart.envs.grid import Actions, GridEnv, Pos, shift
 
 _MAX_REJECTED_BOARDS = 100
 
@@ -67,8 +74,16 @@ class FrozenLakeEnv(GridEnv):
         hole_prob: float = 0.2,
         max_turns: int = 8,
         format_penalty: float = FORMAT_PENALTY,
+        layout: str | None = None,
+        corners: bool = False,
+        actions: Actions = "words",
+        compact: bool = False,
     ) -> None:
-        super().__init__(max_turns=max_turns, format_penalty=format_penalty)
+        super().__init__(max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact)
+        self.layout = _parse_layout(layout, max_turns) if layout is not None else None
+        self.corners = corners
+        if self.layout is not None:
+            size = self.layout[0]
         require(size >= 2, self.name, f"size must be >= 2, got {size}")
         require(0.0 <= hole_prob < 1.0, self.name, f"hole_prob must be in [0, 1), got {hole_prob}")
         require(
@@ -84,11 +99,19 @@ class FrozenLakeEnv(GridEnv):
         self.player: Pos = self.start
 
     def _generate(self, rng: random.Random) -> None:
+        if self.layout is not None:
+            _, self.start, self.goal, holes = self.layout
+            self.holes = set(holes)
+            self.player = self.start
+            return
         cells = [(r, c) for r in range(self.size) for c in range(self.size)]
-        self.start = rng.choice(cells)
-        # At least size - 1 moves apart, so that no episode is won in one step.
-        far = [p for p in cells if abs(p[0] - self.start[0]) + abs(p[1] - self.start[1]) >= self.size - 1]
-        self.goal = rng.choice(far)
+        if self.corners:
+            self.start, self.goal = (0, 0), (self.size - 1, self.size - 1)
+        else:
+            self.start = rng.choice(cells)
+            # At least size - 1 moves apart, so that no episode is won in one step.
+            far = [p for p in cells if abs(p[0] - self.start[0]) + abs(p[1] - self.start[1]) >= self.size - 1]
+            self.goal = rng.choice(far)
         for _ in range(_MAX_REJECTED_BOARDS):
             self.holes = {p for p in cells if p not in (self.start, self.goal) and rng.random() < self.hole_prob}
             path = shortest_path(self.holes, self.size, self.start, self.goal)
@@ -128,3 +151,24 @@ class FrozenLakeEnv(GridEnv):
             return "H" if pos in self.holes else "F"
 
         return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+
+
+def _parse_layout(layout: str, max_turns: int) -> tuple[int, Pos, Pos, set[Pos]]:
+    """Check a fixed board ("SFFF/FHFH/...") and return (size, start, goal, holes)."""
+    name = FrozenLakeEnv.name
+    rows = layout.strip().split("/")
+    size = len(rows)
+    square = size >= 2 and all(len(row) == size for row in rows)
+    require(square, name, f"layout must be a square of rows, got {layout!r}")
+    cells = {(r, c): ch for r, row in enumerate(rows) for c, ch in enumerate(row)}
+    bad = sorted({ch for ch in cells.values() if ch not in "SFHG"})
+    require(not bad, name, f"layout may only use S, F, H and G, found {''.join(bad)!r}")
+    starts = [p for p, ch in cells.items() if ch == "S"]
+    goals = [p for p, ch in cells.items() if ch == "G"]
+    require(len(starts) == 1 and len(goals) == 1, name, "layout needs exactly one S and one G")
+    holes = {p for p, ch in cells.items() if ch == "H"}
+    path = shortest_path(holes, size, starts[0], goals[0])
+    require(path is not None, name, f"layout {layout!r} has no path from S to G")
+    assert path is not None
+    require(len(path) <= max_turns, name, f"layout {layout!r} needs {len(path)} moves, more than max_turns={max_turns}")
+    return size, starts[0], goals[0], holes

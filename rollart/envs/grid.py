@@ -1,10 +1,17 @@
 """What the grid games (FrozenLake, Sokoban) share: turns, move parsing, rendering.
 
 A grid game is multi-turn with a long observation (the whole board every turn) and a one-word
-action, so its profile is "prefill-heavy". The model answers each turn with `\\boxed{up}`,
-`\\boxed{down}`, `\\boxed{left}` or `\\boxed{right}` (case-insensitive; a reply that names exactly
-one direction as a bare word is accepted too, see `parse_choice`). A reply with no valid move
-costs `format_penalty` and a turn, and leaves the board as it was.
+action, so its profile is "prefill-heavy". With `actions="words"` (the default) the model answers
+each turn with `\\boxed{up}`, `\\boxed{down}`, `\\boxed{left}` or `\\boxed{right}` (case-insensitive;
+a reply that names exactly one direction as a bare word is accepted too, see `parse_choice`).
+With `actions="letters"` it answers with one letter, U, D, L or R (the first non-blank character
+of the reply decides): one generated token per turn with a character-level tokenizer, which is
+what a tiny model trained from scratch can learn in minutes. A reply with no valid move costs
+`format_penalty` and a turn, and leaves the board as it was.
+
+With `compact=True` every observation is the board alone (the goal, legend and move hint go to
+the system prompt once, and there is no feedback line or turn counter): a 4x4 lake costs about
+60 tokens a turn instead of about 200, which is what makes multi-turn training on a CPU fast.
 
 Subclasses generate a board from a `random.Random` seeded with the episode seed (so the same
 seed gives the same board), apply a move, and draw the board as rows of characters.
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import random
+from typing import Literal
 
 from rollart.envs.base import (
     DIRECTIONS,
@@ -31,12 +39,26 @@ Pos = tuple[int, int]
 """(row, column), row 0 at the top."""
 
 MOVE_HINT = "Answer with \\boxed{up}, \\boxed{down}, \\boxed{left} or \\boxed{right}."
+LETTER_HINT = "Answer U, D, L or R."
+LETTERS = {"u": "up", "d": "down", "l": "left", "r": "right"}
+Actions = Literal["words", "letters"]
 
 GRID_SYSTEM_PROMPT = (
     "You are playing a grid game, one move per turn. The board is drawn as rows of characters, "
     "top row first. Think briefly, then end your reply with exactly one move: "
     "\\boxed{up}, \\boxed{down}, \\boxed{left} or \\boxed{right}."
 )
+
+LETTER_SYSTEM_PROMPT = (
+    "You are playing a grid game, one move per turn. The board is drawn as rows of characters, "
+    "top row first. Reply with one letter: U (up), D (down), L (left) or R (right)."
+)
+
+
+def parse_letter(text: str) -> str | None:
+    """The direction a one-letter reply picks: its first non-blank character, U, D, L or R."""
+    stripped = text.strip()
+    return LETTERS.get(stripped[0].lower()) if stripped else None
 
 
 def shift(pos: Pos, direction: str) -> Pos:
@@ -55,8 +77,22 @@ class GridEnv(Env):
     intro = ""
     """The first lines of the first observation: the goal and the legend."""
 
-    def __init__(self, *, max_turns: int, format_penalty: float = FORMAT_PENALTY) -> None:
+    def __init__(
+        self,
+        *,
+        max_turns: int,
+        format_penalty: float = FORMAT_PENALTY,
+        actions: Actions = "words",
+        compact: bool = False,
+    ) -> None:
         require(max_turns >= 1, self.name, f"max_turns must be >= 1, got {max_turns}")
+        require(actions in ("words", "letters"), self.name, f"actions must be 'words' or 'letters', got {actions!r}")
+        self.actions = actions
+        self.compact = compact
+        self.hint = MOVE_HINT if actions == "words" else LETTER_HINT
+        self.system_prompt = GRID_SYSTEM_PROMPT if actions == "words" else LETTER_SYSTEM_PROMPT
+        if compact:
+            self.system_prompt = f"{self.intro}\n{self.hint}"
         self.max_turns = max_turns
         self.format_penalty = format_penalty
         self._turn = 0
@@ -83,23 +119,31 @@ class GridEnv(Env):
         self._generate(random.Random(episode_seed))
         self._turn = 0
         self._running = True
-        return f"{self.intro}\n{self._board()}", {"seed": episode_seed, "turn": 0}
+        first = self._board() if self.compact else f"{self.intro}\n{self._board()}"
+        return first, {"seed": episode_seed, "turn": 0}
 
     def step(self, action: str) -> StepResult:
         if not self._running:
             raise not_running(self.name)
         self._turn += 1
-        direction = parse_choice(action, DIRECTIONS)
+        direction = parse_choice(action, DIRECTIONS) if self.actions == "words" else parse_letter(action)
         if direction is None:
-            feedback, reward, terminated = f"No valid move found. {MOVE_HINT}", self.format_penalty, False
+            feedback, reward, terminated = f"No valid move found. {self.hint}", self.format_penalty, False
         else:
             feedback, reward, terminated = self._move(direction)
         truncated = not terminated and self._turn >= self.max_turns
         self._running = not (terminated or truncated)
         info: Info = {"turn": self._turn, "format_error": direction is None, "success": self._solved()}
-        return f"{feedback}\n{self._board()}", reward, terminated, truncated, info
+        observation = self._board() if self.compact else f"{feedback}\n{self._board()}"
+        return observation, reward, terminated, truncated, info
+
+    def sample_action(self, rng: random.Random) -> str | None:
+        direction = rng.choice(list(DIRECTIONS))
+        return direction[0].upper() if self.actions == "letters" else f"\\boxed{{{direction}}}"
 
     def _board(self) -> str:
+        if self.compact:
+            return "\n".join(self._rows())
         left = self.max_turns - self._turn
-        footer = f"Turns left: {left}. {MOVE_HINT}" if self._running else "The episode is over."
+        footer = f"Turns left: {left}. {self.hint}" if self._running else "The episode is over."
         return "\n".join([*self._rows(), footer])

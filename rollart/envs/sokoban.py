@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 
 from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.envs.grid import GridEnv, Pos, shift
+from rollart.envs.grid import Actions, GridEnv, Pos, shift
 
 
 class SokobanEnv(GridEnv):
@@ -47,8 +47,10 @@ class SokobanEnv(GridEnv):
         max_turns: int = 10,
         step_penalty: float = 0.0,
         format_penalty: float = FORMAT_PENALTY,
+        actions: Actions = "words",
+        compact: bool = False,
     ) -> None:
-        super().__init__(max_turns=max_turns, format_penalty=format_penalty)
+        super().__init__(max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact)
         # A 3x3 floor is the smallest where a box can leave the target and still be pushed back.
         require(size >= 5, self.name, f"size must be >= 5 (walls included), got {size}")
         require(step_penalty >= 0.0, self.name, f"step_penalty must be >= 0, got {step_penalty}")

@@ -1,0 +1,287 @@
+"""GRPO for asynchronous rollouts: group advantages and the decoupled PPO loss with truncated IS.
+
+Advantages are GRPO's: each trajectory's reward minus its group's mean, divided by the group's
+population std (what GRPO implementations use; `normalize_std=False` gives Dr. GRPO), broadcast on
+the trajectory's generated tokens.
+
+The loss is decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL
+uses it for asynchronous RL). It involves three policies:
+
+- mu, the behaviour policy: the generator's weights that sampled each token, possibly several
+  versions old; its log-probs come with every trajectory;
+- pi_prox, the proximal policy: the trainer's weights at the start of this training step (detached);
+- pi_theta, the weights being optimized.
+
+Per loss token, with A the token's advantage:
+
+    w         = min(exp(prox - mu), tis_cap)                        (detached)
+    r         = exp(new - prox)
+    surrogate = min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps_high) * A)
+    loss_t    = -w * surrogate + kl_coef * k3,   k3 = exp(ref - new) - (ref - new) - 1
+
+w corrects for staleness (the data came from mu, not pi_prox); truncating it at tis_cap bounds its
+variance when mu gave a token far less probability than pi_prox does. The trust region is taken
+around pi_prox, the recent weights, not around the stale mu: clipping pi_theta / mu instead, stale
+data can sit outside the clip range before any update and its tokens then get no gradient, while
+others may move as far as the staleness allows. When mu == pi_prox (fully on-policy) w = 1 and this
+is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL(pi_theta || pi_ref).
+
+Aggregation is a token mean over the whole batch: `grpo_loss` sums loss_t over one micro-batch's
+loss tokens and divides by `total_tokens`, the loss tokens of the whole batch. Summing the
+micro-batches' gradients therefore gives the whole batch's gradient, whatever the split.
+
+A training step, in outline:
+
+    batch = pack_batch(trajectories, advantages, pad_id=pad)
+    prox = [token_logprobs(model(mb.input_ids, attention_mask=mb.attention_mask).logits, mb.input_ids)
+            for mb in batch.micro_batches(k)]                            # under torch.no_grad()
+    for mb, prox_mb in zip(batch.micro_batches(k), prox):
+        new = token_logprobs(model(...).logits, mb.input_ids)
+        loss, stats = grpo_loss(new, prox_mb, mb, cfg, total_tokens=batch.loss_tokens)
+        loss.backward()
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from rollart.algorithms.config import GRPOConfig
+
+
+def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [groups, G] -> advantages [groups, G]: (r - group mean) / (group population std + eps).
+
+    The std is the population one (correction 0), as in GRPO implementations. A group whose rewards
+    are all equal gets exactly 0 everywhere: it has nothing to prefer.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"expected rewards of shape [groups, G]; got {tuple(rewards.shape)}")
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (rewards.std(dim=1, keepdim=True, correction=0) + eps)
+    # The mean of equal floats need not equal them exactly; the rounding error over a near-zero std
+    # would give a spurious advantage.
+    same = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return centred.masked_fill(same, 0.0)
+
+
+class SequenceLike(Protocol):
+    """A finished trajectory as `pack_batch` reads it (protocol.messages.Trajectory is one)."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+    @property
+    def response_ids(self) -> Sequence[int]: ...
+    @property
+    def response_mask(self) -> Sequence[int]: ...
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+    @property
+    def versions(self) -> Sequence[int]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Sequences as right-padded tensors, all [N, T]; position t refers to token t of prompt + response."""
+
+    input_ids: torch.Tensor
+    """Prompt and response tokens, padded with pad_id (long)."""
+    attention_mask: torch.Tensor
+    """1 on real tokens (long)."""
+    loss_mask: torch.Tensor
+    """1 exactly on generated tokens; 0 on prompt, observations and padding (float)."""
+    behaviour_logprobs: torch.Tensor
+    """The generator's log-prob of each generated token, 0 elsewhere (float)."""
+    advantages: torch.Tensor
+    """The sequence's advantage on its loss tokens, 0 elsewhere (float)."""
+    versions: torch.Tensor
+    """The weight version that generated each token, -1 elsewhere (long)."""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def loss_tokens(self) -> int:
+        """Loss tokens in the whole batch: the `total_tokens` of `grpo_loss`."""
+        return int(self.loss_mask.sum().item())
+
+    def micro_batches(self, size: int) -> Iterator[PackedBatch]:
+        """Slices of `size` rows, each cut to its own longest sequence.
+
+        The cut depends on the rows alone, so equal calls give equal shapes: compute the prox and ref
+        log-probs of a micro-batch with the same `size` as its new log-probs.
+        """
+        if size < 1:
+            raise ValueError(f"expected a micro-batch size >= 1; got {size}")
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+            width = int(self.attention_mask[rows].sum(dim=1).max().item())
+            yield PackedBatch(**{f.name: getattr(self, f.name)[rows, :width] for f in dataclasses.fields(self)})
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+
+
+def pack_batch(sequences: Sequence[SequenceLike], advantages: Sequence[float], *, pad_id: int) -> PackedBatch:
+    """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`)."""
+    if len(sequences) != len(advantages):
+        raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
+    if not sequences:
+        raise ValueError("no sequences to pack")
+    n, width = len(sequences), max(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width))
+    behaviour = torch.zeros((n, width))
+    adv = torch.zeros((n, width))
+    versions = torch.full((n, width), -1, dtype=torch.long)
+    for i, (seq, advantage) in enumerate(zip(sequences, advantages, strict=True)):
+        p, r = len(seq.prompt_ids), len(seq.response_ids)
+        lengths = {name: len(getattr(seq, name)) for name in ("response_mask", "logprobs", "versions")}
+        if any(length != r for length in lengths.values()):
+            raise ValueError(f"sequence {i}: response_ids has {r} tokens but {lengths}; expected all equal")
+        if p == 0:
+            raise ValueError(f"sequence {i}: empty prompt; the first token has no log-prob")
+        if not set(seq.response_mask) <= {0, 1}:
+            raise ValueError(f"sequence {i}: response_mask holds values other than 0 and 1")
+        input_ids[i, : p + r] = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        mask = torch.tensor(seq.response_mask, dtype=torch.float32)
+        on = mask > 0
+        loss_mask[i, p : p + r] = mask
+        behaviour[i, p : p + r] = torch.tensor(seq.logprobs, dtype=torch.float32) * mask
+        adv[i, p : p + r] = advantage * mask
+        versions[i, p : p + r] = torch.where(on, torch.tensor(seq.versions, dtype=torch.long), -1)
+    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """logits [N, T, V] of a causal LM on input_ids [N, T] -> [N, T] float32 log-prob of token t
+    given the tokens before it; 0 at t = 0."""
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match input_ids {tuple(input_ids.shape)}")
+    # Row by row: the float32 log-softmax of all [N, T, V] at once would be the step's largest tensor.
+    # Under no_grad (prox and ref log-probs) only one row's copy lives at a time.
+    rows = [
+        torch.log_softmax(logits[i, :-1].float(), dim=-1).gather(-1, input_ids[i, 1:, None]).squeeze(-1)
+        for i in range(logits.shape[0])
+    ]
+    if not rows:
+        return torch.zeros(input_ids.shape, dtype=torch.float32, device=logits.device)
+    return torch.nn.functional.pad(torch.stack(rows), (1, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LossStats:
+    """Sums over the loss tokens of one or more micro-batches; add them up, then call `means`.
+
+    0-d detached tensors, so adding them does not wait for the GPU; `means` does, once.
+    """
+
+    tokens: torch.Tensor
+    policy_loss: torch.Tensor
+    """Sum of -w * surrogate."""
+    kl: torch.Tensor
+    """Sum of k3 (0 without ref log-probs)."""
+    importance_ratio: torch.Tensor
+    """Sum of pi_prox / mu before truncation."""
+    importance_ratio_max: torch.Tensor
+    truncated: torch.Tensor
+    """Tokens whose pi_prox / mu exceeded tis_cap."""
+    clipped: torch.Tensor
+    """Tokens where the clipped branch of min() was taken and differed from the unclipped one."""
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(
+            tokens=self.tokens + other.tokens,
+            policy_loss=self.policy_loss + other.policy_loss,
+            kl=self.kl + other.kl,
+            importance_ratio=self.importance_ratio + other.importance_ratio,
+            importance_ratio_max=torch.maximum(self.importance_ratio_max, other.importance_ratio_max),
+            truncated=self.truncated + other.truncated,
+            clipped=self.clipped + other.clipped,
+        )
+
+    def means(self, total_tokens: int | None = None) -> dict[str, float]:
+        """Per-token means over `total_tokens` (None: the tokens these stats counted)."""
+        tokens = float(self.tokens.item()) if total_tokens is None else float(total_tokens)
+        per = 1.0 / max(tokens, 1.0)
+        return {
+            "policy_loss": self.policy_loss.item() * per,
+            "kl": self.kl.item() * per,
+            "importance_ratio_mean": self.importance_ratio.item() * per,
+            "importance_ratio_max": self.importance_ratio_max.item(),
+            "truncated_frac": self.truncated.item() * per,
+            "clipped_frac": self.clipped.item() * per,
+        }
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor,
+    batch: PackedBatch,
+    cfg: GRPOConfig,
+    *,
+    total_tokens: int,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The decoupled PPO objective with a truncated behaviour importance weight, on one micro-batch.
+
+    All log-prob tensors are [N, T] like `batch`'s (see `token_logprobs`); only `new_logprobs` gets a
+    gradient. The loss is the micro-batch's share of the whole batch's token mean: its loss tokens'
+    sum divided by `total_tokens`.
+    """
+    for name, tensor in (("new_logprobs", new_logprobs), ("prox_logprobs", prox_logprobs), ("ref", ref_logprobs)):
+        if tensor is not None and tensor.shape != batch.loss_mask.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; the batch is {tuple(batch.loss_mask.shape)}")
+    if total_tokens < 1:
+        raise ValueError(f"expected total_tokens >= 1; got {total_tokens}")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    dtype = new_logprobs.dtype
+    mask = batch.loss_mask.to(dtype)
+    on = mask > 0
+    zero = torch.zeros_like(mask)
+    prox = prox_logprobs.detach().to(dtype)
+    # Log-ratios are zeroed off the loss tokens before exp: there they mean nothing and could
+    # overflow, and an inf would turn into NaN in the gradient even through torch.where.
+    behaviour_ratio = torch.exp(torch.where(on, prox - batch.behaviour_logprobs.to(dtype), zero))
+    weight = behaviour_ratio.clamp(max=cfg.tis_cap)
+    ratio = torch.exp(torch.where(on, new_logprobs - prox, zero))
+    advantages = batch.advantages.to(dtype)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_high) * advantages
+    policy = -weight * torch.minimum(unclipped, clipped) * mask
+    per_token = policy
+    kl = zero
+    if ref_logprobs is not None:
+        log_ref_ratio = torch.where(on, ref_logprobs.detach().to(dtype) - new_logprobs, zero)
+        kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1) * mask
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+    loss = per_token.sum() / total_tokens
+    with torch.no_grad():
+        stats = LossStats(
+            tokens=mask.sum(),
+            policy_loss=policy.sum(),
+            kl=kl.sum(),
+            importance_ratio=(behaviour_ratio * mask).sum(),
+            importance_ratio_max=torch.where(on, behaviour_ratio, zero).max(),
+            truncated=((behaviour_ratio > cfg.tis_cap) & on).sum().to(dtype),
+            clipped=((clipped < unclipped) & on).sum().to(dtype),
+        )
+    return loss, stats
+
+
+def staleness(versions: torch.Tensor, mask: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """How many versions behind `trainer_version` the loss tokens were generated: mean and max."""
+    behind = (trainer_version - versions[mask > 0]).float()
+    if behind.numel() == 0:
+        return {"staleness_mean": 0.0, "staleness_max": 0.0}
+    return {"staleness_mean": behind.mean().item(), "staleness_max": behind.max().item()}
