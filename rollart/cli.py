@@ -3,11 +3,13 @@
     rollart run TOPOLOGY [--duration S]   start every node of the topology here, show their status
     rollart check TOPOLOGY                validate a topology file and print its nodes
     rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
+    rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
 
 `run` on a topology whose generators use vLLM (the default backend) sets up `.venv-vllm` with
 `bin/setup-vllm` when vLLM is missing here, and runs again there.
 
-Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration or usage.
+Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration or usage (for
+`report`: a run directory without metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     build = commands.add_parser("build-model", help="build the tiny default model in a folder")
     build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
     build.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    report = commands.add_parser("report", help="plots and a summary table of a training run")
+    report.add_argument("run_dir", help="the run directory (metrics.jsonl, timeline.jsonl, utilization.jsonl)")
+    report.add_argument("--out", default=None, help="folder to write the report to (default: RUN_DIR/report)")
     return parser
 
 
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
         build_model(["--out", args.out, "--seed", str(args.seed)])
         return 0
+    if args.command == "report":
+        return _report(Path(args.run_dir), None if args.out is None else Path(args.out))
     try:
         topology = load_topology(args.topology)
     except ConfigError as exc:
@@ -72,6 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _report(run_dir: Path, out: Path | None) -> int:
+    from rollart.report import ReportError, build_report
+
+    try:
+        report_dir = build_report(run_dir, out)
+    except ReportError as exc:
+        print(f"rollart: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"report written to {report_dir / 'report.md'}")
+    return 0
 
 
 def _needs_vllm(topology: Topology) -> bool:
