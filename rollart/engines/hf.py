@@ -16,10 +16,13 @@ Log-probs are those of each sampled token under the distribution it was sampled 
 `generate` sampled from, after temperature and top-p (top-k is always off). They are the behaviour policy's
 log-probs for off-policy correction.
 
-New weights (`load_weights`) are checked at once and staged; the scheduler copies them into the model between two
-batches, so a running batch finishes under the weights it started with, and every token reports the version that
-generated it. Aborting a queued request answers it at once; aborting a running one marks its row, which stops at
-the next decode step (and the whole batch stops when every row is aborted).
+New weights (`load_weights`) are checked at once and staged. A running batch then stops at its next decode step
+(every row has one more token by then); the scheduler copies the weights into the model and puts the rows that had
+not finished back at the front of the queue as continuations: prompt + tokens so far, with what is left of
+`max_tokens`. Their prefix is recomputed under the new weights, and every token reports the version that generated
+it, so a long request ends partly under each version and a swap waits for one decode step, not the slowest request.
+Aborting a queued request (a continuation included) answers it with what it has; aborting a running one marks its
+row, which stops at the next decode step (and the whole batch stops when every row is aborted).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +62,24 @@ class _Request:
     future: asyncio.Future[GenerationResult]
     aborted: bool = False
     """Set on the event loop, read by the worker thread between decode steps (a plain bool is enough under the GIL)."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """What the pieces run so far generated: more than one piece when a weight swap cut the request."""
+
+    @property
+    def max_new(self) -> int:
+        return self.params.max_tokens - len(self.tokens)
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the next piece: the request's own for the first. A continuation is re-seeded from how far it
+        got, since the same seed would replay the first piece's random draws; so a request cut by a swap is
+        reproducible for that cut, but does not give the sample it would have without the swap."""
+        p = self.params
+        if p.temperature == 0 or p.seed is None:
+            return None
+        return hash((p.seed, len(self.tokens))) if self.tokens else p.seed
 
     @property
     def batch_key(self) -> tuple[object, ...]:
@@ -70,20 +91,39 @@ class _Request:
             return ("seeded", self.request_id)
         return ("sample", p.temperature, p.top_p)
 
+    def answer(self, finish_reason: FinishReason) -> None:
+        """Give the caller every token generated so far (unless the caller is gone)."""
+        if not self.future.done():
+            prompt_tokens = len(self.prompt_ids) if self.tokens else 0  # a request that never ran processed none
+            self.future.set_result(
+                GenerationResult(
+                    token_ids=self.tokens,
+                    logprobs=self.logprobs,
+                    versions=self.versions,
+                    finish_reason=finish_reason,
+                    prompt_tokens=prompt_tokens,
+                )
+            )
+
 
 @dataclass
 class _Row:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
+    """None: cut short by an abort or a weight swap (the request tells which)."""
 
 
 class _RowStops(StoppingCriteria):
-    """Per row: done at its own max_tokens, at one of its stop tokens (EOS included), or once aborted."""
+    """Per row: done at its own max_tokens, at one of its stop tokens (EOS included), or once aborted; every row is
+    done once `swap_pending()` (the scheduler then continues the unfinished ones under the new weights)."""
 
-    def __init__(self, batch: list[_Request], prompt_len: int, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self, batch: list[_Request], prompt_len: int, eos_ids: frozenset[int], swap_pending: Callable[[], bool]
+    ) -> None:
         self.batch = batch
         self.prompt_len = prompt_len
+        self.swap_pending = swap_pending
         self.stops = [eos_ids | frozenset(r.params.stop_token_ids) for r in batch]
         self.aborted_at: list[int | None] = [None] * len(batch)
         """How many tokens a row had when its abort was seen."""
@@ -95,7 +135,9 @@ class _RowStops(StoppingCriteria):
         for i, request in enumerate(self.batch):
             if request.aborted and self.aborted_at[i] is None:
                 self.aborted_at[i] = generated
-            done.append(request.aborted or generated >= request.params.max_tokens or last[i] in self.stops[i])
+            done.append(request.aborted or generated >= request.max_new or last[i] in self.stops[i])
+        if self.swap_pending():
+            done = [True] * len(done)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -193,7 +235,7 @@ class HFEngine:
             return
         self._closing = True
         for request in list(self._waiting.values()):
-            self._answer_abort(request)
+            request.answer("abort")
         self._waiting.clear()
         for request in self._running.values():
             request.aborted = True
@@ -277,27 +319,21 @@ class HFEngine:
 
     def _abort(self, request_id: str) -> bool:
         if (request := self._waiting.pop(request_id, None)) is not None:
-            self._answer_abort(request)
+            request.answer("abort")
             return True
         if (request := self._running.get(request_id)) is not None:
             request.aborted = True
             return True
         return False
 
-    @staticmethod
-    def _answer_abort(request: _Request) -> None:
-        if not request.future.done():
-            result = GenerationResult(token_ids=[], logprobs=[], versions=[], finish_reason="abort", prompt_tokens=0)
-            request.future.set_result(result)
-
     # ---------------------------------------------------------------- weights
 
     async def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Check `weights` (HF names, as `state_dict()` gives) against the model and stage them as `version`.
 
-        They are copied into the model before the next batch starts; requests submitted from now on generate with
-        them. The tensors are read when applied, so the caller must not change them meanwhile. A tied name
-        (`lm_head.weight` when tied to the embeddings) may be left out."""
+        A running batch stops at its next decode step for them and its unfinished rows continue under them, as do
+        requests submitted from now on. The tensors are read when applied, so the caller must not change them
+        meanwhile. A tied name (`lm_head.weight` when tied to the embeddings) may be left out."""
         self._check_open()
         newest = self._pending_weights[0] if self._pending_weights is not None else self._version
         if version <= newest:
@@ -361,6 +397,7 @@ class HFEngine:
                 self._pending_weights = None
                 await loop.run_in_executor(self._executor, self._apply_weights, weights)
                 self._version = version
+                continue  # newer weights may have been staged meanwhile
             if self._waiting:
                 await self._run_batch(loop, self._take_batch())
 
@@ -373,8 +410,8 @@ class HFEngine:
         return batch
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
-        """Generate for one batch and answer its callers. If the scheduler is cancelled meanwhile, the requests stay
-        in `_running`, where `_on_scheduler_done` fails them."""
+        """Generate for one batch and answer its callers, or queue them again when a weight swap cut them. If the
+        scheduler is cancelled meanwhile, the requests stay in `_running`, where `_on_scheduler_done` fails them."""
         version = self._version
         self._batch_started = started = time.monotonic()
         try:
@@ -389,20 +426,21 @@ class HFEngine:
             self._busy_s += time.monotonic() - started
             self._batch_started = None
             self.batches_run += 1
+        continued: dict[str, _Request] = {}
         for request, row in zip(batch, rows, strict=True):
             self._running.pop(request.request_id, None)
             self._generated_tokens += len(row.token_ids)
-            if request.future.done():
-                continue  # the caller was cancelled
-            request.future.set_result(
-                GenerationResult(
-                    token_ids=row.token_ids,
-                    logprobs=row.logprobs,
-                    versions=[version] * len(row.token_ids),
-                    finish_reason="abort" if request.aborted else row.finish_reason,
-                    prompt_tokens=len(request.prompt_ids),
-                )
-            )
+            request.tokens += row.token_ids
+            request.logprobs += row.logprobs
+            request.versions += [version] * len(row.token_ids)
+            if row.finish_reason is not None and not request.aborted:
+                request.answer(row.finish_reason)
+            elif request.aborted:  # a cancelled caller aborts its request too
+                request.answer("abort")
+            else:
+                continued[request.request_id] = request
+        # First in the queue: they are the oldest requests, so the next batch (under the new weights) holds them.
+        self._waiting = continued | self._waiting
 
     # ---------------------------------------------------------------- worker thread
 
@@ -421,18 +459,19 @@ class HFEngine:
     def _generate_batch(self, batch: list[_Request]) -> list[_Row]:
         """Run one `generate` for the batch (all rows share sampling settings) and cut each row to its own end."""
         assert self._model is not None
-        prompt_len = max(len(r.prompt_ids) for r in batch)
+        prompts = [r.prompt_ids + r.tokens for r in batch]
+        prompt_len = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(batch), prompt_len), self._pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), prompt_len), dtype=torch.long)
-        for i, request in enumerate(batch):
-            input_ids[i, prompt_len - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            attention_mask[i, prompt_len - len(request.prompt_ids) :] = 1
+        for i, prompt in enumerate(prompts):
+            input_ids[i, prompt_len - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[i, prompt_len - len(prompt) :] = 1
         params = batch[0].params
         sampling: dict[str, Any] = {"do_sample": False}
         if params.temperature > 0:
             sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
         config = GenerationConfig(  # type: ignore[no-untyped-call]
-            max_new_tokens=max(r.params.max_tokens for r in batch),
+            max_new_tokens=max(r.max_new for r in batch),
             eos_token_id=sorted(self._eos_ids),
             pad_token_id=self._pad_id,
             output_scores=True,
@@ -440,8 +479,8 @@ class HFEngine:
             use_cache=True,
             **sampling,
         )
-        stops = _RowStops(batch, prompt_len, self._eos_ids)
-        with torch.inference_mode(), self._seeded(params.seed if params.temperature > 0 else None):
+        stops = _RowStops(batch, prompt_len, self._eos_ids, lambda: self._pending_weights is not None)
+        with torch.inference_mode(), self._seeded(batch[0].seed):
             out = self._model.generate(  # type: ignore[operator]
                 input_ids=input_ids.to(self._device),
                 attention_mask=attention_mask.to(self._device),
@@ -461,12 +500,12 @@ class HFEngine:
         logp_rows = logp_BT.tolist()
         rows = []
         for i, request in enumerate(batch):
-            limit = min(request.params.max_tokens, len(tokens_rows[i]))
+            limit = min(request.max_new, len(tokens_rows[i]))
             aborted_at = stops.aborted_at[i]
             if aborted_at is not None:
                 limit = min(limit, aborted_at)
             end = limit
-            reason: FinishReason = "length" if limit == request.params.max_tokens else "abort"
+            reason: FinishReason | None = "length" if limit == request.max_new else None
             for k, token in enumerate(tokens_rows[i][:limit]):
                 if token in stops.stops[i]:
                     end, reason = k + 1, "stop"

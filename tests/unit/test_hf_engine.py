@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -199,26 +200,126 @@ async def test_cancelling_the_caller_aborts(engine: HFEngine, prompts: list[list
     assert len(after.token_ids) <= 4
 
 
-async def test_load_weights_swaps_between_batches_and_versions_every_token(
+def with_weights(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model, _ = load_model_and_tokenizer(model_dir)
+    model.load_state_dict(weights, strict=False)  # lm_head is tied: it follows the embeddings
+    return model
+
+
+class DecodeGate:
+    """Holds the engine's worker thread after the given forward passes of its model (the first of a `generate` is
+    the prefill, each later one a decode step), until the test lets it go: a test acts between two decode steps
+    without sleeping. The token of a held pass is sampled after the release."""
+
+    def __init__(self, engine: HFEngine, at: set[int]) -> None:
+        assert engine._model is not None
+        self.loop = asyncio.get_running_loop()
+        self.at, self.calls = at, 0
+        self.reached: asyncio.Queue[int] = asyncio.Queue()
+        self.go = threading.Semaphore(0)
+        self.hook = engine._model.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, *_: object) -> None:
+        self.calls += 1
+        if self.calls in self.at:
+            self.loop.call_soon_threadsafe(self.reached.put_nowait, self.calls)
+            self.go.acquire(timeout=30)
+
+    async def held(self) -> int:
+        return await asyncio.wait_for(self.reached.get(), 30)
+
+    def release(self) -> None:
+        self.go.release()
+
+
+async def test_load_weights_swaps_between_decode_steps_of_a_running_request(
     engine: HFEngine, model_dir: Path, reference: torch.nn.Module, prompts: list[list[int]]
 ) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     before = await engine.generate("before", prompts[0], greedy)
-
     new_weights = noisy_weights(reference, seed=2, scale=0.1)
-    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=100, temperature=0)))
-    await until(lambda: engine.load().running == 1)
-    await engine.load_weights(1, new_weights)
-    after = await engine.generate("after", prompts[0], greedy)  # queued behind the running batch
-    long = await running
+    updated = with_weights(model_dir, new_weights)
 
-    assert long.versions == [0] * len(long.token_ids)  # the running batch finished under the old weights
-    assert after.versions == [1] * len(after.token_ids)
+    gate = DecodeGate(engine, at={10})
+    running = asyncio.create_task(engine.generate("long", prompts[1], SamplingParams(max_tokens=64, temperature=0)))
+    await gate.held()
+    await engine.load_weights(1, new_weights)
+    after = asyncio.create_task(engine.generate("after", prompts[0], greedy))  # joins the continued batch
+    gate.release()
+    long, after_result = await running, await after
+
+    # 10 tokens under version 0, then the swap at the next decode step and the rest under version 1.
+    assert long.versions == [0] * 10 + [1] * 54 and long.finish_reason == "length"
+    assert long.prompt_tokens == len(prompts[1])
+    prefix = prompts[1] + long.token_ids[:10]
+    assert long.token_ids[:10] == hf_greedy(reference, prompts[1], 10)
+    assert long.token_ids[10:] == hf_greedy(updated, prefix, 54) != hf_greedy(reference, prefix, 54)
+    assert long.logprobs[:10] == pytest.approx(
+        teacher_forced_logp(reference, prompts[1], long.token_ids[:10], 0), abs=1e-4
+    )
+    assert long.logprobs[10:] == pytest.approx(teacher_forced_logp(updated, prefix, long.token_ids[10:], 0), abs=1e-4)
+    assert after_result.versions == [1] * 24
+    assert after_result.token_ids == hf_greedy(updated, prompts[0], 24) != before.token_ids
     assert engine.load().version == engine.version == 1
-    assert after.token_ids != before.token_ids
-    updated, _ = load_model_and_tokenizer(model_dir)
-    updated.load_state_dict(new_weights, strict=False)  # lm_head is tied: it follows the embeddings
-    assert after.token_ids == hf_greedy(updated, prompts[0], 24)
+    assert engine.batches_run == 3  # before; long until the swap; long's continuation with after
+
+
+async def test_swaps_in_one_sampled_request_version_its_tokens_in_order(
+    engine: HFEngine, model_dir: Path, reference: torch.nn.Module, prompts: list[list[int]]
+) -> None:
+    weights = {v: noisy_weights(reference, seed=10 + v, scale=0.1) for v in (1, 2, 3)}
+    for version_weights in weights.values():
+        version_weights["model.embed_tokens.weight"][EOS] = 0.0  # as in the test model: EOS is rarely sampled
+    gate = DecodeGate(engine, at={5, 12})  # the continuation's prefill is pass 6
+    # Seed 5 samples no EOS before max_tokens with these weights (seeded sampling is deterministic on CPU).
+    running = asyncio.create_task(engine.generate("s", prompts[2], SamplingParams(max_tokens=64, seed=5)))
+    await gate.held()
+    await engine.load_weights(1, weights[1])
+    gate.release()
+    await gate.held()
+    await engine.load_weights(2, weights[2])
+    await engine.load_weights(3, weights[3])  # staged over 2 before 2 was applied: 2 never runs
+    gate.release()
+    result = await running
+
+    assert result.versions == [0] * 5 + [1] * 7 + [3] * 52
+    # Each piece's log-probs are under the weights that sampled it (temperature 1: the plain softmax).
+    expected, prompt = [], prompts[2]
+    for model, start, stop in ((reference, 0, 5), (with_weights(model_dir, weights[1]), 5, 12)):
+        expected += teacher_forced_logp(model, prompt + result.token_ids[:start], result.token_ids[start:stop], 1.0)
+    rest = result.token_ids[12:]
+    expected += teacher_forced_logp(with_weights(model_dir, weights[3]), prompt + result.token_ids[:12], rest, 1.0)
+    assert result.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+async def test_abort_of_a_continued_request(
+    engine: HFEngine, reference: torch.nn.Module, prompts: list[list[int]]
+) -> None:
+    greedy = SamplingParams(max_tokens=64, temperature=0)
+    gate = DecodeGate(engine, at={5})
+    queued = asyncio.create_task(engine.generate("queued", prompts[1], greedy))
+    await gate.held()
+    await engine.load_weights(1, noisy_weights(reference, seed=2, scale=0.1))
+    gate.release()
+    await until(lambda: engine.load().waiting == 1)  # cut, and queued again while the weights are copied
+    assert await engine.abort("queued")
+    result = await queued
+    assert (result.versions, result.finish_reason, result.prompt_tokens) == ([0] * 5, "abort", len(prompts[1]))
+    assert len(result.token_ids) == len(result.logprobs) == 5
+    gate.hook.remove()
+
+    gate = DecodeGate(engine, at={5, 7})  # the continuation's prefill is pass 6
+    running = asyncio.create_task(engine.generate("running", prompts[1], greedy))
+    await gate.held()
+    await engine.load_weights(2, noisy_weights(reference, seed=3, scale=0.1))
+    gate.release()
+    await gate.held()
+    assert engine.load().running == 1
+    assert await engine.abort("running")
+    gate.release()
+    result = await running
+    assert (result.versions, result.finish_reason) == ([1] * 5 + [2] * 2, "abort")
+    assert len(result.token_ids) == len(result.logprobs) == 7
 
 
 async def test_bad_weights_are_refused_with_the_names(engine: HFEngine, reference: torch.nn.Module) -> None:
