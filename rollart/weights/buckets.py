@@ -1,0 +1,218 @@
+"""Buckets: a state dict cut into payloads of about `bucket_bytes`, and back into tensors without a copy.
+
+    plans = plan_buckets(state_dict, bucket_bytes=64 * 2**20)
+    buffer = new_buffer(plans[0].nbytes)
+    pack_bucket(plans[0], state_dict, buffer)                  # the one copy on the sending side
+    manifest = plans[0].manifest(version=3, index=0, count=len(plans), crc32=checksum(buffer))
+    tensors = unpack_bucket(manifest, received_payload)         # views into the payload: no copy
+
+Tensors keep the state dict's order (neighbouring layers travel together); each starts at a
+multiple of `ALIGN` bytes so every dtype can be viewed in place. A tensor larger than a bucket
+gets a bucket of its own. `VersionAssembly` collects one version's buckets on the receiving end.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollart.weights.wire import BucketManifest, ChecksumMismatch, MissingBucket, TensorEntry, WeightFormatError
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+ALIGN = 64
+"""Tensor offsets are multiples of this: enough for any dtype's element size, and a cache line."""
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "complex64",
+        "complex128",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+"""Wire name -> dtype. Only these are accepted from the wire: a name is never looked up in `torch` blindly."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if DTYPES.get(name) != dtype:
+        raise ValueError(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Which tensors go into one bucket, and where."""
+
+    entries: tuple[TensorEntry, ...]
+    nbytes: int
+
+    def manifest(self, *, version: int, index: int, count: int, crc32: int) -> BucketManifest:
+        return BucketManifest(version, index, count, self.nbytes, crc32, self.entries)
+
+
+def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[BucketPlan]:
+    """Cut `tensors` (in their order) into buckets of at most `bucket_bytes`, except a bigger tensor's own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0; got {bucket_bytes}")
+    plans: list[BucketPlan] = []
+    entries: list[TensorEntry] = []
+    end = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        offset = _aligned(end)
+        if entries and offset + nbytes > bucket_bytes:
+            plans.append(BucketPlan(tuple(entries), end))
+            entries, offset = [], 0
+        entries.append(TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+        end = offset + nbytes
+    if entries:
+        plans.append(BucketPlan(tuple(entries), end))
+    return plans
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def new_buffer(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 buffer (no zero-fill: every byte that matters is written or received)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+
+
+def byte_view(buffer: torch.Tensor) -> memoryview:
+    """A writable memoryview of a CPU uint8 buffer: what sockets and UCX read from and write into."""
+    return buffer.numpy().data.cast("B")
+
+
+def pack_bucket(plan: BucketPlan, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Copy the plan's tensors into `out` (a uint8 buffer of at least `plan.nbytes`); the sender's only copy.
+
+    A contiguous CPU tensor is copied as bytes by numpy: one thread, ~10 GiB/s here whatever else
+    runs. torch's `copy_` splits a big copy over its intra-op threads, and with other processes on
+    the cores those threads wait on each other: 200 ms instead of 9 ms for 100 MiB, measured on
+    2 cores under load. Other tensors (CUDA: without blocking; the caller synchronises before
+    reading `out`; non-contiguous) go through `copy_`."""
+    out_bytes = out.numpy() if not out.is_cuda else None
+    with torch.no_grad():
+        for entry in plan.entries:
+            source = tensors[entry.name].detach()
+            if out_bytes is not None and not source.is_cuda and source.is_contiguous():
+                raw = source.reshape(-1).view(torch.uint8).numpy()
+                np.copyto(out_bytes[entry.offset : entry.offset + entry.nbytes], raw)
+            else:
+                _view(out, entry, DTYPES[entry.dtype]).copy_(source, non_blocking=source.is_cuda)
+
+
+def _view(buffer: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    return buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+
+
+def checksum(payload: memoryview | bytes | bytearray) -> int:
+    """CRC-32 of a payload.
+
+    Why CRC-32 and not a cryptographic hash: the peer is already authenticated (HMAC handshake),
+    so this guards against accidents, not attackers: a payload cut short or misframed by our own
+    code, or memory corrupted on the way. zlib's CRC-32 runs at ~3.7 GiB/s here and releases the
+    GIL (blake2b: ~0.8 GiB/s), so checking costs far less than sending."""
+    return zlib.crc32(payload)
+
+
+def unpack_bucket(
+    manifest: BucketManifest, payload: memoryview | bytearray, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """The bucket's tensors as views into `payload` (no copy); they keep the payload alive.
+
+    Raises `ChecksumMismatch` when the payload does not match its checksum, `WeightFormatError`
+    when the manifest does not fit the payload. `payload` must be writable: the tensors are."""
+    view = memoryview(payload).cast("B")
+    if view.readonly:
+        raise ValueError("unpack_bucket needs a writable payload (the tensors it returns share its memory)")
+    where = f"version {manifest.version} bucket {manifest.index}/{manifest.count}"
+    if len(view) != manifest.nbytes:
+        raise WeightFormatError(f"{where}: payload has {len(view)} bytes; its manifest says {manifest.nbytes}")
+    if verify and (crc := checksum(view)) != manifest.crc32:
+        raise ChecksumMismatch(f"{where}: payload CRC-32 {crc:#010x}, manifest says {manifest.crc32:#010x}")
+    base = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.tensors:
+        dtype = DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise WeightFormatError(f"{where}: tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
+        itemsize = dtype.itemsize
+        if any(d < 0 for d in entry.shape) or math.prod(entry.shape) * itemsize != entry.nbytes:
+            raise WeightFormatError(
+                f"{where}: tensor {entry.name!r} of shape {entry.shape} and dtype {entry.dtype} "
+                f"cannot have {entry.nbytes} bytes"
+            )
+        if entry.offset < 0 or entry.offset % itemsize or entry.offset + entry.nbytes > len(view):
+            raise WeightFormatError(
+                f"{where}: tensor {entry.name!r} at bytes [{entry.offset}, {entry.offset + entry.nbytes}) "
+                f"does not fit a {len(view)}-byte payload aligned for {entry.dtype}"
+            )
+        if entry.name in tensors:
+            raise WeightFormatError(f"{where}: tensor {entry.name!r} appears twice")
+        tensors[entry.name] = _view(base, entry, dtype)
+    return tensors
+
+
+class VersionAssembly:
+    """One version's buckets as they arrive; `finish()` once the last one is in."""
+
+    def __init__(self, version: int, count: int) -> None:
+        if count <= 0:
+            raise WeightFormatError(f"version {version}: a version needs at least one bucket; manifest says {count}")
+        self.version = version
+        self.count = count
+        self._buckets: dict[int, dict[str, torch.Tensor]] = {}
+        self.nbytes = 0
+
+    def add(self, manifest: BucketManifest, tensors: dict[str, torch.Tensor]) -> None:
+        where = f"version {self.version} bucket {manifest.index}"
+        if manifest.version != self.version:
+            raise WeightFormatError(f"{where}: belongs to version {manifest.version}")
+        if manifest.count != self.count:
+            raise WeightFormatError(
+                f"{where}: says the version has {manifest.count} buckets; earlier ones said {self.count}"
+            )
+        if not 0 <= manifest.index < self.count:
+            raise WeightFormatError(f"{where}: index out of range 0..{self.count - 1}")
+        if manifest.index in self._buckets:
+            raise WeightFormatError(f"{where}: arrived twice")
+        self._buckets[manifest.index] = tensors
+        self.nbytes += manifest.nbytes
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.count) if i not in self._buckets]
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, in bucket order; `MissingBucket` if some bucket never came."""
+        if missing := self.missing():
+            raise MissingBucket(f"version {self.version}: buckets {missing} of {self.count} never arrived")
+        weights: dict[str, torch.Tensor] = {}
+        for index in range(self.count):
+            for name, tensor in self._buckets[index].items():
+                if name in weights:
+                    raise WeightFormatError(f"version {self.version}: tensor {name!r} is in two buckets")
+                weights[name] = tensor
+        return weights

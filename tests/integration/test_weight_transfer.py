@@ -1,0 +1,266 @@
+"""Weight pushes over real loopback, to a receiver in its own process, over TCP and over UCX (ucxx):
+a slow receiver skips to the newest version, one that is down gets the newest when it comes up,
+one that restarts gets the latest again, and a publisher with the wrong secret is refused.
+
+Each receiver process (multiprocessing, spawn) runs a `SessionServer` whose `on_bulk` is the
+`WeightReceiver`'s, plus its UCX listener; it checks every tensor it is given against the values
+the test publishes for that version and reports what it applied through a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection as Pipe
+from typing import Any
+
+import pytest
+import torch
+
+from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
+from rollart.weights import Transport, WeightPublisher, WeightReceiver, plan_buckets, ucx_unavailable
+from tests.support import free_ports
+
+pytestmark = pytest.mark.integration
+
+HOST = "127.0.0.1"
+SECRET = b"weights integration secret"
+GENERATOR = Identity("gen-0", "generator")
+TRAINER = Identity("trainer", "trainer")
+CFG = SessionConfig(handshake_timeout_s=1.0, backoff_base_s=0.05, backoff_cap_s=0.3)
+BUCKET_BYTES = 256 * 1024
+UCX_MISSING = ucx_unavailable()
+TRANSPORTS = [
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(UCX_MISSING is not None, reason=f"UCX transport: {UCX_MISSING}")),
+]
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    """What the test publishes as `version`: ~1.2 MB in 5 buckets, three dtypes."""
+    return {
+        "model.embed_tokens.weight": torch.full((256, 1024), float(version)),
+        "model.norm.weight": torch.full((64,), float(version), dtype=torch.bfloat16),
+        "model.positions": torch.arange(1000, dtype=torch.int64) + version,
+        "lm_head.weight": torch.full((32, 1024), -float(version)),
+    }
+
+
+# -- the receiver process ----------------------------------------------------------------------------
+
+
+class _NoMessages:
+    async def on_event(self, session: Session, msg: Any) -> None:
+        raise AssertionError(f"unexpected event {msg!r}")
+
+    async def on_request(self, session: Session, msg: Any) -> Any:
+        raise AssertionError(f"unexpected request {msg!r}")
+
+
+async def _serve(pipe: Pipe, port: int, ucx_port: int | None, apply_delay_s: float) -> None:
+    applied: list[int] = []
+    intact = True
+
+    async def apply(version: int, received: dict[str, torch.Tensor]) -> None:
+        nonlocal intact
+        expected = weights(version)
+        intact = intact and received.keys() == expected.keys()
+        intact = intact and all(torch.equal(received[name], tensor) for name, tensor in expected.items())
+        applied.append(version)
+        await asyncio.sleep(apply_delay_s)  # a generator busy swapping weights in
+
+    receiver = WeightReceiver(apply)
+    server = SessionServer(
+        local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
+    )
+    loop = asyncio.get_running_loop()
+    requests: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def readable() -> None:
+        try:
+            requests.put_nowait(pipe.recv())
+        except EOFError:  # the parent closed its end (or died): stop
+            loop.remove_reader(pipe.fileno())
+            requests.put_nowait(None)
+
+    loop.add_reader(pipe.fileno(), readable)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(server.serve())
+        tg.create_task(receiver.serve())
+        await server.listen_tcp(HOST, port)
+        if ucx_port is not None:
+            await receiver.listen_ucx(local=GENERATOR, secret=SECRET, cfg=CFG, port=ucx_port)
+        pipe.send("ready")
+        while await requests.get() == "stats":
+            refusals = server.refusals + receiver.stats().refusals
+            pipe.send({"applied": list(applied), "intact": intact, "refusals": refusals})
+        await receiver.close()
+        await server.close()
+
+
+def receiver_main(pipe: Pipe, port: int, ucx_port: int | None, apply_delay_s: float) -> None:
+    asyncio.run(_serve(pipe, port, ucx_port, apply_delay_s))
+
+
+class ReceiverProcess:
+    def __init__(self, transport: str, apply_delay_s: float, ports: tuple[int, int]) -> None:
+        self.port, ucx_port = ports
+        self.ucx_port = ucx_port if transport == "ucx" else None
+        ctx = multiprocessing.get_context("spawn")
+        self.pipe, theirs = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=receiver_main, args=(theirs, self.port, self.ucx_port, apply_delay_s), name="weights-receiver"
+        )
+        self.proc.start()
+        theirs.close()
+
+    async def _reply(self, timeout: float) -> Any:
+        if not await asyncio.to_thread(self.pipe.poll, timeout):
+            raise AssertionError(f"receiver process silent for {timeout} s (exit code {self.proc.exitcode})")
+        return self.pipe.recv()
+
+    async def ready(self) -> None:
+        assert await self._reply(30) == "ready"
+
+    async def stats(self) -> dict[str, Any]:
+        self.pipe.send("stats")
+        reply: dict[str, Any] = await self._reply(10)
+        return reply
+
+    async def stop(self, *, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        self.pipe.close()
+        await asyncio.to_thread(self.proc.join, 10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.join)
+
+
+class Receivers:
+    """Starts receiver processes; stops whatever is left of them at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[ReceiverProcess] = []
+        port, ucx_port = free_ports(2)
+        self.ports = (port, ucx_port)
+
+    async def start(self, transport: str, apply_delay_s: float = 0.0) -> ReceiverProcess:
+        proc = ReceiverProcess(transport, apply_delay_s, self.ports)
+        self.procs.append(proc)
+        await proc.ready()
+        return proc
+
+
+@pytest.fixture
+async def receivers() -> AsyncIterator[Receivers]:
+    started = Receivers()
+    try:
+        yield started
+    finally:
+        for proc in started.procs:
+            if proc.proc.is_alive():
+                await proc.stop(kill=True)
+
+
+def publisher_for(transport: Transport, receivers: Receivers, secret: bytes = SECRET) -> WeightPublisher:
+    publisher = WeightPublisher(TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport)
+    port, ucx_port = receivers.ports
+    publisher.add_target("gen-0", HOST, port, ucx_port=ucx_port if transport == "ucx" else None)
+    return publisher
+
+
+async def until(condition: Callable[[], bool], timeout: float) -> None:
+    """Poll a condition no event announces (another process's state), for at most `timeout` seconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - the publisher's stats change without an event to wait on
+            await asyncio.sleep(0.01)
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_slow_receiver_skips_to_the_newest_version(transport: Transport, receivers: Receivers) -> None:
+    proc = await receivers.start(transport, apply_delay_s=0.3)
+    publisher = publisher_for(transport, receivers)
+    async with asyncio.timeout(40), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        stalls = [publisher.publish(1, weights(1))]
+        started = lambda s=publisher.stats: s()["gen-0"].in_flight == 1 or s()["gen-0"].version >= 1  # noqa: E731
+        await until(started, timeout=20)
+        for version in range(2, 6):  # while version 1 is still being applied
+            stalls.append(publisher.publish(version, weights(version)))
+            await asyncio.sleep(0)
+        await publisher.wait_delivered(5, timeout=20)
+        await publisher.close()
+    report = await proc.stats()
+    assert report["applied"] == [1, 5]  # 2, 3 and 4 skipped, never queued; nothing older after newer
+    assert report["intact"]
+    stats = publisher.stats()["gen-0"]
+    assert (stats.version, stats.pushes, stats.skipped, stats.failures) == (5, 2, 3, 0)
+    assert stats.transport == transport
+    assert stats.last_push_bytes == sum(plan.nbytes for plan in plan_buckets(weights(5), BUCKET_BYTES))
+    assert max(stalls) < 0.2  # the copy only: never the 0.3 s the receiver takes per version
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_receiver_that_is_down_gets_the_newest_version_when_it_comes_up(
+    transport: Transport, receivers: Receivers
+) -> None:
+    publisher = publisher_for(transport, receivers)
+    async with asyncio.timeout(40), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        for version in (1, 2, 3):
+            publisher.publish(version, weights(version))
+            failures = publisher.stats()["gen-0"].failures
+            await until(lambda: publisher.stats()["gen-0"].failures > failures, timeout=10)  # noqa: B023
+        proc = await receivers.start(transport)
+        await publisher.wait_delivered(3, timeout=20)
+        await publisher.close()
+    report = await proc.stats()
+    assert report["applied"] == [3]
+    assert report["intact"]
+    assert publisher.stats()["gen-0"].failures >= 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_restarted_receiver_gets_the_latest_version_again(transport: Transport, receivers: Receivers) -> None:
+    first = await receivers.start(transport)
+    publisher = publisher_for(transport, receivers)
+    async with asyncio.timeout(40), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        publisher.publish(7, weights(7))
+        await publisher.wait_delivered(7, timeout=20)
+        await first.stop(kill=True)  # while the publisher idles on its connection
+        second = await receivers.start(transport)
+        applied: list[int] = []
+        async with asyncio.timeout(20):
+            while not applied:
+                applied = (await second.stats())["applied"]
+                await asyncio.sleep(0.05)
+        await publisher.close()
+    assert applied == [7]
+    assert publisher.stats()["gen-0"].pushes == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_publisher_with_the_wrong_secret_is_refused(transport: Transport, receivers: Receivers) -> None:
+    proc = await receivers.start(transport)
+    publisher = publisher_for(transport, receivers, secret=b"not the secret")
+    async with asyncio.timeout(40), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        publisher.publish(1, weights(1))
+        await until(lambda: publisher.stats()["gen-0"].failures >= 2, timeout=20)
+        await publisher.close()
+    stats = publisher.stats()["gen-0"]
+    assert "wrong shared secret" in stats.last_error
+    assert stats.version == -1 and stats.pushes == 0
+    report = await proc.stats()
+    assert report["applied"] == []
+    assert report["refusals"] >= 2

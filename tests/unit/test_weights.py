@@ -1,0 +1,303 @@
+"""Weight buckets (plan, pack, unpack, checks), snapshots, and the receiver's rules over an in-memory connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+import torch
+
+from rollart.protocol import Identity, MemoryConnection, MemoryNetwork
+from rollart.weights import WeightReceiver
+from rollart.weights.buckets import (
+    ALIGN,
+    VersionAssembly,
+    byte_view,
+    checksum,
+    new_buffer,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
+from rollart.weights.pool import BufferPool
+from rollart.weights.snapshot import SnapshotStore
+from rollart.weights.wire import (
+    WEIGHTS,
+    BucketManifest,
+    ChecksumMismatch,
+    Holding,
+    MissingBucket,
+    TensorEntry,
+    VersionAck,
+    WeightFormatError,
+)
+
+Buckets = list[tuple[BucketManifest, bytearray]]
+
+
+def packed(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, version: int = 1) -> Buckets:
+    """Every bucket of `tensors` as (manifest, payload), the way a publisher sends them."""
+    plans = plan_buckets(tensors, bucket_bytes)
+    out = []
+    for index, plan in enumerate(plans):
+        buffer = new_buffer(plan.nbytes)
+        pack_bucket(plan, tensors, buffer)
+        payload = bytearray(byte_view(buffer))
+        out.append((plan.manifest(version=version, index=index, count=len(plans), crc32=checksum(payload)), payload))
+    return out
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(33, 16, generator=gen),
+        "layer.0.bf16": torch.randn(7, 5, generator=gen).to(torch.bfloat16),
+        "layer.0.fp16": torch.randn(3, generator=gen).to(torch.float16),
+        "layer.0.fp64": torch.randn(2, 2, generator=gen, dtype=torch.float64),
+        "steps": torch.tensor(12345678901, dtype=torch.int64),  # 0-dim
+        "ids": torch.arange(-5, 6, dtype=torch.int8),
+        "bytes": torch.arange(0, 250, 7, dtype=torch.uint8),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 3),
+        "transposed": torch.randn(4, 6, generator=gen).t(),  # not contiguous
+        "rotary": torch.randn(3, 2, generator=gen, dtype=torch.complex64),
+        "param": torch.nn.Parameter(torch.randn(5, generator=gen)),  # requires grad
+    }
+
+
+# -- planning --------------------------------------------------------------------------------------
+
+
+def test_small_tensors_share_buckets_in_order_and_stay_under_the_size() -> None:
+    tensors = {f"t{i}": torch.zeros(1000) for i in range(10)}  # 4000 bytes each
+    plans = plan_buckets(tensors, bucket_bytes=10_000)
+    assert [len(p.entries) for p in plans] == [2, 2, 2, 2, 2]
+    assert [e.name for p in plans for e in p.entries] == list(tensors)
+    assert all(p.nbytes <= 10_000 for p in plans)
+    assert all(e.offset % ALIGN == 0 for p in plans for e in p.entries)
+
+
+def test_a_tensor_bigger_than_a_bucket_gets_its_own() -> None:
+    tensors = {"a": torch.zeros(10), "big": torch.zeros(5000), "b": torch.zeros(10), "c": torch.zeros(10)}
+    plans = plan_buckets(tensors, bucket_bytes=1024)
+    assert [[e.name for e in p.entries] for p in plans] == [["a"], ["big"], ["b", "c"]]
+    assert plans[1].nbytes == 20_000
+
+
+def test_the_default_bucket_size_is_64_mib() -> None:
+    tensors = {f"t{i}": torch.empty(4 * 1024 * 1024, dtype=torch.uint8) for i in range(40)}  # 160 MiB
+    plans = plan_buckets(tensors)
+    assert [len(p.entries) for p in plans] == [16, 16, 8]
+    assert plans[0].nbytes == 64 * 1024 * 1024
+
+
+# -- round trip and checks -------------------------------------------------------------------------
+
+
+def test_every_dtype_round_trips_without_a_copy_on_the_receiving_side() -> None:
+    tensors = mixed_state_dict()
+    buckets = packed(tensors, bucket_bytes=512)
+    assert len(buckets) == 3
+    received: dict[str, torch.Tensor] = {}
+    for manifest, payload in buckets:
+        out = unpack_bucket(manifest, payload)
+        start = torch.frombuffer(payload, dtype=torch.uint8).data_ptr() if payload else 0
+        for tensor in out.values():
+            if tensor.numel():
+                assert start <= tensor.data_ptr() < start + len(payload)  # a view into the payload
+        received.update(out)
+    assert list(received) == list(tensors)
+    for name, tensor in tensors.items():
+        assert received[name].dtype == tensor.dtype, name
+        assert received[name].shape == tensor.shape, name
+        assert torch.equal(received[name], tensor.detach()), name
+
+
+def test_a_flipped_byte_is_caught_by_the_checksum() -> None:
+    manifest, payload = packed({"w": torch.randn(100)}, bucket_bytes=1 << 20)[0]
+    payload[123] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="version 1 bucket 0/1: payload CRC-32"):
+        unpack_bucket(manifest, payload)
+
+
+def test_a_truncated_payload_is_refused() -> None:
+    manifest, payload = packed({"w": torch.randn(100)}, bucket_bytes=1 << 20)[0]
+    with pytest.raises(WeightFormatError, match="payload has 399 bytes; its manifest says 400"):
+        unpack_bucket(manifest, payload[:-1])
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        (TensorEntry("w", "float32", (10,), 64, 40), "does not fit"),  # runs past the end
+        (TensorEntry("w", "float32", (10,), 2, 40), "does not fit"),  # misaligned for float32
+        (TensorEntry("w", "float32", (11,), 0, 40), "cannot have 40 bytes"),
+        (TensorEntry("w", "float32", (-10,), 0, 40), "cannot have 40 bytes"),
+        (TensorEntry("w", "__class__", (10,), 0, 40), "unknown dtype '__class__'"),
+    ],
+)
+def test_a_manifest_that_does_not_fit_its_payload_is_refused(entry: TensorEntry, problem: str) -> None:
+    payload = bytearray(100)
+    manifest = BucketManifest(1, 0, 1, len(payload), checksum(payload), (entry,))
+    with pytest.raises(WeightFormatError, match=problem):
+        unpack_bucket(manifest, payload)
+
+
+def test_a_read_only_payload_is_refused() -> None:
+    manifest, payload = packed({"w": torch.randn(4)}, bucket_bytes=1 << 20)[0]
+    with pytest.raises(ValueError, match="writable"):
+        unpack_bucket(manifest, bytes(payload))  # type: ignore[arg-type]
+
+
+def test_a_version_without_one_of_its_buckets_is_refused() -> None:
+    buckets = packed({f"t{i}": torch.zeros(100) for i in range(3)}, bucket_bytes=400)
+    assembly = VersionAssembly(1, 3)
+    for manifest, payload in (buckets[0], buckets[2]):
+        assembly.add(manifest, unpack_bucket(manifest, payload))
+    with pytest.raises(MissingBucket, match=r"version 1: buckets \[1\] of 3 never arrived"):
+        assembly.finish()
+
+
+# -- snapshots -------------------------------------------------------------------------------------
+
+
+async def test_a_snapshot_is_a_copy_and_its_buffers_are_reused_once_unused() -> None:
+    store = SnapshotStore(bucket_bytes=1 << 20)
+    weights = {"w": torch.ones(1000), "b": torch.zeros(10, dtype=torch.bfloat16)}
+    first = store.put(1, weights)
+    weights["w"].add_(1)  # the optimizer's next step
+    manifest = await first.manifest(0)
+    assert torch.equal(unpack_bucket(manifest, byte_view(first.buffers[0]))["w"], torch.ones(1000))
+    first_ptr = first.buffers[0].data_ptr()
+    store.put(2, weights)  # version 1 is no longer the latest and nobody pushes it: its buffers are spare
+    third = store.put(3, weights)
+    assert third.buffers[0].data_ptr() == first_ptr
+    with pytest.raises(ValueError, match="version 3 is not newer than the last one published"):
+        store.put(3, weights)
+
+
+async def test_a_snapshot_being_pushed_keeps_its_buffers() -> None:
+    store = SnapshotStore(bucket_bytes=1 << 20)
+    weights = {"w": torch.ones(1000)}
+    store.put(1, weights)
+    pushing = store.take_latest()
+    assert pushing is not None
+    store.put(2, weights)
+    store.put(3, weights)
+    latest = store.take_latest()
+    assert latest is not None and pushing.buffers
+    assert latest.buffers[0].data_ptr() != pushing.buffers[0].data_ptr()  # version 3 did not take them
+    store.drop(pushing)
+    assert not pushing.buffers  # recycled once the push let go
+
+
+def test_a_receive_buffer_is_reused_only_once_no_tensor_holds_it() -> None:
+    pool = BufferPool()
+    manifest, payload = packed({"w": torch.arange(100.0)}, bucket_bytes=1 << 20)[0]
+    view = pool.take(len(payload))
+    view[:] = payload
+    kept = unpack_bucket(manifest, view)["w"]  # an engine that keeps the tensors it was given
+    del view
+    other = pool.take(len(payload))
+    assert (pool.allocated, pool.reused) == (2, 0)  # `kept` still views the first buffer
+    other[:] = bytes(len(payload))
+    assert torch.equal(kept, torch.arange(100.0))
+    del kept, other
+    pool.take(len(payload))
+    assert (pool.allocated, pool.reused) == (2, 1)
+
+
+def test_idle_receive_buffers_beyond_the_cap_are_let_go() -> None:
+    pool = BufferPool()
+    for size in (1000, 2000, 3000):
+        pool.take(size)  # each dropped at once: idle
+    assert pool.nbytes == 6000
+    pool.cap_bytes = 4000
+    pool.take(500)
+    assert pool.nbytes == 3500  # the least recently used idle ones went first
+
+
+# -- the receiver's rules ----------------------------------------------------------------------------
+
+
+class Engine:
+    """Records what it was given; refuses a version when told to."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.refuse: set[int] = set()
+
+    async def load_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        if version in self.refuse:
+            raise RuntimeError(f"no room for version {version}")
+        self.applied.append((version, weights))
+
+
+Pushed = tuple[MemoryConnection, WeightReceiver, Engine, list[asyncio.Task[None]]]
+
+
+@pytest.fixture
+async def pushed() -> AsyncIterator[Pushed]:
+    """A receiver serving one in-memory bulk connection; yields the publisher's end."""
+    engine = Engine()
+    receiver = WeightReceiver(engine.load_weights, version=0)
+    net = MemoryNetwork()
+    served: list[asyncio.Task[None]] = []
+    net.listen("gen-0", lambda conn: served.append(asyncio.create_task(receiver.on_bulk(conn, Identity("t", "t")))))
+    conn = await net.connect("gen-0")
+    assert WEIGHTS.decode(await conn.recv()) == Holding(0)
+    yield conn, receiver, engine, served
+    conn.close()
+    for task in served:
+        task.cancel()
+    await asyncio.gather(*served, return_exceptions=True)
+
+
+async def send(conn: MemoryConnection, buckets: Buckets) -> None:
+    for manifest, payload in buckets:
+        conn.send(WEIGHTS.encode(manifest))
+        await conn.send_bulk(payload)
+
+
+def version_of(value: float, version: int) -> Buckets:
+    return packed({f"t{i}": torch.full((100,), value) for i in range(4)}, bucket_bytes=800, version=version)
+
+
+async def test_receiver_applies_newer_ignores_older_and_replaces_a_half_received_version(pushed: Pushed) -> None:
+    conn, receiver, engine, _ = pushed
+    await send(conn, version_of(2.0, 2))
+    assert WEIGHTS.decode(await conn.recv()) == VersionAck(2, 2)
+    await send(conn, version_of(1.0, 1))  # older: acknowledged, not applied
+    assert WEIGHTS.decode(await conn.recv()) == VersionAck(1, 2)
+    await send(conn, version_of(3.0, 3)[:1])  # half of version 3 ...
+    await send(conn, version_of(4.0, 4))  # ... then version 4 replaces it
+    assert WEIGHTS.decode(await conn.recv()) == VersionAck(4, 4)
+    assert [v for v, _ in engine.applied] == [2, 4]
+    assert all(torch.equal(t, torch.full((100,), 4.0)) for t in engine.applied[-1][1].values())
+    assert len(engine.applied[-1][1]) == 4
+    stats = receiver.stats()
+    assert (stats.version, stats.applied, stats.ignored, stats.replaced) == (4, 2, 1, 1)
+
+
+async def test_receiver_reports_a_version_the_engine_refused(pushed: Pushed) -> None:
+    conn, receiver, engine, _ = pushed
+    engine.refuse.add(1)
+    await send(conn, version_of(1.0, 1))
+    ack = WEIGHTS.decode(await conn.recv())
+    assert isinstance(ack, VersionAck)
+    assert (ack.version, ack.holding, ack.error) == (1, 0, "RuntimeError: no room for version 1")
+    await send(conn, version_of(2.0, 2))  # the connection carries on
+    assert WEIGHTS.decode(await conn.recv()) == VersionAck(2, 2)
+    assert receiver.stats().apply_failures == 1
+
+
+async def test_receiver_drops_the_connection_on_a_corrupt_bucket(pushed: Pushed) -> None:
+    conn, receiver, engine, served = pushed
+    buckets = version_of(1.0, 1)
+    buckets[1][1][10] ^= 0xFF
+    await send(conn, buckets)
+    with pytest.raises(ChecksumMismatch):
+        await served[0]
+    assert engine.applied == []
+    assert receiver.stats().checksum_failures == 1
