@@ -105,6 +105,7 @@ class Launcher:
         self._started_at = time.monotonic()
         self._lines_drawn = 0
         self._last_print = -NON_TTY_EVERY_S
+        self._baseline_said = False
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ class Launcher:
             self._say(f"building the tiny default model in {model} (first run only)")
             from rollart.engines.tiny_model import ensure_tiny_model
 
-            ensure_tiny_model(model, seed=run.model.seed)
+            ensure_tiny_model(model, seed=run.model.seed, prepare=self._warm_up)
         if run.secret_file is None and not os.environ.get(run.secret_env):
             self.env[run.secret_env] = secrets.token_hex(32)
         if run.admin_token_file is None and not os.environ.get(run.admin_token_env):
@@ -127,6 +128,17 @@ class Launcher:
             token_path.touch(mode=0o600)
             token_path.write_text(token + "\n")
         self.env["PYTHONUNBUFFERED"] = "1"
+
+    def _warm_up(self, folder: Path) -> None:
+        run = self.topology.run
+        steps = run.model.format_warmup_steps
+        if steps == 0 or run.rollout is None:
+            return
+        from rollart.engines.warmup import format_warmup
+
+        self._say(f"format warm-up: {steps} supervised steps on random valid actions (the reply format, no solutions)")
+        summary = format_warmup(folder, run.rollout.tasks, steps=steps, seed=run.model.seed)
+        self._say(f"format warm-up done in {summary['seconds']} s, final loss {summary['final_loss']}")
 
     async def _spawn(self, node: NodeProcess) -> None:
         with node.log_path.open("ab") as log_file:
@@ -288,8 +300,30 @@ class Launcher:
         if node.state == "starting" or node.state in ("running", "paused"):
             node.state = node.status["state"] if node.status else node.state
 
+    def _training_bar(self) -> list[str]:
+        """The trainer's progress bar (step, rewards, staleness, throughput, generator busy)."""
+        for node in self.nodes:
+            training = (node.status or {}).get("training")
+            rollout = (node.status or {}).get("rollout") or {}
+            if not training:
+                continue
+            if training.get("baseline") and not self._baseline_said:
+                self._baseline_said = True
+                parts = [
+                    f"{task} success {b['success_rate']:.3f} reward {b['reward_mean']:.3f}"
+                    for task, b in training["baseline"].items()
+                ]
+                self._say("random-policy baseline (uniformly random valid actions): " + "; ".join(parts))
+            from tqdm import tqdm
+
+            steps, elapsed = rollout.get("steps"), time.monotonic() - self._started_at
+            # total None (no step limit) draws a counter instead of a bar; the stubs only allow floats.
+            bar = tqdm.format_meter(rollout.get("batches", 0), steps, elapsed, ncols=60, prefix="  training")  # type: ignore[arg-type]
+            return [bar, f"  {node.status.get('progress', '')}" if node.status else ""]
+        return []
+
     def _render(self, *, final: bool = False) -> None:
-        lines = [self._line(node) for node in self.nodes]
+        lines = [*self._training_bar(), *(self._line(node) for node in self.nodes)]
         elapsed = time.monotonic() - self._started_at
         header = f"[{elapsed:6.1f}s] {self.topology.run.name}: " + (
             "stopped" if final else "Ctrl-C drains and stops every node"
@@ -325,7 +359,20 @@ class Launcher:
         self.out.write(text + "\n")
         self.out.flush()
 
+    def _report(self) -> None:
+        if not (self.run_dir / "metrics.jsonl").exists():
+            return
+        from rollart.report import ReportError, build_report
+
+        try:
+            out = build_report(self.run_dir)
+        except (ReportError, OSError, ValueError) as exc:
+            self._say(f"could not build the run report: {exc}")
+            return
+        self._say(f"run report: {out / 'report.md'} (plots beside it)")
+
     def _summary(self) -> int:
+        self._report()
         if self.failure:
             self._say(f"run failed: {self.failure}")
             return EXIT_NODE_FAILED

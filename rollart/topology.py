@@ -21,6 +21,7 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 import yaml
 
+from rollart.engines.training import TrainerSpec
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConfigError
 from rollart.rollout.config import GeneratorSpec, ModelSpec, RewardPoolSpec, RolloutSpec
@@ -122,6 +123,8 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """The inference engine of every generator."""
     reward_pool: RewardPoolSpec = RewardPoolSpec()
     """The reward gateway's worker pool."""
+    trainer: TrainerSpec = TrainerSpec()
+    """How the trainer trains and pushes weights (rollout mode `train`)."""
     env_modules: list[str] = []
     """Python modules imported by env-hosts before they start, to register your own environments."""
 
@@ -219,6 +222,11 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
     problems = _check(topology)
     if problems:
         raise ConfigError("\n".join(f"{source}: {path}: {problem}" for path, problem in problems))
+    rollout = topology.run.rollout
+    if rollout is not None and rollout.schedule == "sync":
+        # The synchronous baseline is the same config with no overlap: whole batches, no staleness.
+        rollout = msgspec.structs.replace(rollout, alpha=0, env_stepping="batch")
+        topology = msgspec.structs.replace(topology, run=msgspec.structs.replace(topology.run, rollout=rollout))
     return topology
 
 
@@ -296,6 +304,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     problems += _check_restart("run.restart", run.restart)
     if run.rollout is not None:
         problems += [(f"run.rollout.{field}", problem) for field, problem in run.rollout.validate()]
+    problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
     pool = run.reward_pool
     problems += _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
     if pool.min_workers > pool.max_workers:

@@ -15,6 +15,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,8 +116,10 @@ def build_tiny_model(
     return out_dir
 
 
-def ensure_tiny_model(path: Path, *, seed: int = 0) -> Path:
+def ensure_tiny_model(path: Path, *, seed: int = 0, prepare: Callable[[Path], None] | None = None) -> Path:
     """Build the tiny model at `path` unless a model (a `config.json`) is already there.
+
+    `prepare(folder)` runs on the built model before it is moved into place (the format warm-up).
 
     Safe when several processes call it at once: each builds into a temporary folder beside `path` and renames it
     into place; a process that loses the race drops its copy and uses the winner's."""
@@ -126,6 +129,8 @@ def ensure_tiny_model(path: Path, *, seed: int = 0) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
     try:
         build_tiny_model(staging, seed=seed)
+        if prepare is not None:
+            prepare(staging)
         staging.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
         try:
             os.rename(staging, path)  # atomic; replaces an empty folder, fails on a full one

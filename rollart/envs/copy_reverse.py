@@ -1,7 +1,8 @@
 """copy-reverse: a decode-heavy, single-turn task small enough for a tiny char-level model.
 
 The prompt gives a random string over a small alphabet (default `abcdefgh`, length 16-32) and
-asks for it reversed inside `\\boxed{...}`. The reward gives partial credit, so a tiny model can
+asks for it reversed inside `\\boxed{...}` (with `mode="copy"`: copied, which a tiny model learns
+sooner). The reward gives partial credit, so a tiny model can
 improve gradually: the fraction of positions where the answer matches the reversed string,
 counted over the longer of the two (padding does not pay), 1.0 for an exact answer. A reply with
 no `\\boxed{...}` gets the format penalty. `info["answer"]` holds the reference (on reset and on
@@ -14,10 +15,12 @@ step), for reward functions that score elsewhere. Sample (seed 0):
 from __future__ import annotations
 
 import random
+from typing import Literal
 
 from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, last_boxed, not_running, require, resolve_seed
 
 SYSTEM_PROMPT = "Write the given string reversed inside \\boxed{}. Example: abc -> \\boxed{cba}"
+COPY_SYSTEM_PROMPT = "Write the given string inside \\boxed{}. Example: abc -> \\boxed{abc}"
 
 
 def position_match(answer: str, reference: str) -> float:
@@ -43,6 +46,7 @@ class CopyReverseEnv(Env):
         max_len: int = 32,
         alphabet: str = "abcdefgh",
         format_penalty: float = FORMAT_PENALTY,
+        mode: Literal["reverse", "copy"] = "reverse",
     ) -> None:
         require(1 <= min_len <= max_len, self.name, f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         require(
@@ -52,7 +56,11 @@ class CopyReverseEnv(Env):
         )
         self.min_len = min_len
         self.max_len = max_len
+        require(mode in ("reverse", "copy"), self.name, f"mode must be 'reverse' or 'copy', got {mode!r}")
         self.alphabet = alphabet
+        self.mode = mode
+        if mode == "copy":
+            self.system_prompt = COPY_SYSTEM_PROMPT
         self.format_penalty = format_penalty
         self._answer: str | None = None
 
@@ -60,8 +68,12 @@ class CopyReverseEnv(Env):
         episode_seed = resolve_seed(seed)
         rng = random.Random(episode_seed)
         text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
-        self._answer = text[::-1]
-        obs = f"Reverse this string: {text}\nPut the reversed string in \\boxed{{}}."
+        if self.mode == "copy":
+            self._answer = text
+            obs = f"Copy this string: {text}\nPut it in \\boxed{{}}."
+        else:
+            self._answer = text[::-1]
+            obs = f"Reverse this string: {text}\nPut the reversed string in \\boxed{{}}."
         return obs, {"seed": episode_seed, "answer": self._answer}
 
     def sample_action(self, rng: random.Random) -> str | None:
@@ -79,4 +91,4 @@ class CopyReverseEnv(Env):
             return "No \\boxed{...} answer found.", self.format_penalty, True, False, info
         score = position_match(boxed.strip(), answer)
         info["success"] = score == 1.0
-        return f"The reversed string is {answer}.", score, True, False, info
+        return f"The answer is {answer}.", score, True, False, info

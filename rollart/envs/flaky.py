@@ -76,5 +76,8 @@ class FlakyEnv(Env):
         self._maybe_fail(self._rng, "step", self.step_failure)
         return self.inner.step(action)
 
+    def sample_action(self, rng: random.Random) -> str | None:
+        return self.inner.sample_action(rng)
+
     def close(self) -> None:
         self.inner.close()

@@ -54,5 +54,8 @@ class SlowEnv(Env):
         self._wait()
         return self.inner.step(action)
 
+    def sample_action(self, rng: random.Random) -> str | None:
+        return self.inner.sample_action(rng)
+
     def close(self) -> None:
         self.inner.close()

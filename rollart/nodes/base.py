@@ -25,13 +25,14 @@ import structlog
 from rollart.nodes.admin import AdminServer
 from rollart.protocol import (
     ClientSession,
+    Connection,
     Identity,
     Session,
     SessionServer,
     State,
     tcp_connector,
 )
-from rollart.protocol.errors import RemoteError, RollartError
+from rollart.protocol.errors import ProtocolError, RemoteError, RollartError
 from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
 from rollart.topology import NodeSpec, Role, Topology
 
@@ -62,6 +63,7 @@ class NodeDaemon:
         self.cfg = topology.run.session
         self.identity = Identity(spec.name, spec.role.value)
         self.admin_token = admin_token
+        self.secret = secret
         self.started_at = time.time()
         self.paused = False
         self.draining = False
@@ -71,7 +73,7 @@ class NodeDaemon:
         self.last_error: str | None = None
         self.peer_status: dict[str, NodeStatus] = {}
         self.server = SessionServer(
-            local=self.identity, secret=secret, channel=APP, handler=self, cfg=self.cfg, on_bulk=None
+            local=self.identity, secret=secret, channel=APP, handler=self, cfg=self.cfg, on_bulk=self.on_bulk
         )
         self.clients: dict[str, ClientSession] = {}
         for peer in topology.nodes:
@@ -173,6 +175,14 @@ class NodeDaemon:
         """Requests that finish work already in flight, which a draining node still takes."""
         return False
 
+    async def on_bulk(self, conn: Connection, peer: Identity) -> None:
+        """An authenticated bulk connection (weights); only generators take them."""
+        raise ProtocolError(f"{self.spec.name} ({self.role.value}) accepts no bulk connections")
+
+    def node_load(self) -> dict[str, float]:
+        """Gauges peers may read from this node's `NodeStatus` (see `NodeStatus.load`)."""
+        return {}
+
     async def on_role_request(self, session: Session, msg: Any) -> Any:
         raise RemoteError("unknown-request", f"a {self.role.value} does not serve {type(msg).__name__} requests")
 
@@ -231,7 +241,9 @@ class NodeDaemon:
         return time.time() - self.started_at
 
     def node_status(self) -> NodeStatus:
-        return NodeStatus(self.spec.name, self.role.value, round(self.uptime_s(), 3), self.paused, self.draining)
+        return NodeStatus(
+            self.spec.name, self.role.value, round(self.uptime_s(), 3), self.paused, self.draining, self.node_load()
+        )
 
     def state(self) -> str:
         if self.draining:

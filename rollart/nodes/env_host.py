@@ -51,6 +51,8 @@ class EnvHostNode(NodeDaemon):
         self.rollout = self.topology.run.rollout
         self.version = 0
         self.running: dict[str, tuple[asyncio.Task[Any], int]] = {}
+        self.run_done = False
+        """The trainer said the run is over (`PolicyVersion.done`)."""
         self.counts: collections.Counter[str] = collections.Counter()
         self.renderer: ChatRenderer | None = None
         self._slots: list[asyncio.Task[None]] = []
@@ -107,20 +109,21 @@ class EnvHostNode(NodeDaemon):
 
     async def _slot(self, trainer: ClientSession, reward: ClientSession) -> None:
         """Ask for a group, run it, hand it in; until the trainer says the run is done."""
-        while not self.draining:
+        while not (self.draining or self.run_done):
             await self.unpaused.wait()
             match await self._ask(trainer):
                 case NoTask(done=True):
                     return
                 case GroupTask() as task:
                     outcome = await run_group(task, functools.partial(self._trajectory, task, reward, None))
-                    await self._hand_in(trainer, outcome)
+                    if not self.run_done:
+                        await self._hand_in(trainer, outcome)
 
     async def _batch_rounds(self, trainer: ClientSession, reward: ClientSession) -> None:
         """The synchronous baseline: gather a batch of groups, step them turn by turn together."""
         assert self.rollout is not None
         done = False
-        while not (done or self.draining):
+        while not (done or self.draining or self.run_done):
             await self.unpaused.wait()
             tasks: list[GroupTask] = []
             while len(tasks) < self.rollout.groups_per_env_host and not self.draining:
@@ -135,7 +138,8 @@ class EnvHostNode(NodeDaemon):
                 *(run_group(task, functools.partial(self._trajectory, task, reward, barrier)) for task in tasks)
             )
             for outcome in outcomes:
-                await self._hand_in(trainer, outcome)
+                if not self.run_done:
+                    await self._hand_in(trainer, outcome)
 
     async def _hand_in(self, trainer: ClientSession, outcome: GroupDone | GroupFailed) -> None:
         if isinstance(outcome, GroupDone):
@@ -177,6 +181,7 @@ class EnvHostNode(NodeDaemon):
                 raise RemoteError("bad-response", f"reward gateway answered {type(reply).__name__}")
             return reply.reward
 
+        alpha = self.rollout.alpha
         env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
         self.counts["envs_opened"] += 1
         try:
@@ -189,6 +194,7 @@ class EnvHostNode(NodeDaemon):
                 policy_version=lambda: self.version,
                 on_start=started,
                 barrier=barrier,
+                min_version=lambda: max(0, self.version - alpha),
             )
         except EnvFailure:
             self.counts["env_failures"] += 1
@@ -205,6 +211,12 @@ class EnvHostNode(NodeDaemon):
 
     async def on_role_event(self, session: Session, msg: Any) -> None:
         match msg:
+            case PolicyVersion(done=True):
+                # The trainer has what it needs: what is in flight can never be used.
+                self.run_done = True
+                for task, _ in list(self.running.values()):
+                    task.cancel()
+                log.info("env_host.run_done", aborted=len(self.running))
             case PolicyVersion(version=version, min_start=min_start):
                 self.version = max(self.version, version)
                 for trajectory_id, (task, started) in list(self.running.items()):

@@ -4,6 +4,11 @@ Env-hosts send `Generate` requests; the engine batches every request in flight (
 or vLLM backend, `run.generator.backend`). A request whose caller gives up (timeout, a
 redundant trajectory cancelled, a stale trajectory aborted) is cancelled here too, which aborts
 it in the engine; the aborts are counted in `/status`.
+
+Weights arrive from the trainer on bulk connections (TCP to the session port, or UCX to the
+port `WeightsHere` names) into a `WeightReceiver`, which hands each complete version to the
+engine's `load_weights`: requests in flight keep going and finish under the new version. A
+request whose `min_version` is newer than the weights held waits for the push.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import structlog
 
 from rollart.engines.base import GenerationEngine, SamplingParams
 from rollart.nodes.base import NodeDaemon
-from rollart.protocol import Session
+from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import ConfigError, RemoteError
-from rollart.protocol.messages import Generate, Generated
+from rollart.protocol.messages import Generate, Generated, WeightsHere, WeightsWhere
 from rollart.topology import Role
+from rollart.weights import WeightReceiver, ucx_unavailable
 
 log = structlog.get_logger("rollart.generator")
 
@@ -54,12 +60,37 @@ class GeneratorNode(NodeDaemon):
         self.aborted = 0
         self.engine_start_s: float | None = None
         self._engine_started: float | None = None
+        self.receiver = WeightReceiver(self._load_weights)
+        self.ucx_port = 0
+
+    async def _load_weights(self, version: int, weights: dict[str, Any]) -> None:
+        await self.ready.wait()
+        assert self.engine is not None
+        await self.engine.load_weights(version, weights)
+        log.info("generator.weights", version=version)
+
+    async def on_bulk(self, conn: Connection, peer: Identity) -> None:
+        await self.receiver.on_bulk(conn, peer)
 
     async def work(self) -> None:
         run = self.topology.run
         if run.rollout is None:
             await super().work()
             return
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.receiver.serve())
+            transport = run.trainer.weight_transport
+            if transport != "tcp" and ucx_unavailable() is None:
+                self.ucx_port = await self.receiver.listen_ucx(
+                    local=self.identity, secret=self.secret, cfg=self.cfg, port=0
+                )
+            try:
+                await self._serve_engine()
+            finally:
+                await self.receiver.close()
+
+    async def _serve_engine(self) -> None:
+        run = self.topology.run
         started = time.monotonic()
         engine = build_engine(
             run.generator.backend,
@@ -82,11 +113,15 @@ class GeneratorNode(NodeDaemon):
         match msg:
             case Generate():
                 return await self._generate(msg)
+            case WeightsWhere():
+                return WeightsHere(self.receiver.version, self.ucx_port)
             case _:
                 return await super().on_role_request(session, msg)
 
     async def _generate(self, msg: Generate) -> Generated:
         await self.ready.wait()  # bounded by the request's own deadline
+        if self.receiver.version < msg.min_version:
+            await self.receiver.wait_version(msg.min_version, timeout=float("inf"))  # the deadline bounds it
         assert self.engine is not None
         params = SamplingParams(
             max_tokens=msg.max_tokens,
@@ -122,6 +157,18 @@ class GeneratorNode(NodeDaemon):
             busy = {"engine_up_s": round(up, 3), "busy_s": round(self.engine.load().busy_fraction * up, 3)}
         log.info("generator.summary", served=self.served, aborted=self.aborted, **busy)
 
+    def node_load(self) -> dict[str, float]:
+        if self.engine is None or self._engine_started is None:
+            return {}
+        up = time.monotonic() - self._engine_started
+        load = self.engine.load()
+        return {
+            "busy_s": load.busy_fraction * up,
+            "engine_up_s": up,
+            "version": float(self.receiver.version),
+            "ucx_port": float(self.ucx_port),
+        }
+
     def progress(self) -> str:
         if self.engine is None:
             return "engine starting" if self.topology.run.rollout is not None else ""
@@ -145,5 +192,6 @@ class GeneratorNode(NodeDaemon):
                 "generated_tokens": load.generated_tokens,
                 "version": load.version,
             }
+        engine["weights"] = vars(self.receiver.stats()) | {"ucx_port": self.ucx_port}
         status["engine"] = engine
         return status

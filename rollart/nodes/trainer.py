@@ -3,9 +3,12 @@
 Env-hosts ask it for group tasks (`TaskWanted`, answered within the alpha admission limit) and
 return finished groups (`GroupDone`, checked against the staleness bound) or failed ones
 (`GroupFailed`, re-issued). Its loop takes a batch from the SampleBuffer as soon as one is
-complete. In `rollout-only` mode it does not train: it records each batch to
-`RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy version, which
-drops and aborts whatever that version makes too stale, exactly as training would.
+complete. In `train` mode it trains on it (`Learner`: GRPO step, weight push that the trainer
+never waits for, metrics, checkpoints), bumps the policy version and goes on; with
+`schedule: sync` it instead holds the dispenser while it trains and until every generator has
+loaded the new weights (the synchronous baseline). In `rollout-only` mode it does not train: it
+records each batch to `RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy
+version, which drops and aborts whatever that version makes too stale, exactly as training would.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import msgspec
 import structlog
 
 from rollart.nodes.base import NodeDaemon
+from rollart.nodes.learner import Learner
 from rollart.protocol import Session
 from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
 from rollart.rollout.buffer import SampleBuffer
@@ -45,6 +49,11 @@ class TrainerNode(NodeDaemon):
             self.buffer = SampleBuffer(batch_groups=rollout.batch_groups, alpha=rollout.alpha)
             self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
         self.out_path = self.topology.run_dir() / "rollout.jsonl"
+        self.learner = Learner(self) if rollout is not None and rollout.mode == "train" else None
+        self.last_checkpoint_step = 0
+        self._step_lock = asyncio.Lock()
+        """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
+        self.push_timeout_s = 600.0
 
     async def work(self) -> None:
         if self.rollout is None:
@@ -52,8 +61,28 @@ class TrainerNode(NodeDaemon):
             return
         async with asyncio.TaskGroup() as tg:
             leases = tg.create_task(self._expire_leases())
+            pushing = None
+            if self.learner is not None:
+                self.dispenser.held = True  # nothing starts before the weights are ready
+                state = await self.learner.start()
+                pushing = tg.create_task(self.learner.publisher.run())
+                await self.learner.connect_generators()
+                if state is not None:
+                    self._resume(state)
+                self.dispenser.held = False
+                self.dispenser.changed()
             await self._consume()
             leases.cancel()
+            if pushing is not None:
+                await self.learner.publisher.close()  # type: ignore[union-attr]
+
+    def _resume(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: same version and step; generators get these weights first."""
+        assert self.learner is not None
+        self.version = int(state["version"])
+        self.batches = self.last_checkpoint_step = int(state["step"])
+        self.dispenser.load_state(state["dispenser"])
+        self.learner.publish(self.version)
 
     async def _consume(self) -> None:
         """Take batches as they complete; in rollout-only mode record them instead of training."""
@@ -62,17 +91,63 @@ class TrainerNode(NodeDaemon):
         while self.rollout.steps is None or self.batches < self.rollout.steps:
             await self.unpaused.wait()
             batch = await self.buffer.take()
+            self.last_rewards = [t.reward for group in batch for t in group.trajectories]
+            if self.learner is not None:
+                await self._train(batch)
+                continue
             self.dispenser.changed()
             await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
             self.batches += 1
-            self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
             if self.rollout.bump_version_every_batch:
                 await self.bump_version()
+        if self.learner is not None and self.batches > self.last_checkpoint_step:
+            await self._checkpoint()
         self.done = True
         self.dispenser.done = True
         self.dispenser.changed()
+        await self._tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
         log.info("trainer.done", batches=self.batches, version=self.version)
+
+    async def _train(self, batch: list[GroupDone]) -> None:
+        """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""
+        assert self.learner is not None and self.rollout is not None
+        sync = self.rollout.schedule == "sync"
+        self.dispenser.held = sync
+        self.dispenser.changed()
+        async with self._step_lock:
+            stats = await self.learner.train(batch, version=self.version)
+            self.batches += 1
+            await self.bump_version()
+            self.learner.publish(self.version)
+        if sync:
+            await self.learner.publisher.wait_delivered(self.version, timeout=self.push_timeout_s)
+            self.dispenser.held = False
+            self.dispenser.changed()
+        line = self.learner.record(self.batches, self.version, batch, stats)
+        log.info(
+            "trainer.step",
+            step=self.batches,
+            version=self.version,
+            reward=round(line["reward_mean"], 4),
+            success=round(line["success_rate"], 4),
+            loss=round(stats["loss"], 5),
+            train_s=round(stats["train_s"], 3),
+        )
+        every = self.learner.spec.checkpoint_every
+        if every and self.batches % every == 0:
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        assert self.learner is not None
+        async with self._step_lock:
+            if self.batches == self.last_checkpoint_step:
+                return
+            buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in self.buffer.peek()]
+            await self.learner.checkpoint(
+                step=self.batches, version=self.version, dispenser=self.dispenser.state_dict(buffered)
+            )
+            self.last_checkpoint_step = self.batches
 
     async def bump_version(self) -> None:
         """The policy moved to a new version: drop and abort what it makes too stale."""
@@ -81,11 +156,13 @@ class TrainerNode(NodeDaemon):
         min_start = self.version - self.rollout.alpha
         for group in self.buffer.drop_stale(self.version):
             self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
-        notice = PolicyVersion(self.version, min_start)
+        await self._tell_env_hosts(PolicyVersion(self.version, min_start))
+        self.dispenser.changed()
+
+    async def _tell_env_hosts(self, notice: PolicyVersion) -> None:
         for session in list(self.server.sessions.values()):
             if session.peer is not None and session.peer.role == Role.ENV_HOST.value and not session.finished:
                 await session.send(notice)
-        self.dispenser.changed()
 
     async def _expire_leases(self) -> None:
         while True:
@@ -138,6 +215,9 @@ class TrainerNode(NodeDaemon):
                 return await super().on_role_request(session, msg)
 
     async def drain_work(self) -> None:
+        learner = self.learner
+        if learner is not None and learner.engine is not None and self.batches > self.last_checkpoint_step:
+            await self._checkpoint()
         if self.rollout is not None:
             log.info(
                 "trainer.summary",
@@ -150,10 +230,27 @@ class TrainerNode(NodeDaemon):
     def progress(self) -> str:
         if self.rollout is None:
             return ""
+        if self.learner is not None:
+            return self._training_progress()
         steps = self.rollout.steps if self.rollout.steps is not None else "-"
         rewards = self.last_rewards
         mean = f", mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""
         return f"batch {self.batches}/{steps}, version {self.version}{mean}"
+
+    def _training_progress(self) -> str:
+        assert self.learner is not None and self.rollout is not None
+        line = self.learner.last_stats
+        steps = self.rollout.steps if self.rollout.steps is not None else "-"
+        if not line:
+            return f"step {self.batches}/{steps}, version {self.version}: waiting for the first batch"
+        tasks = " ".join(
+            f"{name} reward {t['reward_ma']:.2f} success {t['success_ma']:.2f}" for name, t in line["tasks"].items()
+        )
+        busy = " ".join(f"{name} {value:.0%}" for name, value in line["generator_busy"].items()) or "-"
+        return (
+            f"step {self.batches}/{steps} | {tasks} (20-step avg) | stale {line.get('staleness_mean', 0.0):.2f} | "
+            f"{line['traj_per_s']:.1f} traj/s | busy {busy}"
+        )
 
     def queue_depths(self) -> dict[str, int]:
         if self.rollout is None:
@@ -172,6 +269,14 @@ class TrainerNode(NodeDaemon):
                 "alpha": self.rollout.alpha,
                 "buffer": self.buffer.stats(),
                 "dispenser": self.dispenser.stats(),
+            }
+        if self.learner is not None:
+            status["training"] = {
+                "schedule": self.rollout.schedule if self.rollout else None,
+                "last_step": self.learner.last_stats,
+                "baseline": self.learner.baseline,
+                "weights": {name: vars(stats) for name, stats in self.learner.publisher.stats().items()},
+                "stall_s_max": max(self.learner.stall_s, default=0.0),
             }
         return status
 

@@ -149,6 +149,8 @@ class NodeStatus(msgspec.Struct, tag="status", **_WIRE):
     uptime_s: float
     paused: bool
     draining: bool
+    load: dict[str, float] = {}
+    """Role-specific gauges peers may use (a generator: busy_s, engine_up_s, version)."""
 
 
 class Echo(msgspec.Struct, tag="echo", **_WIRE):
@@ -181,6 +183,9 @@ class Generate(msgspec.Struct, tag="gen", **_WIRE):
     top_p: float = 1.0
     stop_token_ids: list[int] = []
     seed: int | None = None
+    min_version: int = 0
+    """Serve with weights of this version or newer (the trainer's version minus alpha): a generator
+    still on older weights waits for the push (within the request's deadline)."""
 
 
 class Generated(msgspec.Struct, tag="generated", **_WIRE):
@@ -250,6 +255,11 @@ class Trajectory(msgspec.Struct, tag="trajectory", **_WIRE):
     env_wait_s: float
     gen_wait_s: float
     generators: list[str] = []
+    success: bool = False
+    """The environment said the episode was solved (`info["success"]`)."""
+    spans: list[tuple[str, float, float]] = []
+    """(kind, start, end) wall-clock times of each env call ("env"), generation ("gen") and the
+    reward ("reward"): what the run report's trajectory timeline draws."""
 
 
 class GroupDone(msgspec.Struct, tag="group", **_WIRE):
@@ -280,6 +290,8 @@ class PolicyVersion(msgspec.Struct, tag="version", **_WIRE):
 
     version: int
     min_start: int
+    done: bool = False
+    """The run is over: abort everything in flight and ask for no more work."""
 
 
 class Score(msgspec.Struct, tag="score", **_WIRE):
@@ -300,7 +312,31 @@ class Scored(msgspec.Struct, tag="scored", **_WIRE):
     details: dict[str, Any] = {}
 
 
-RolloutMsg = Generate | Generated | TaskWanted | GroupTask | NoTask | GroupDone | GroupFailed | GroupAck | PolicyVersion
+class WeightsWhere(msgspec.Struct, tag="weights?", **_WIRE):
+    """Trainer -> generator: where and how do I push you weights?"""
+
+
+class WeightsHere(msgspec.Struct, tag="weights", **_WIRE):
+    """Generator -> trainer: the version it holds, and its UCX receiver's port (0: TCP bulk only,
+    to the session port)."""
+
+    version: int
+    ucx_port: int = 0
+
+
+RolloutMsg = (
+    Generate
+    | Generated
+    | TaskWanted
+    | GroupTask
+    | NoTask
+    | GroupDone
+    | GroupFailed
+    | GroupAck
+    | PolicyVersion
+    | WeightsWhere
+    | WeightsHere
+)
 RewardMsg = Score | Scored
 AppMsg = ControlMsg | RolloutMsg | RewardMsg
 

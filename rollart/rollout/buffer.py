@@ -66,6 +66,10 @@ class SampleBuffer:
         self.taken += len(batch)
         return batch
 
+    def peek(self) -> list[GroupDone]:
+        """The groups buffered now, oldest first (not removed)."""
+        return list(self._groups)
+
     def stats(self) -> dict[str, int]:
         return {
             "depth": len(self._groups),

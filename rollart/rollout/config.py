@@ -24,6 +24,9 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     """Build the tiny default model at `path` when the folder has no model yet."""
     seed: int = 0
     """Seed of the tiny model's initial weights."""
+    format_warmup_steps: int = 0
+    """After building the tiny model: supervised steps on random *valid* actions of the run's tasks
+    (the reply format only, never a solution; `rollart.engines.warmup`); 0: none."""
 
 
 class TaskSpec(msgspec.Struct, **_STRUCT):
@@ -61,6 +64,10 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
 
     mode: Literal["rollout-only", "train"] = "rollout-only"
     """rollout-only collects groups without training (versions bump per batch if asked)."""
+    schedule: Literal["async", "sync"] = "async"
+    """async: RollArt, rollout overlaps training within alpha. sync: the veRL-like baseline: generate a
+    whole batch with batch-level env stepping, train, push the weights and wait for every generator
+    to load them, repeat (the loader sets alpha 0 and env_stepping batch)."""
     tasks: list[TaskSpec] = []
     """The task mix."""
     group_size: int = 4

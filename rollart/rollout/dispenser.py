@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -47,7 +48,13 @@ class Dispenser:
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self.paused = False
+        """Paused by an operator (admin /pause)."""
+        self.held = False
+        """Held by the trainer (the synchronous baseline, while it trains and pushes weights)."""
         self.done = False
+        self.incarnation = 0
+        """How many times the trainer resumed from a checkpoint: part of group ids after a restart, so
+        a group still in flight from before the restart can never be taken for a new one."""
         self._rng = random.Random(spec.seed)
         self._weights = [task.weight for task in spec.tasks]
         self._next_group = 0
@@ -61,7 +68,7 @@ class Dispenser:
         return (self.spec.alpha + 1) * self.spec.batch_groups
 
     def admissible(self) -> bool:
-        return not (self.done or self.paused) and len(self.leases) + self.buffered() < self.limit
+        return not (self.done or self.paused or self.held) and len(self.leases) + self.buffered() < self.limit
 
     def changed(self) -> None:
         """Something that admission depends on changed (a batch taken, a pause lifted)."""
@@ -83,8 +90,9 @@ class Dispenser:
             self._next_seed += 1
             seed, attempt = self._next_seed, 0
         self._next_group += 1
+        prefix = f"i{self.incarnation}." if self.incarnation else ""
         task = GroupTask(
-            group_id=f"g{self._next_group}" + (f"-r{attempt}" if attempt else ""),
+            group_id=f"{prefix}g{self._next_group}" + (f"-r{attempt}" if attempt else ""),
             task=task_name,
             seed=seed,
             group_size=self.spec.group_size,
@@ -132,6 +140,29 @@ class Dispenser:
         for group_id, lease in list(self.leases.items()):
             if now - lease.granted_at > self.spec.group_timeout_s:
                 self.reissue(group_id, f"not returned within {self.spec.group_timeout_s} s")
+
+    def state_dict(self, buffered: list[tuple[str, int]]) -> dict[str, Any]:
+        """What a checkpoint keeps: the draw's RNG, counters, and every group not trained on yet (in
+        flight, or `buffered` (task, seed) pairs), to be run again after a restart with the same seed."""
+        retry = [*self._retry, *((task, seed, 1) for task, seed in buffered)]
+        retry += [(lease.task.task, lease.task.seed, lease.attempt + 1) for lease in self.leases.values()]
+        return {
+            "rng": self._rng.getstate(),
+            "next_group": self._next_group,
+            "next_seed": self._next_seed,
+            "retry": retry,
+            "incarnation": self.incarnation,
+            "counts": [self.granted, self.completed, self.reissued],
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict()` as the next incarnation."""
+        self._rng.setstate(state["rng"])
+        self._next_group = state["next_group"]
+        self._next_seed = state["next_seed"]
+        self._retry = collections.deque((task, seed, attempt) for task, seed, attempt in state["retry"])
+        self.incarnation = state["incarnation"] + 1
+        self.granted, self.completed, self.reissued = state["counts"]
 
     def stats(self) -> dict[str, int]:
         return {

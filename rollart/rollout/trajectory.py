@@ -118,15 +118,18 @@ class _History:
     versions: list[int] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
     generators: list[str] = field(default_factory=list)
-    waited: dict[str, float] = field(default_factory=lambda: {"env": 0.0, "gen": 0.0})
+    waited: dict[str, float] = field(default_factory=lambda: {"env": 0.0, "gen": 0.0, "reward": 0.0})
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
 
     async def timed(self, kind: str, call: Awaitable[T]) -> T:
-        """Await `call`, adding the wait to the trajectory's env or generation time."""
-        t0 = time.monotonic()
+        """Await `call`, adding the wait to the trajectory's env, generation or reward time."""
+        t0, wall = time.monotonic(), time.time()
         try:
             return await call
         finally:
-            self.waited[kind] += time.monotonic() - t0
+            took = time.monotonic() - t0
+            self.waited[kind] += took
+            self.spans.append((kind, round(wall, 4), round(wall + took, 4)))
 
     def generated(self, result: Generated, reply: str) -> None:
         self.ids += result.token_ids
@@ -153,8 +156,11 @@ async def run_trajectory(
     policy_version: Callable[[], int],
     on_start: Callable[[int], None] = lambda version: None,
     barrier: TurnBarrier | None = None,
+    min_version: Callable[[], int] = lambda: 0,
 ) -> Trajectory:
-    """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ..."""
+    """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ...
+
+    `min_version` gives the oldest weight version a generator may use (the staleness bound)."""
     task = job.task
     runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s)
     if barrier is not None:
@@ -186,6 +192,7 @@ async def run_trajectory(
                 temperature=job.sampling.temperature,
                 top_p=job.sampling.top_p,
                 stop_token_ids=renderer.stop_ids,
+                min_version=min_version(),
             )
             result = await history.timed("gen", proxy.generate(task.name, request))
             if result.finish_reason == "abort":
@@ -200,15 +207,18 @@ async def run_trajectory(
                 break
             history.context(renderer.next_turn(messages, reply, result.token_ids, observation))
         answer = info.get("answer")
-        reward = await score(
-            Score(
-                fn=task.reward,
-                task=task.name,
-                prompt=prompt_text,
-                response="\n".join(history.replies),
-                answer=str(answer) if answer is not None else None,
-                env_reward=env_reward,
-            )
+        reward = await history.timed(
+            "reward",
+            score(
+                Score(
+                    fn=task.reward,
+                    task=task.name,
+                    prompt=prompt_text,
+                    response="\n".join(history.replies),
+                    answer=str(answer) if answer is not None else None,
+                    env_reward=env_reward,
+                )
+            ),
         )
     finally:
         if barrier is not None:
@@ -235,4 +245,6 @@ async def run_trajectory(
         env_wait_s=round(history.waited["env"], 6),
         gen_wait_s=round(history.waited["gen"], 6),
         generators=history.generators,
+        success=bool(info.get("success", False)),
+        spans=history.spans,
     )

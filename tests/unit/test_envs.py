@@ -621,3 +621,191 @@ async def test_closing_a_runner_whose_cancelled_call_still_runs_does_not_wait_fo
     await runner.close()
     assert time.monotonic() - started < 0.5  # close did not wait out the step
     assert await asyncio.to_thread(closed.wait, 3.0)  # the env is closed once the step is done
+
+
+# --- one-letter actions, compact observations, fixed and corner lakes, sample_action ----------
+
+CLASSIC = "SFFF/FHFH/FFFH/HFFG"
+"""Gymnasium's classic 4x4 FrozenLake; its shortest paths take 6 moves (D D R R D R is one)."""
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("U", "up"),
+        ("d", "down"),
+        ("  \n L", "left"),
+        ("Right, then up", "right"),  # only the first non-blank character counts
+        ("x", None),
+        ("", None),
+        ("   \n", None),
+        ("\\boxed{up}", None),
+        ("1U", None),
+    ],
+)
+def test_parse_letter(reply: str, expected: str | None) -> None:
+    from rollart.envs.grid import parse_letter
+
+    assert parse_letter(reply) == expected
+
+
+@pytest.mark.parametrize("name", ["frozen-lake", "sokoban"])
+def test_letter_actions_move_and_anything_else_is_a_format_error(name: str) -> None:
+    env = make_env(name, actions="letters", format_penalty=-0.5)
+    assert "one letter: U (up)" in env.system_prompt and "\\boxed" not in env.system_prompt
+    obs, _ = env.reset(seed=4)
+    cells = "SFHGP" if name == "frozen-lake" else "#_$.@*+"
+    for reply in ["Q", "\\boxed{up}", "", "north"]:
+        new_obs, reward, terminated, _, info = env.step(reply)
+        assert (reward, terminated, info["format_error"]) == (-0.5, False, True)
+        assert board(new_obs, cells) == board(obs, cells)
+        assert "U, D, L or R" in new_obs  # the feedback repeats the letter hint
+    words = make_env(name)
+    words.reset(seed=4)
+    assert words.step("U")[4]["format_error"]  # a letter is not a move in the default word format
+
+
+def test_letter_moves_are_the_same_moves_as_words() -> None:
+    letters, words = make_env("frozen-lake", actions="letters"), make_env("frozen-lake")
+    for seed in range(10):
+        assert board(letters.reset(seed=seed)[0], "SFHGP") == board(words.reset(seed=seed)[0], "SFHGP")
+        for letter, word in zip("RDLU", ["right", "down", "left", "up"], strict=True):
+            a, b = letters.step(letter.lower()), words.step(f"\\boxed{{{word}}}")
+            assert board(a[0], "SFHGP") == board(b[0], "SFHGP") and a[1:4] == b[1:4]
+            if a[2]:
+                break
+
+
+@pytest.mark.parametrize(("name", "cells", "size"), [("frozen-lake", "SFHGP", 4), ("sokoban", "#_$.@*+", 6)])
+def test_compact_observations_are_the_board_alone(name: str, cells: str, size: int) -> None:
+    full, compact = make_env(name, actions="letters"), make_env(name, actions="letters", compact=True)
+    intro = type(compact).intro  # type: ignore[attr-defined]
+    assert compact.system_prompt == f"{intro}\nAnswer U, D, L or R."
+    assert intro in full.reset(seed=2)[0] and intro not in full.system_prompt
+    obs, _ = compact.reset(seed=2)
+    assert len(obs.splitlines()) == size and board(obs, cells) == obs.splitlines()
+    assert board(obs, cells) == board(full.reset(seed=2)[0], cells)
+    after_error = compact.step("?")[0]
+    assert after_error == obs  # no feedback line, no turn counter: the unchanged board
+    for _ in range(compact.max_turns - 1):
+        after, *_ = compact.step("U")
+        assert board(after, cells) == after.splitlines() and "Turns" not in after
+
+
+def test_compact_with_words_puts_the_boxed_hint_in_the_system_prompt() -> None:
+    env = make_env("frozen-lake", compact=True)
+    assert env.system_prompt.endswith("\\boxed{up}, \\boxed{down}, \\boxed{left} or \\boxed{right}.")
+    assert env.system_prompt.startswith("You are on a frozen lake.")
+
+
+def test_classic_layout_is_every_seeds_board_and_the_hand_path_wins() -> None:
+    env = make_env("frozen-lake", layout=CLASSIC, actions="letters", compact=True)
+    boards = {env.reset(seed=seed)[0] for seed in range(20)}
+    assert boards == {"PFFF\nFHFH\nFFFH\nHFFG"}  # the player stands on S
+    env.reset(seed=123)
+    results = [env.step(letter) for letter in "DDRRDR"]
+    assert [r[1:4] for r in results] == [(0.0, False, False)] * 5 + [(1.0, True, False)]
+    assert results[-1][4]["success"] and results[-1][0] == "SFFF\nFHFH\nFFFH\nHFFP"
+    env.reset(seed=0)
+    env.step("R")
+    _, reward, terminated, _, info = env.step("D")  # from (0, 1) down into the hole at (1, 1)
+    assert (reward, terminated, info["success"]) == (0.0, True, False)
+
+
+@pytest.mark.parametrize(
+    ("layout", "max_turns", "problem"),
+    [
+        ("SFF/FHF", 8, r"square"),
+        ("SFFF/FHFH/FFFH/HFF", 8, r"square"),
+        ("S", 8, r"square"),
+        ("SFFF/FXFH/FFFH/HFFG", 8, r"only use S, F, H and G, found 'X'"),
+        ("FFFF/FHFH/FFFH/HFFG", 8, r"exactly one S and one G"),
+        ("SFFG/FHFH/FFFH/HFFG", 8, r"exactly one S and one G"),
+        ("SSFF/FHFH/FFFH/HFFG", 8, r"exactly one S and one G"),
+        ("SFFF/FFFF/FFHH/FFHG", 8, r"no path from S to G"),
+        ("SFFF/HHHF/FFFF/GHHH", 8, r"needs 9 moves, more than max_turns=8"),
+        (CLASSIC, 5, r"needs 6 moves, more than max_turns=5"),
+    ],
+)
+def test_bad_layouts_are_config_errors_that_name_the_problem(layout: str, max_turns: int, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf"frozen-lake.*{problem}"):
+        make_env("frozen-lake", layout=layout, max_turns=max_turns)
+
+
+def test_a_long_layout_fits_when_max_turns_allows() -> None:
+    env = make_env("frozen-lake", layout="SFFF/HHHF/FFFF/GHHH", max_turns=9, actions="letters")
+    env.reset(seed=0)
+    results = [env.step(letter) for letter in "RRRDDLLLD"]
+    assert results[-1][1:3] == (1.0, True) and not any(r[2] for r in results[:-1])
+
+
+@pytest.mark.parametrize(("size", "hole_prob", "max_turns"), [(4, 0.3, 8), (5, 0.6, 10)])
+def test_corner_lakes_start_top_left_end_bottom_right_and_stay_solvable(
+    size: int, hole_prob: float, max_turns: int
+) -> None:
+    env = make_env("frozen-lake", size=size, hole_prob=hole_prob, max_turns=max_turns, corners=True)
+    holes = set()
+    for seed in range(40):
+        obs, _ = env.reset(seed=seed)
+        rows = board(obs, "SFHGP")
+        assert len(rows) == size and rows[0][0] == "P" and rows[-1][-1] == "G"
+        assert sum(row.count("G") for row in rows) == 1
+        path = solve_frozen_lake(obs)
+        assert path is not None and len(path) <= max_turns
+        holes.add(tuple(rows))
+    assert len(holes) >= 20  # the holes change with the seed
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("frozen-lake", {}),
+        ("frozen-lake", {"actions": "letters", "compact": True}),
+        ("frozen-lake", {"layout": CLASSIC, "actions": "letters"}),
+        ("sokoban", {}),
+        ("sokoban", {"actions": "letters"}),
+        ("copy-reverse", {}),
+        ("copy-reverse", {"min_len": 2, "max_len": 5, "alphabet": "xy"}),
+    ],
+)
+def test_sampled_actions_are_always_well_formed(name: str, kwargs: dict[str, Any]) -> None:
+    import random
+
+    env = make_env(name, **kwargs)
+    rng = random.Random(0)
+    replies = []
+    for seed in range(30):
+        _, info = env.reset(seed=seed)
+        done = False
+        while not done:
+            reply = env.sample_action(rng)
+            assert reply is not None
+            replies.append(reply)
+            _, _, terminated, truncated, step_info = env.step(reply)
+            assert not step_info["format_error"], reply
+            done = terminated or truncated
+        if name == "copy-reverse":
+            alphabet = kwargs.get("alphabet", "abcdefgh")
+            content = last_boxed(replies[-1])
+            assert reply == f"\\boxed{{{content}}}" and content is not None
+            assert len(content) == len(info["answer"]) and set(content) <= set(alphabet)
+    if kwargs.get("actions") == "letters":
+        assert set(replies) == set("UDLR")
+    elif name != "copy-reverse":
+        assert set(replies) == {f"\\boxed{{{d}}}" for d in DIRECTIONS}
+    # The same seeded rng gives the same replies.
+    first, second = make_env(name, **kwargs), make_env(name, **kwargs)
+    first.reset(seed=9)
+    second.reset(seed=9)
+    rng_a, rng_b = random.Random(42), random.Random(42)
+    assert [first.sample_action(rng_a) for _ in range(5)] == [second.sample_action(rng_b) for _ in range(5)]
+
+
+def test_copy_reverse_has_no_sampled_action_outside_an_episode() -> None:
+    import random
+
+    env = make_env("copy-reverse")
+    assert env.sample_action(random.Random(0)) is None  # before reset: no answer length to match
+    env.reset(seed=1)
+    env.step("\\boxed{a}")
+    assert env.sample_action(random.Random(0)) is None  # the episode is over

@@ -1,0 +1,129 @@
+"""Format warm-up: teach a model built from scratch the reply format of the run's tasks, nothing more.
+
+A randomly initialized model almost never produces a parseable action (`U`, `\\boxed{...}`), so
+RL from scratch first spends its time learning the format. Real RL starts from an instruct model
+that already has it; the tiny model gets it here, in a few supervised steps on episodes played by
+a **uniformly random valid policy** (`Env.sample_action`: right format, random content). The
+targets never depend on the board or the answer, so the warm-up teaches no solution: after it the
+model's success rate is the random policy's (the baseline the trainer measures and prints).
+
+Episodes are rendered exactly as trajectories are (`ChatRenderer`), so the format learned is the
+one the generators will be prompted with; the loss is on the reply tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from rollart.engines.tiny_model import MARKER_FILE, load_model_and_tokenizer
+from rollart.envs import make_env
+from rollart.rollout.config import TaskSpec
+from rollart.rollout.trajectory import ChatRenderer
+
+log = structlog.get_logger("rollart.warmup")
+
+
+def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> tuple[list[int], list[int]]:
+    """One episode of `task` under the random valid policy: token ids and the mask of reply tokens."""
+    env = make_env(task.env, **task.env_kwargs)
+    observation, _ = env.reset(rng.randrange(2**31))
+    messages, ids = renderer.first_prompt(env.system_prompt, observation)
+    mask = [0] * len(ids)
+    stop = renderer.stop_ids[-1]
+    for _ in range(task.max_turns or env.max_turns):
+        reply = env.sample_action(rng)
+        if reply is None:
+            raise ValueError(f"task {task.name!r}: env {task.env!r} has no sample_action; it cannot be warmed up")
+        generated = renderer.encode(reply)
+        if len(generated) < task.max_tokens_per_turn:
+            generated.append(stop)  # the model ends its turn itself unless the token budget ends it
+        if len(ids) + len(generated) > task.max_total_tokens:
+            break
+        ids += generated
+        mask += [1] * len(generated)
+        observation, _, terminated, truncated, _ = env.step(reply)
+        if terminated or truncated:
+            break
+        context = renderer.next_turn(messages, reply, generated, observation)
+        ids += context
+        mask += [0] * len(context)
+    return ids, mask
+
+
+def format_warmup(
+    model_dir: Path, tasks: Sequence[TaskSpec], *, steps: int, episodes: int = 16, lr: float = 1e-3, seed: int = 0
+) -> dict[str, Any]:
+    """Train the model in `model_dir` for `steps` steps on random valid episodes; save it in place."""
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    model.train()
+    renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]  # HF's decode is wider than the Protocol's
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    weights = [task.weight for task in tasks]
+    pad = int(tokenizer.pad_token_id or 0)
+    started, loss_value = time.monotonic(), float("nan")
+    for step in range(steps):
+        rows = [random_episode(rng.choices(list(tasks), weights=weights)[0], renderer, rng) for _ in range(episodes)]
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), pad)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        targets = torch.zeros((len(rows), width))
+        for i, (ids, mask) in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+            targets[i, : len(ids)] = torch.tensor(mask, dtype=torch.float32)
+        logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        loss = -(logp * targets[:, 1:]).sum() / targets[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        loss_value = loss.item()
+        if step % 10 == 0 or step == steps - 1:
+            log.info("warmup.step", step=step + 1, steps=steps, loss=round(loss_value, 4))
+    model.eval()  # type: ignore[no-untyped-call]
+    model.save_pretrained(model_dir)
+    summary = {
+        "steps": steps,
+        "episodes_per_step": episodes,
+        "lr": lr,
+        "final_loss": round(loss_value, 4),
+        "seconds": round(time.monotonic() - started, 1),
+        "tasks": [task.name for task in tasks],
+        "what": "supervised steps on episodes of a uniformly random valid policy (format only, never a solution)",
+    }
+    marker_path = model_dir / MARKER_FILE
+    marker = json.loads(marker_path.read_text()) if marker_path.exists() else {}
+    marker["format_warmup"] = summary
+    marker_path.write_text(json.dumps(marker, indent=2) + "\n")
+    return summary
+
+
+def random_policy_baseline(task: TaskSpec, *, episodes: int = 200, seed: int = 0) -> dict[str, float] | None:
+    """Success rate and mean env reward of the uniformly random valid policy on `task`; None when the env
+    has no `sample_action`. (The reward is the environment's own; a task scored by another reward
+    function may differ.)"""
+    rng = random.Random(seed)
+    successes, total = 0, 0.0
+    for _ in range(episodes):
+        env = make_env(task.env, **task.env_kwargs)
+        env.reset(rng.randrange(2**31))
+        info: dict[str, Any] = {}
+        for _ in range(task.max_turns or env.max_turns):
+            reply = env.sample_action(rng)
+            if reply is None:
+                return None
+            _, reward, terminated, truncated, info = env.step(reply)
+            total += reward
+            if terminated or truncated:
+                break
+        successes += bool(info.get("success", False))
+    return {"success_rate": successes / episodes, "reward_mean": total / episodes, "episodes": float(episodes)}

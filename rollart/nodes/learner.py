@@ -1,0 +1,297 @@
+"""The training half of the trainer node: engine, weight push, checkpoints and the run's records.
+
+Per batch: group-relative advantages, one `train_step` in a worker thread (the node keeps serving
+env-hosts meanwhile), a snapshot of the new weights handed to the `WeightPublisher` (the only
+wait: a copy), and a line in `RUN_DIR/metrics.jsonl` plus one per trajectory in
+`timeline.jsonl`. Checkpoints go to `RUN_DIR/checkpoints/step-NNNNNN/` (a loadable Hugging Face
+folder, optimizer state, and `trainer.pt` with version, step, RNG and dispenser state); the
+`latest` file names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from rollart.protocol.errors import RollartError
+from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
+from rollart.topology import Role
+from rollart.weights import WeightPublisher
+
+if TYPE_CHECKING:
+    from rollart.engines.torch_train import TorchTrainer
+    from rollart.nodes.trainer import TrainerNode
+
+log = structlog.get_logger("rollart.learner")
+
+LATEST = "latest"
+MOVING_AVERAGE = 20
+"""Steps in the moving averages of success and reward shown in progress and the report."""
+STATE_FILE = "trainer.pt"
+
+
+class JsonlLog:
+    """Append-only JSON lines, one write per record (a killed run leaves at most a cut last line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, records: Iterable[dict[str, Any]]) -> None:
+        data = b"".join(msgspec.json.encode(record) + b"\n" for record in records)
+        if data:
+            with self.path.open("ab") as out:
+                out.write(data)
+
+
+class Learner:
+    """Trains on batches the trainer node takes, and pushes the weights to generators."""
+
+    def __init__(self, node: TrainerNode) -> None:
+        self.node = node
+        run = node.topology.run
+        self.spec = run.trainer
+        self.run_dir = node.topology.run_dir()
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
+        self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
+        self.utilization = JsonlLog(self.run_dir / "utilization.jsonl")
+        self.publisher = WeightPublisher(
+            node.identity,
+            node.secret,
+            node.cfg,
+            bucket_bytes=self.spec.bucket_mb << 20,
+            transport=self.spec.weight_transport,
+        )
+        self.engine: TorchTrainer | None = None
+        self.epoch_start = time.time()
+        """Wall-clock time the run started (moved back by the elapsed time of a resumed run)."""
+        self.last_step_at = time.monotonic()
+        self.last_stats: dict[str, Any] = {}
+        self.stall_s: list[float] = []
+        self.baseline: dict[str, dict[str, float]] = {}
+        """Per task: the uniformly random valid policy's success rate and reward, measured at the start."""
+        self._recent: dict[str, collections.deque[tuple[float, float]]] = {}
+        self._busy: dict[str, tuple[float, float]] = {}
+        self._ucx_ports: dict[str, int] = {}
+
+    # -- start and resume -------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any] | None:
+        """Build the engine; load the newest checkpoint if there is one and return its trainer state."""
+        from rollart.engines.torch_train import TorchTrainer
+
+        run = self.node.topology.run
+        seed = run.rollout.seed if run.rollout is not None else 0
+        self.engine = await asyncio.to_thread(TorchTrainer, run.model.path, self.spec, seed=seed)
+        latest = self.latest_checkpoint()
+        if latest is None:
+            log.info("learner.ready", **self.engine.describe())
+            self.baseline = await asyncio.to_thread(self._measure_baseline)
+            self.metrics.write([{"baseline": True, "tasks": self.baseline}])
+            return None
+        state = await asyncio.to_thread(self._load, latest)
+        self.epoch_start = time.time() - float(state["elapsed_s"])
+        log.info("learner.resumed", checkpoint=str(latest), step=state["step"], version=state["version"])
+        return state
+
+    def _measure_baseline(self) -> dict[str, dict[str, float]]:
+        from rollart.engines.warmup import random_policy_baseline
+
+        rollout = self.node.topology.run.rollout
+        assert rollout is not None
+        baseline = {}
+        for task in rollout.tasks:
+            measured = random_policy_baseline(task, seed=rollout.seed)
+            if measured is not None:
+                baseline[task.name] = measured
+                log.info("learner.baseline", task=task.name, policy="uniformly random valid actions", **measured)
+        return baseline
+
+    def latest_checkpoint(self) -> Path | None:
+        pointer = self.checkpoints / LATEST
+        if not pointer.exists():
+            return None
+        path = self.checkpoints / pointer.read_text().strip()
+        if not (path / STATE_FILE).exists():
+            raise RollartError(f"{pointer} names {path}, which is not a complete checkpoint")
+        return path
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        import torch
+
+        assert self.engine is not None
+        self.engine.load(path)
+        state: dict[str, Any] = torch.load(path / STATE_FILE, weights_only=False)
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        return state
+
+    async def connect_generators(self) -> None:
+        """Ask every generator where to push weights, and add it as a publisher target."""
+        for spec in self.node.topology.nodes_with_role(Role.GENERATOR):
+            client = self.node.clients[spec.name]
+            while True:
+                try:
+                    here = await client.request(WeightsWhere(), timeout=10.0)
+                    break
+                except RollartError as exc:
+                    log.info("learner.waiting_for_generator", generator=spec.name, error=str(exc))
+                    await asyncio.sleep(1.0)
+            assert isinstance(here, WeightsHere)
+            self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
+            self._ucx_ports[spec.name] = here.ucx_port
+
+    def _follow_ucx_ports(self) -> None:
+        """A restarted generator listens for UCX on a new port: push there from now on."""
+        for name, status in self.node.peer_status.items():
+            if name not in self._ucx_ports or not isinstance(status, NodeStatus) or "ucx_port" not in status.load:
+                continue
+            port = int(status.load["ucx_port"])
+            if port != self._ucx_ports[name]:
+                spec = self.node.topology.node(name)
+                self.publisher.remove_target(name)
+                self.publisher.add_target(name, spec.host, spec.port, ucx_port=port or None)
+                self._ucx_ports[name] = port
+                log.info("learner.generator_moved", generator=name, ucx_port=port)
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    async def train(self, batch: list[GroupDone], *, version: int) -> dict[str, Any]:
+        """One training step on `batch`, taken at policy `version`; returns its statistics."""
+        from rollart.algorithms.grpo import group_advantages, pack_batch
+
+        assert self.engine is not None
+        engine = self.engine
+        cfg = self.spec.grpo
+
+        def step() -> dict[str, Any]:
+            import torch
+
+            rewards = torch.tensor([[t.reward for t in group.trajectories] for group in batch])
+            advantages = group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
+            trajectories = [t for group in batch for t in group.trajectories]
+            packed = pack_batch(trajectories, advantages.flatten().tolist(), pad_id=engine.pad_id)
+            return engine.train_step(packed, version=version)
+
+        return await asyncio.to_thread(step)
+
+    def publish(self, version: int) -> float:
+        """Snapshot the weights for the push; returns the seconds the trainer waited (its stall)."""
+        assert self.engine is not None
+        self._follow_ucx_ports()
+        stall = self.publisher.publish(version, self.engine.export_weights())
+        self.stall_s.append(stall)
+        return stall
+
+    def record(self, step: int, version: int, batch: list[GroupDone], stats: dict[str, Any]) -> dict[str, Any]:
+        """Write the step's metrics and its trajectories' timeline; return the metrics line."""
+        now = time.monotonic()
+        trajectories = [t for group in batch for t in group.trajectories]
+        tasks: dict[str, dict[str, Any]] = {}
+        for task in sorted({t.task for t in trajectories}):
+            mine = [t for t in trajectories if t.task == task]
+            tasks[task] = {
+                "reward_mean": sum(t.reward for t in mine) / len(mine),
+                "success_rate": sum(t.success for t in mine) / len(mine),
+                "count": len(mine),
+            }
+        for task, numbers in tasks.items():
+            recent = self._recent.setdefault(task, collections.deque(maxlen=MOVING_AVERAGE))
+            recent.append((numbers["success_rate"], numbers["reward_mean"]))
+            numbers["success_ma"] = sum(s for s, _ in recent) / len(recent)
+            numbers["reward_ma"] = sum(r for _, r in recent) / len(recent)
+        elapsed = time.time() - self.epoch_start
+        line = {
+            "step": step,
+            "elapsed_s": round(elapsed, 3),
+            "version": version,
+            "reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+            "success_rate": sum(t.success for t in trajectories) / len(trajectories),
+            "tasks": tasks,
+            "traj_per_s": len(trajectories) / max(now - self.last_step_at, 1e-9),
+            "generator_busy": self.generator_busy(),
+            "stall_s": self.stall_s[-1] if self.stall_s else 0.0,
+            **{key: round(value, 6) for key, value in stats.items()},
+        }
+        self.last_step_at = now
+        self.last_stats = line
+        self.metrics.write([line])
+        self.timeline.write(self._timeline(step, trajectories))
+        return line
+
+    def _timeline(self, step: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
+        t0 = self.epoch_start
+        for t in trajectories:
+            yield {
+                "trajectory_id": t.trajectory_id,
+                "task": t.task,
+                "step": step,
+                "generators": sorted(set(t.generators)),
+                "started_at": round(t.started_at - t0, 4),
+                "finished_at": round(t.finished_at - t0, 4),
+                "spans": [[kind, round(a - t0, 4), round(b - t0, 4)] for kind, a, b in t.spans],
+            }
+
+    def generator_busy(self) -> dict[str, float]:
+        """Each generator's busy fraction since the last call, from the status peers report."""
+        busy: dict[str, float] = {}
+        samples = []
+        elapsed = round(time.time() - self.epoch_start, 3)
+        for name, status in self.node.peer_status.items():
+            if not isinstance(status, NodeStatus) or "busy_s" not in status.load:
+                continue
+            busy_s, up_s = status.load["busy_s"], status.load["engine_up_s"]
+            prev_busy, prev_up = self._busy.get(name, (0.0, 0.0))
+            if up_s < prev_up:  # the generator restarted
+                prev_busy, prev_up = 0.0, 0.0
+            if up_s > prev_up:
+                busy[name] = round(min(1.0, (busy_s - prev_busy) / (up_s - prev_up)), 4)
+                samples.append({"t": elapsed, "generator": name, "busy": busy[name]})
+            self._busy[name] = (busy_s, up_s)
+        self.utilization.write(samples)
+        return busy
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    async def checkpoint(self, *, step: int, version: int, dispenser: dict[str, Any]) -> Path:
+        """Save everything a restart needs; atomic per checkpoint, the `latest` pointer last."""
+        import torch
+
+        assert self.engine is not None
+        engine = self.engine
+        name = f"step-{step:06d}"
+        path = self.checkpoints / name
+        state = {
+            "step": step,
+            "version": version,
+            "elapsed_s": time.time() - self.epoch_start,
+            "dispenser": dispenser,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+
+        def save() -> None:
+            engine.save(path)
+            torch.save(state, path / STATE_FILE)
+            pointer = self.checkpoints / f".{LATEST}.tmp"
+            pointer.write_text(name + "\n")
+            pointer.replace(self.checkpoints / LATEST)
+            kept = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
+            for old in kept[: -self.spec.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+
+        started = time.monotonic()
+        await asyncio.to_thread(save)
+        took = round(time.monotonic() - started, 3)
+        log.info("learner.checkpoint", path=str(path), step=step, version=version, s=took)
+        return path
