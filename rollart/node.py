@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart-node: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 
+    # Library progress bars (model loading and saving) would break the JSON lines of the node's log.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import uvloop
 
     from rollart.logs import configure_logging

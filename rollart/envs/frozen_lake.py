@@ -13,6 +13,13 @@ With `layout` (rows separated by "/", e.g. Gymnasium's classic "SFFF/FHFH/FFFH/H
 episode plays that one board instead; the layout must have one S, one G and a path within
 `max_turns`.
 
+With `shaping > 0` every move also earns `shaping` times the change of a potential, minus the
+shortest hole-free distance to G over the distance at the start (Ng et al. 1999: potential-based
+shaping leaves the optimal policy unchanged). Over an episode that sums to `shaping` times the
+fraction of the way to G that was covered, so an episode that ends closer to G scores higher
+even when no episode of its group succeeds; falling into a hole earns no shaping for that move.
+`info["success"]` is unchanged: only reaching G counts.
+
 Reward 1 on reaching G (terminated), 0 for other moves; stepping into a hole terminates with 0;
 a move off the edge leaves the player in place. Sample first observation (4x4, seed 0):
 
@@ -76,12 +83,15 @@ class FrozenLakeEnv(GridEnv):
         format_penalty: float = FORMAT_PENALTY,
         layout: str | None = None,
         corners: bool = False,
+        shaping: float = 0.0,
         actions: Actions = "words",
         compact: bool = False,
     ) -> None:
         super().__init__(max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact)
         self.layout = _parse_layout(layout, max_turns) if layout is not None else None
         self.corners = corners
+        require(shaping >= 0.0, self.name, f"shaping must be >= 0, got {shaping}")
+        self.shaping = shaping
         if self.layout is not None:
             size = self.layout[0]
         require(size >= 2, self.name, f"size must be >= 2, got {size}")
@@ -127,6 +137,19 @@ class FrozenLakeEnv(GridEnv):
         self.player = self.start
 
     def _move(self, direction: str) -> tuple[str, float, bool]:
+        before = self._potential()
+        feedback, reward, terminated = self._apply(direction)
+        if self.shaping and self.player not in self.holes:
+            reward += self.shaping * (self._potential() - before)
+        return feedback, reward, terminated
+
+    def _potential(self) -> float:
+        """-(moves left to the goal) / (moves from the start): 0 at the goal, -1 at the start."""
+        left = shortest_path(self.holes, self.size, self.player, self.goal)
+        first = shortest_path(self.holes, self.size, self.start, self.goal)
+        return -len(left or []) / max(len(first or []), 1)
+
+    def _apply(self, direction: str) -> tuple[str, float, bool]:
         nxt = shift(self.player, direction)
         if not (0 <= nxt[0] < self.size and 0 <= nxt[1] < self.size):
             return f"You cannot move {direction}: that is the edge of the lake.", 0.0, False

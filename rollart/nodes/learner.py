@@ -136,8 +136,10 @@ class Learner:
         random.setstate(state["python_rng"])
         return state
 
-    async def connect_generators(self) -> None:
-        """Ask every generator where to push weights, and add it as a publisher target."""
+    async def connect_generators(self) -> int:
+        """Ask every generator where to push weights, and add it as a publisher target; returns the
+        newest version any of them holds."""
+        held = 0
         for spec in self.node.topology.nodes_with_role(Role.GENERATOR):
             client = self.node.clients[spec.name]
             while True:
@@ -150,6 +152,8 @@ class Learner:
             assert isinstance(here, WeightsHere)
             self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
             self._ucx_ports[spec.name] = here.ucx_port
+            held = max(held, here.version)
+        return held
 
     def _follow_ucx_ports(self) -> None:
         """A restarted generator listens for UCX on a new port: push there from now on."""

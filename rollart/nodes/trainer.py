@@ -14,6 +14,7 @@ version, which drops and aborts whatever that version makes too stale, exactly a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from rollart.topology import Role
 log = structlog.get_logger("rollart.trainer")
 
 LEASE_CHECK_S = 5.0
+FINAL_PUSH_S = 30.0
+"""At the end of a run, how long the trainer waits for generators to load the last version."""
 
 
 class TrainerNode(NodeDaemon):
@@ -61,28 +64,43 @@ class TrainerNode(NodeDaemon):
             return
         async with asyncio.TaskGroup() as tg:
             leases = tg.create_task(self._expire_leases())
-            pushing = None
             if self.learner is not None:
                 self.dispenser.held = True  # nothing starts before the weights are ready
                 state = await self.learner.start()
-                pushing = tg.create_task(self.learner.publisher.run())
-                await self.learner.connect_generators()
+                tg.create_task(self.learner.publisher.run())
+                held = await self.learner.connect_generators()
                 if state is not None:
                     self._resume(state)
+                await self._bring_generators_in_line(held)
                 self.dispenser.held = False
                 self.dispenser.changed()
             await self._consume()
             leases.cancel()
-            if pushing is not None:
-                await self.learner.publisher.close()  # type: ignore[union-attr]
+            if self.learner is not None:
+                with contextlib.suppress(TimeoutError):  # let the last version land, within reason
+                    await self.learner.publisher.wait_delivered(self.version, timeout=FINAL_PUSH_S)
+                await self.learner.publisher.close()
 
     def _resume(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: same version and step; generators get these weights first."""
-        assert self.learner is not None
+        """Continue from a checkpoint: same step and version, the same groups still to run."""
         self.version = int(state["version"])
         self.batches = self.last_checkpoint_step = int(state["step"])
         self.dispenser.load_state(state["dispenser"])
-        self.learner.publish(self.version)
+
+    async def _bring_generators_in_line(self, held: int) -> None:
+        """Before any group starts, every generator must run this trainer's weights.
+
+        A generator may hold a version this trainer never saved (pushed by the run it resumes, after
+        its last checkpoint) or never had (no checkpoint at all). Rolling versions back would let two
+        different weights share a number, so the trainer gives its weights a fresh version above
+        every generator's instead; versions only ever increase."""
+        assert self.learner is not None and self.rollout is not None
+        if held > self.version:
+            log.warning("trainer.generators_ahead", held=held, checkpoint_version=self.version, new_version=held + 1)
+            self.version = held + 1
+        if self.version > 0:
+            self.learner.publish(self.version)
+            await self._tell_env_hosts(PolicyVersion(self.version, self.version - self.rollout.alpha))
 
     async def _consume(self) -> None:
         """Take batches as they complete; in rollout-only mode record them instead of training."""

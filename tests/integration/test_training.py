@@ -1,0 +1,561 @@
+"""Training with real node processes on loopback: async and sync schedules, weight pushes, resume.
+
+Each test starts the nodes of a small topology itself (trainer, two generators of different
+hardware classes, an env-host, a reward gateway) with `mode: train`, watches them through their
+admin `/status`, and reads what the trainer wrote to the run folder: `metrics.jsonl` (a baseline
+line, then one line per step), `timeline.jsonl` (one line per trained trajectory) and the
+checkpoints. One test drives a generator node alone, pushing weights to it from the test while
+it generates, to see a long request finish partly under each version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import healthy, http, start_node, wait_for, write_topology
+
+pytestmark = pytest.mark.integration
+
+NODES = {
+    "trainer": "trainer",
+    "gen-compute": "generator",
+    "gen-bandwidth": "generator",
+    "env-0": "env-host",
+    "reward": "reward-gateway",
+}
+HARDWARE = {"gen-compute": "compute", "gen-bandwidth": "bandwidth"}
+GENERATORS = ("gen-compute", "gen-bandwidth")
+SECRET = b"test-secret"  # what tests.support.node_env gives every node
+
+LAKE = (
+    "{name: lake, env: frozen-lake, env_kwargs: {actions: letters, compact: true, corners: true},"
+    " profile: prefill-heavy, max_turns: 4, max_tokens_per_turn: 1}"
+)
+COPY = (
+    "{name: copy, env: copy-reverse, env_kwargs: {mode: copy, min_len: 4, max_len: 6, alphabet: ab},"
+    " reward: exact-answer, profile: decode-heavy, max_tokens_per_turn: 12}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollart.engines.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def training_yaml(
+    model: Path,
+    *,
+    steps: int,
+    schedule: str = "async",
+    alpha: int = 1,
+    checkpoint_every: int = 0,
+    batch_groups: int = 2,
+    redundancy: int = 0,
+    generate_timeout_s: float = 30,
+) -> str:
+    """The `run:` keys of a small training run (appended by `write_topology`)."""
+    return f"""  model: {{path: {model}}}
+  generator: {{backend: hf}}
+  reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
+  trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {checkpoint_every}, threads: 1,
+             weight_transport: tcp}}
+  rollout:
+    mode: train
+    schedule: {schedule}
+    tasks:
+      - {LAKE}
+      - {COPY}
+    group_size: 2
+    redundancy: {redundancy}
+    batch_groups: {batch_groups}
+    alpha: {alpha}
+    steps: {steps}
+    groups_per_env_host: 2
+    generate_timeout_s: {generate_timeout_s}
+"""
+
+
+class Cluster:
+    """The node processes of one topology, started by a test; whatever is left is stopped at teardown."""
+
+    def __init__(self, folder: Path, topology: Path, ports: dict[str, tuple[int, int]]) -> None:
+        self.folder, self.topology, self.ports = folder, topology, ports
+        self.run_dir = folder / "run"
+        self.logs = folder / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.log_files: dict[str, Path] = {}
+
+    def start(self, *names: str, log_as: str | None = None) -> None:
+        """Start these nodes (all by default), each logging to `logs/NAME.log` (or `logs/LOG_AS.log`)."""
+        for name in names or tuple(self.ports):
+            self.log_files[name] = self.logs / f"{log_as or name}.log"
+            self.procs[name] = start_node(self.topology, name, self.log_files[name])
+
+    def wait_healthy(self, *names: str, timeout: float = 90) -> None:
+        for name in names or tuple(self.procs):
+            wait_for(lambda n=name: self._alive(n) and healthy(self.ports[n][1]), timeout, f"{name} healthy")
+
+    def _alive(self, name: str) -> bool:
+        code = self.procs[name].poll()
+        if code is not None:
+            raise AssertionError(f"node {name} exited with {code}:\n{self.log_tail(name)}")
+        return True
+
+    def status(self, name: str) -> dict[str, Any]:
+        self._alive(name)
+        code, body = http("GET", self.ports[name][1], "/status")
+        assert code == 200, body
+        return body  # type: ignore[no-any-return]
+
+    def wait_status(self, name: str, predicate: Any, timeout: float, what: str) -> dict[str, Any]:
+        """Poll `name`'s /status until `predicate(status)` holds; returns that status."""
+
+        def check() -> dict[str, Any] | None:
+            status = self.status(name)
+            return status if predicate(status) else None
+
+        return wait_for(check, timeout, what)  # type: ignore[no-any-return]
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        os.kill(self.procs[name].pid, sig)
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.kill()
+        proc.wait(timeout=10)
+
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM every node still running (a drain), then SIGKILL what has not exited; exit codes."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a stopped process cannot drain
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        codes: dict[str, int | None] = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+                codes[name] = None
+        return codes
+
+    def log_tail(self, name: str, chars: int = 3000) -> str:
+        path = self.log_files[name]
+        return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+    def events(self, name: str, *events: str) -> list[dict[str, Any]]:
+        """The node's log records of these events (its latest process's), in the order it logged them."""
+        records = []
+        for line in self.log_files[name].read_text(errors="replace").splitlines():
+            # A progress bar that transformers draws without a newline can come first on a line.
+            if (start := line.find('{"')) >= 0:
+                records.append(json.loads(line[start:]))
+        return [r for r in records if r.get("event") in events]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def timeline(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir / "timeline.jsonl")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def clusters() -> Iterator[list[Cluster]]:
+    """Clusters a test makes (`make_cluster`); their nodes are stopped however the test ends."""
+    made: list[Cluster] = []
+    try:
+        yield made
+    finally:
+        for cluster in made:
+            cluster.stop()
+
+
+def make_cluster(clusters: list[Cluster], folder: Path, run_yaml: str, nodes: dict[str, str] = NODES) -> Cluster:
+    topology, ports = write_topology(folder, nodes, hardware=HARDWARE, extra_run=run_yaml)
+    cluster = Cluster(folder, topology, ports)
+    clusters.append(cluster)
+    return cluster
+
+
+def trainer_done(cluster: Cluster, timeout: float) -> dict[str, Any]:
+    return cluster.wait_status("trainer", lambda s: s["done"], timeout, "the trainer to finish its steps")
+
+
+def receiver_version(status: dict[str, Any]) -> int:
+    """The version a generator's WeightReceiver last applied (handed to the engine)."""
+    return int(status["engine"]["weights"]["version"])
+
+
+def settle_generators(cluster: Cluster, version: int, timeout: float) -> dict[str, dict[str, Any]]:
+    """Each generator's /status `engine` once all of them run `version` (received and in the model),
+    or as they are after `timeout` seconds (the caller checks what it tolerates)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        engines = {name: cluster.status(name)["engine"] for name in GENERATORS}
+        at = [e["version"] == e["weights"]["version"] == version for e in engines.values()]
+        if all(at) or time.monotonic() > deadline:
+            return engines
+        time.sleep(0.1)
+
+
+def step_lines(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [line for line in metrics if "step" in line]
+
+
+def check_step_lines(lines: list[dict[str, Any]], steps: range) -> None:
+    """One line per step, in order, each at the version the step made, with finite numbers."""
+    assert [line["step"] for line in lines] == list(steps)
+    for line in lines:
+        assert line["version"] == line["step"]
+        for key in ("loss", "grad_norm", "reward_mean", "staleness_max"):
+            assert math.isfinite(line[key]), (key, line)
+        assert line["tokens"] > 0
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_async_training_runs_its_steps_and_pushes_every_version(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    steps = 3
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, alpha=1))
+    started = time.monotonic()
+    cluster.start()
+    cluster.wait_healthy()
+    done = trainer_done(cluster, timeout=180)
+    took = time.monotonic() - started
+    assert done["rollout"]["version"] == done["rollout"]["batches"] == steps
+
+    metrics = cluster.metrics()
+    baseline = [line for line in metrics if line.get("baseline")]
+    assert len(baseline) == 1 and metrics[0] is baseline[0]
+    assert done["training"]["baseline"] == baseline[0]["tasks"]
+    lines = step_lines(metrics)
+    check_step_lines(lines, range(1, steps + 1))
+    for line in lines:
+        assert line["stall_s"] < 1.0, line  # the trainer waits for a snapshot copy, never for a push
+        # tokens come from weights at most alpha behind the trajectory's start, itself at most alpha behind
+        assert 0 <= line["staleness_max"] <= 2, line
+    assert done["training"]["stall_s_max"] < 1.0
+
+    # The pushes are asynchronous: the last one may still be landing when the trainer says done.
+    final = settle_generators(cluster, steps, timeout=10)
+    for name, engine in final.items():
+        assert steps - 1 <= engine["weights"]["version"] <= steps, (name, engine)
+        assert engine["version"] == engine["weights"]["version"], engine  # the model has what was received
+        pushed = done["training"]["weights"][name]
+        assert pushed["failures"] == 0 and pushed["pushes"] >= 1, pushed
+
+    timeline = cluster.timeline()
+    trained = steps * 2 * 2  # steps x batch_groups x group_size
+    assert len(timeline) == trained
+    assert len({t["trajectory_id"] for t in timeline}) == trained
+    assert sorted(t["step"] for t in timeline) == sorted(list(range(1, steps + 1)) * 4)
+    for t in timeline:
+        assert t["spans"], t
+        assert t["started_at"] <= t["finished_at"]
+        for _kind, a, b in t["spans"]:
+            assert t["started_at"] - 0.01 <= a <= b <= t["finished_at"] + 0.01, t
+    assert cluster.stop() == dict.fromkeys(NODES, 0)  # every node drains and exits cleanly
+    print(f"async training: {steps} steps in {took:.1f} s; generators at", {n: e["version"] for n, e in final.items()})
+
+
+@pytest.mark.timeout(240)
+def test_sync_baseline_trains_on_fresh_tokens_and_waits_for_every_push(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    steps = 3
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, schedule="sync"))
+    started = time.monotonic()
+    cluster.start()
+    cluster.wait_healthy()
+    done = trainer_done(cluster, timeout=180)
+    took = time.monotonic() - started
+    assert done["rollout"]["version"] == done["rollout"]["batches"] == steps
+    assert done["rollout"]["alpha"] == 0  # the loader's sync baseline
+
+    lines = step_lines(cluster.metrics())
+    check_step_lines(lines, range(1, steps + 1))
+    for line in lines:
+        # Every loss token was generated by the weights the step started from (version step - 1).
+        assert line["staleness_max"] == 0 and line["staleness_mean"] == 0, line
+
+    # The trainer waited for every push before going on, the last one included.
+    for name in GENERATORS:
+        pushed = done["training"]["weights"][name]
+        assert pushed["version"] == steps and pushed["skipped"] == 0 and pushed["failures"] == 0, pushed
+        assert receiver_version(cluster.status(name)) == steps
+    # ... which its log shows in order: every generator took version n before step n was recorded.
+    trainer_log = cluster.events("trainer", "weights.pushed", "trainer.step")
+    for step in range(1, steps + 1):
+        at = next(i for i, r in enumerate(trainer_log) if r["event"] == "trainer.step" and r["step"] == step)
+        before = {r["target"] for r in trainer_log[:at] if r["event"] == "weights.pushed" and r["version"] == step}
+        assert before == set(GENERATORS), (step, trainer_log)
+    final = settle_generators(cluster, steps, timeout=10)
+    assert all(engine["version"] == steps for engine in final.values()), final
+    assert cluster.stop() == dict.fromkeys(NODES, 0)
+    print(f"sync baseline: {steps} steps in {took:.1f} s")
+
+
+@pytest.mark.timeout(180)
+async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    from rollart.engines.tiny_model import load_model_and_tokenizer
+    from rollart.protocol import ClientSession, Identity, SessionConfig, tcp_connector
+    from rollart.protocol.messages import APP, Generate, Generated
+    from rollart.weights import WeightPublisher
+
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=1), nodes={"gen-0": "generator"})
+    cluster.start()
+    await asyncio.to_thread(cluster.wait_status, "gen-0", lambda s: s["engine"]["ready"], 90, "the engine ready")
+    port = cluster.ports["gen-0"][0]
+    cfg = SessionConfig()
+    client = ClientSession(
+        lambda: tcp_connector("127.0.0.1", port, cfg),
+        secret=SECRET,
+        local=Identity("env-0", "env-host"),
+        channel=APP,
+        cfg=cfg,
+        peer_name="gen-0",
+    )
+    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, cfg, transport="tcp")
+    publisher.add_target("gen-0", "127.0.0.1", port)
+    model, tokenizer = await asyncio.to_thread(load_model_and_tokenizer, tiny_model)
+    prompt = tokenizer("copy this: abbabaabab\n")["input_ids"]
+    n = 160  # long enough (seconds on a CPU) for a push to land in the middle
+
+    async def generate(request_id: str, max_tokens: int) -> tuple[Generated, float]:
+        # Greedy, so the same prompt decodes the same tokens and the two timed requests do equal work.
+        request = Generate(request_id, request_id, prompt, max_tokens, temperature=0.0)
+        t0 = time.perf_counter()
+        reply = await client.request(request, timeout=120)
+        assert isinstance(reply, Generated)
+        return reply, time.perf_counter() - t0
+
+    def running() -> bool:
+        return int(cluster.status("gen-0")["queues"].get("running", 0)) >= 1
+
+    async with asyncio.timeout(150), asyncio.TaskGroup() as tg:
+        tg.create_task(client.run())
+        tg.create_task(publisher.run())
+        await generate("warm-up", 8)
+        plain, plain_s = await generate("plain", n)
+        assert plain.finish_reason == "length" and plain.versions == [0] * n, plain
+        swapping = tg.create_task(generate("swapped", n))
+        await asyncio.to_thread(wait_for, running, 30, "the long request to be decoding")
+        await asyncio.sleep(plain_s / 3)  # a third of the way in, or so
+        publisher.publish(1, model.state_dict())  # the same weights, so the tokens are comparable
+        swapped, swapped_s = await swapping
+        await publisher.wait_delivered(1, timeout=30)
+        await publisher.close()
+        await client.close()
+
+    versions = swapped.versions
+    assert swapped.finish_reason == "length" and len(versions) == len(swapped.token_ids) == n, swapped
+    cut = versions.index(1)  # the first token decoded under the new weights
+    assert cut > 0 and versions == [0] * cut + [1] * (n - cut), versions
+    # Not paused for the push: about as long as the same request without one.
+    assert swapped_s < 2.0 * plain_s + 1.0, (swapped_s, plain_s)
+    engine = cluster.status("gen-0")["engine"]
+    assert engine["version"] == 1 and engine["weights"]["applied"] == 1, engine
+    # Greedy under the same weights: the continuation picks up exactly where the first piece stopped.
+    assert swapped.token_ids == plain.token_ids
+    print(f"long request: {plain_s:.2f} s alone, {swapped_s:.2f} s with a push at token {cut} of {n}")
+
+
+@pytest.mark.timeout(240)
+def test_a_generator_that_misses_versions_catches_up_on_the_newest(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    steps = 6
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, generate_timeout_s=10))
+    started = time.monotonic()
+    cluster.start()
+    cluster.wait_healthy()
+    held = cluster.wait_status("gen-compute", lambda s: receiver_version(s) >= 1, 180, "gen-compute at version 1")
+    cluster.signal("gen-compute", signal.SIGSTOP)  # its turns fail over to gen-bandwidth meanwhile
+    stopped = time.monotonic()
+    frozen_at = receiver_version(held)  # or the next one, if a push landed just before the stop
+    cluster.wait_status(
+        "trainer", lambda s: s["rollout"]["version"] >= frozen_at + 3, 120, "three versions while it is stopped"
+    )
+    cluster.signal("gen-compute", signal.SIGCONT)
+    stopped_s = time.monotonic() - stopped
+    done = trainer_done(cluster, timeout=180)
+    final = settle_generators(cluster, steps, timeout=10)
+    took = time.monotonic() - started
+
+    engine = final["gen-compute"]
+    assert steps - 1 <= engine["weights"]["version"] <= steps, engine
+    applied = [r["version"] for r in cluster.events("gen-compute", "weights.applied")]
+    # Newest wins: never an older version after a newer one, and the ones pushed while it was
+    # stopped were skipped, not queued.
+    assert applied == sorted(set(applied)) and applied[-1] == engine["weights"]["version"], applied
+    assert engine["weights"]["applied"] == len(applied)
+    missed = set(range(1, applied[-1] + 1)) - set(applied)
+    assert missed, applied
+    pushed = done["training"]["weights"]["gen-compute"]
+    assert pushed["skipped"] >= 1, pushed
+    print(f"stopped gen-compute for {stopped_s:.1f} s; it applied {applied}; run done in {took:.1f} s")
+
+
+def latest_checkpoint(run_dir: Path) -> int:
+    """The step of the checkpoint the `latest` pointer names (0: none yet)."""
+    pointer = run_dir / "checkpoints" / "latest"
+    return int(pointer.read_text().strip().removeprefix("step-")) if pointer.exists() else 0
+
+
+def watch_until_done(cluster: Cluster, timeout: float) -> list[tuple[int, int]]:
+    """The trainer's (version, batches) as its /status shows them, every 0.1 s, until it is done."""
+    seen: list[tuple[int, int]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = cluster.status("trainer")
+        except OSError:  # not listening yet
+            time.sleep(0.1)
+            continue
+        if "rollout" in status:
+            seen.append((status["rollout"]["version"], status["rollout"]["batches"]))
+        if status["done"]:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"the trainer was not done after {timeout} s; saw (version, batches) {seen[-5:]}")
+
+
+def freeze_when(cluster: Cluster, name: str, condition: Any, timeout: float) -> Any:
+    """SIGSTOP `name` and return `condition()` if it holds while the node is stopped; else SIGCONT and retry.
+
+    A pause of 0.5 s lets a weight push already on the wire land before `condition` looks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cluster.signal(name, signal.SIGSTOP)
+        time.sleep(0.5)
+        if value := condition():
+            return value
+        cluster.signal(name, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} never stopped in the state wanted within {timeout} s")
+        time.sleep(0.3)
+
+
+def resume_run(cluster: Cluster, steps: int, generators_at: Any) -> dict[str, Any]:
+    """Run until the trainer has trained two steps; freeze it once `generators_at(versions, checkpoint)`
+    holds, kill -9 it there, restart it on the same run folder and watch it to the end.
+    Returns what was seen: the checkpoint, the metrics written before the kill, the generators'
+    versions at the kill, the resumed trainer's (version, batches) over time."""
+    cluster.start()
+    cluster.wait_healthy()
+    cluster.wait_status("trainer", lambda s: s["rollout"]["batches"] >= 2, 180, "two steps trained")
+
+    def ready() -> tuple[int, dict[str, int]] | None:
+        checkpoint = latest_checkpoint(cluster.run_dir)
+        held = {name: receiver_version(cluster.status(name)) for name in GENERATORS}
+        return (checkpoint, held) if generators_at(held, checkpoint) else None
+
+    checkpoint, held = freeze_when(cluster, "trainer", ready, timeout=60)
+    cluster.kill("trainer")
+    before = cluster.metrics()
+    cluster.start("trainer", log_as="trainer-resumed")
+    seen = watch_until_done(cluster, timeout=180)
+    return {"checkpoint": checkpoint, "before": before, "held": held, "seen": seen}
+
+
+@pytest.mark.slow  # 70-100 s on a loaded 2-core machine: two trainer start-ups and four steps
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    steps = 4
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, checkpoint_every=1))
+    started = time.monotonic()
+    # Killed where the generators hold the checkpoint's version (see the next test for a newer one).
+    run = resume_run(cluster, steps, lambda held, checkpoint: checkpoint >= 1 and set(held.values()) == {checkpoint})
+    took = time.monotonic() - started
+    k = run["checkpoint"]
+    assert 1 <= k < steps
+
+    (resumed,) = cluster.events("trainer", "learner.resumed")
+    assert (resumed["step"], resumed["version"]) == (k, k), resumed
+    # /status: (0, 0) while the checkpoint loads, then from the checkpoint's step on, never back.
+    seen = run["seen"]
+    first = next(i for i, pair in enumerate(seen) if pair != (0, 0))
+    assert set(seen[:first]) <= {(0, 0)} and seen[first] == (k, k), seen
+    assert seen[first:] == sorted(seen[first:]) and seen[-1] == (steps, steps), seen
+    assert all(version == batches for version, batches in seen), seen
+
+    # metrics.jsonl: the killed trainer wrote steps 1..m, m being k or k + 1 (a step recorded but not
+    # yet checkpointed); the resumed one writes k + 1..steps, no baseline. So the steps only go
+    # back once, at the resume, and only to redo the steps since the checkpoint (at most one here).
+    before, after = run["before"], cluster.metrics()[len(run["before"]) :]
+    assert before[0].get("baseline") and not any(line.get("baseline") for line in after)
+    m = len(step_lines(before))
+    assert m - k in (0, 1), (k, [line["step"] for line in before])
+    check_step_lines(step_lines(before), range(1, m + 1))
+    check_step_lines(after, range(k + 1, steps + 1))
+    for line in after:
+        assert line["staleness_max"] >= 0, line  # no token is newer than the weights trained on
+
+    # Every generator held the checkpoint's weights at the resume (the trainer pushes its version
+    # to any that lacks it); then each new version reached them.
+    connected: dict[str, int] = {}
+    for record in cluster.events("trainer", "weights.connected"):
+        connected.setdefault(record["target"], record["holds"])  # each one's first connection
+    assert connected == dict.fromkeys(GENERATORS, k), connected
+    final = settle_generators(cluster, steps, timeout=10)
+    for name, engine in final.items():
+        assert steps - 1 <= engine["weights"]["version"] <= steps, (name, engine)
+        applied = [r["version"] for r in cluster.events(name, "weights.applied")]
+        assert applied == sorted(set(applied)) and applied[-1] == engine["weights"]["version"], applied
+    print(f"resume: checkpoint {k}, done in {took:.1f} s")
+
+
+@pytest.mark.timeout(300)
+def test_generators_ahead_of_the_checkpoint_get_its_weights_under_a_fresh_version(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    steps = 4
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, checkpoint_every=2))
+    # Killed after version 3 reached the generators and before step 4's checkpoint: they hold a
+    # version newer than the one the trainer resumes at (2), made by weights that are now lost.
+    run = resume_run(cluster, steps, lambda held, checkpoint: 1 <= checkpoint < min(held.values()))
+    k = run["checkpoint"]
+    (resumed,) = cluster.events("trainer", "learner.resumed")
+    assert resumed["version"] == k < min(run["held"].values()), (resumed, run["held"])
+    # Versions never go back: the checkpoint's weights get the next version above every generator's.
+    (ahead,) = cluster.events("trainer", "trainer.generators_ahead")
+    fresh = max(run["held"].values()) + 1
+    assert (ahead["checkpoint_version"], ahead["new_version"]) == (k, fresh), ahead
+    for name in GENERATORS:
+        pushed = [r["version"] for r in cluster.events("trainer", "weights.pushed") if r["target"] == name]
+        assert pushed and pushed[0] == fresh, (name, pushed)
+    final_version = fresh + (steps - k)
+    assert run["seen"][-1] == (final_version, steps), run["seen"][-5:]
+    final = settle_generators(cluster, final_version, timeout=10)
+    assert all(final_version - 1 <= engine["version"] <= final_version for engine in final.values()), final
+    # The redone steps trained on tokens of the resumed weights or older, never on the lost ones.
+    for line in cluster.metrics()[len(run["before"]) :]:
+        assert line["staleness_max"] >= 0 and line["staleness_mean"] >= 0, line
