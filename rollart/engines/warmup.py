@@ -59,7 +59,7 @@ def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -
 
 
 def format_warmup(
-    model_dir: Path, tasks: Sequence[TaskSpec], *, steps: int, episodes: int = 16, lr: float = 1e-3, seed: int = 0
+    model_dir: Path, tasks: Sequence[TaskSpec], *, steps: int, episodes: int = 16, lr: float = 2e-3, seed: int = 0
 ) -> dict[str, Any]:
     """Train the model in `model_dir` for `steps` steps on random valid episodes; save it in place."""
     model, tokenizer = load_model_and_tokenizer(model_dir)
@@ -67,11 +67,11 @@ def format_warmup(
     renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]  # HF's decode is wider than the Protocol's
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    weights = [task.weight for task in tasks]
     pad = int(tokenizer.pad_token_id or 0)
     started, loss_value = time.monotonic(), float("nan")
     for step in range(steps):
-        rows = [random_episode(rng.choices(list(tasks), weights=weights)[0], renderer, rng) for _ in range(episodes)]
+        # Every task equally often, whatever the training mix: each has its own format to learn.
+        rows = [random_episode(tasks[i % len(tasks)], renderer, rng) for i in range(episodes)]
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((len(rows), width), pad)
         attention = torch.zeros((len(rows), width), dtype=torch.long)

@@ -2,11 +2,11 @@
 
 The prompt gives a random string over a small alphabet (default `abcdefgh`, length 16-32) and
 asks for it reversed inside `\\boxed{...}` (with `mode="copy"`: copied, which a tiny model learns
-sooner). The reward gives partial credit, so a tiny model can
-improve gradually: the fraction of positions where the answer matches the reversed string,
-counted over the longer of the two (padding does not pay), 1.0 for an exact answer. A reply with
-no `\\boxed{...}` gets the format penalty. `info["answer"]` holds the reference (on reset and on
-step), for reward functions that score elsewhere. Sample (seed 0):
+sooner; with `boxed=False` the whole reply is the answer, no format to get wrong). The reward gives
+partial credit, so a tiny model can improve gradually: the fraction of positions where the answer
+matches the reversed string, counted over the longer of the two (padding does not pay), 1.0 for an
+exact answer. A reply with no `\\boxed{...}` gets the format penalty. `info["answer"]` holds the
+reference (on reset and on step), for reward functions that score elsewhere. Sample (seed 0):
 
     Reverse this string: gaehgehfdcecbecebbfhbfgfdhhe
     Put the reversed string in \\boxed{}.
@@ -47,6 +47,7 @@ class CopyReverseEnv(Env):
         alphabet: str = "abcdefgh",
         format_penalty: float = FORMAT_PENALTY,
         mode: Literal["reverse", "copy"] = "reverse",
+        boxed: bool = True,
     ) -> None:
         require(1 <= min_len <= max_len, self.name, f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         require(
@@ -59,8 +60,11 @@ class CopyReverseEnv(Env):
         require(mode in ("reverse", "copy"), self.name, f"mode must be 'reverse' or 'copy', got {mode!r}")
         self.alphabet = alphabet
         self.mode = mode
+        self.boxed = boxed
         if mode == "copy":
             self.system_prompt = COPY_SYSTEM_PROMPT
+        if not boxed:
+            self.system_prompt = ""  # the observation says it all; the whole reply is the answer
         self.format_penalty = format_penalty
         self._answer: str | None = None
 
@@ -68,24 +72,22 @@ class CopyReverseEnv(Env):
         episode_seed = resolve_seed(seed)
         rng = random.Random(episode_seed)
         text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
-        if self.mode == "copy":
-            self._answer = text
-            obs = f"Copy this string: {text}\nPut it in \\boxed{{}}."
-        else:
-            self._answer = text[::-1]
-            obs = f"Reverse this string: {text}\nPut the reversed string in \\boxed{{}}."
+        self._answer = text if self.mode == "copy" else text[::-1]
+        verb, what = ("Copy", "it") if self.mode == "copy" else ("Reverse", "the reversed string")
+        obs = f"{verb} this string: {text}\n" + (f"Put {what} in \\boxed{{}}." if self.boxed else "")
         return obs, {"seed": episode_seed, "answer": self._answer}
 
     def sample_action(self, rng: random.Random) -> str | None:
         if self._answer is None:
             return None
-        return f"\\boxed{{{''.join(rng.choice(self.alphabet) for _ in self._answer)}}}"
+        guess = "".join(rng.choice(self.alphabet) for _ in self._answer)
+        return f"\\boxed{{{guess}}}" if self.boxed else guess
 
     def step(self, action: str) -> StepResult:
         if self._answer is None:
             raise not_running(self.name)
         answer, self._answer = self._answer, None
-        boxed = last_boxed(action)
+        boxed = last_boxed(action) if self.boxed else action
         info: Info = {"answer": answer, "format_error": boxed is None, "turn": 1, "success": False}
         if boxed is None:
             return "No \\boxed{...} answer found.", self.format_penalty, True, False, info

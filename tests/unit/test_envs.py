@@ -9,6 +9,7 @@ The solvers here read only the observation text, so they also check that it says
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import sys
 import threading
@@ -809,3 +810,18 @@ def test_copy_reverse_has_no_sampled_action_outside_an_episode() -> None:
     env.reset(seed=1)
     env.step("\\boxed{a}")
     assert env.sample_action(random.Random(0)) is None  # the episode is over
+
+
+def test_copy_without_a_box_scores_the_whole_reply_by_position() -> None:
+    env = make_env("copy-reverse", mode="copy", boxed=False, min_len=6, max_len=6, alphabet="ab")
+    observation, info = env.reset(seed=7)
+    text = observation.removeprefix("Copy this string: ").strip()
+    assert info["answer"] == text and env.system_prompt == "" and "boxed" not in observation
+    wrong_last = text[:-1] + ("a" if text[-1] == "b" else "b")
+    _, reward, terminated, _, step_info = env.step(f"  {wrong_last}\n")
+    assert terminated and reward == 5 / 6 and not step_info["format_error"] and not step_info["success"]
+    env.reset(seed=7)
+    assert env.step(text)[1] == 1.0
+    env.reset(seed=7)
+    guess = env.sample_action(random.Random(0))
+    assert guess is not None and len(guess) == 6 and set(guess) <= {"a", "b"}
