@@ -107,13 +107,17 @@ def format_warmup(
     return summary
 
 
-def random_policy_baseline(task: TaskSpec, *, episodes: int = 200, seed: int = 0) -> dict[str, float] | None:
-    """Success rate and mean env reward of the uniformly random valid policy on `task`; None when the env
-    has no `sample_action`. (The reward is the environment's own; a task scored by another reward
-    function may differ.)"""
+def random_policy_baseline(
+    task: TaskSpec, *, episodes: int = 1000, seed: int = 0, max_seconds: float = 10.0
+) -> dict[str, float] | None:
+    """Success rate and mean env reward of the uniformly random valid policy on `task`, over `episodes`
+    episodes or as many as `max_seconds` allow (a slow env must not hold up training; the count is in
+    the result); None when the env has no `sample_action`. (The reward is the environment's own; a
+    task scored by another reward function may differ.)"""
     rng = random.Random(seed)
-    successes, total = 0, 0.0
-    for _ in range(episodes):
+    successes, total, played = 0, 0.0, 0
+    deadline = time.monotonic() + max_seconds
+    while played < episodes and (played == 0 or time.monotonic() < deadline):
         env = make_env(task.env, **task.env_kwargs)
         env.reset(rng.randrange(2**31))
         info: dict[str, Any] = {}
@@ -126,4 +130,5 @@ def random_policy_baseline(task: TaskSpec, *, episodes: int = 200, seed: int = 0
             if terminated or truncated:
                 break
         successes += bool(info.get("success", False))
-    return {"success_rate": successes / episodes, "reward_mean": total / episodes, "episodes": float(episodes)}
+        played += 1
+    return {"success_rate": successes / played, "reward_mean": total / played, "episodes": float(played)}

@@ -32,6 +32,8 @@ from rollart.topology import Role
 log = structlog.get_logger("rollart.trainer")
 
 LEASE_CHECK_S = 5.0
+SYNC_PUSH_TIMEOUT_S = 600.0
+"""The synchronous baseline waits this long for every generator to load a version, then goes on."""
 FINAL_PUSH_S = 30.0
 """At the end of a run, how long the trainer waits for generators to load the last version."""
 
@@ -56,7 +58,6 @@ class TrainerNode(NodeDaemon):
         self.last_checkpoint_step = 0
         self._step_lock = asyncio.Lock()
         """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
-        self.push_timeout_s = 600.0
 
     async def work(self) -> None:
         if self.rollout is None:
@@ -137,9 +138,13 @@ class TrainerNode(NodeDaemon):
             stats = await self.learner.train(batch, version=self.version)
             self.batches += 1
             await self.bump_version()
-            self.learner.publish(self.version)
+            # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
+            await asyncio.to_thread(self.learner.publish, self.version)
         if sync:
-            await self.learner.publisher.wait_delivered(self.version, timeout=self.push_timeout_s)
+            try:
+                await self.learner.publisher.wait_delivered(self.version, timeout=SYNC_PUSH_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("trainer.push_not_delivered", version=self.version, timeout_s=SYNC_PUSH_TIMEOUT_S)
             self.dispenser.held = False
             self.dispenser.changed()
         line = self.learner.record(self.batches, self.version, batch, stats)
