@@ -181,7 +181,8 @@ class EnvHostNode(NodeDaemon):
                 raise RemoteError("bad-response", f"reward gateway answered {type(reply).__name__}")
             return reply.reward
 
-        alpha = self.rollout.alpha
+        # Versions only mean weights in train mode; rollout-only runs bump them with no push.
+        alpha = self.rollout.alpha if self.rollout.mode == "train" else None
         env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
         self.counts["envs_opened"] += 1
         try:
@@ -194,7 +195,7 @@ class EnvHostNode(NodeDaemon):
                 policy_version=lambda: self.version,
                 on_start=started,
                 barrier=barrier,
-                min_version=lambda: max(0, self.version - alpha),
+                min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
             )
         except EnvFailure:
             self.counts["env_failures"] += 1
