@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rollout import free_ports  # benchmarks/rollout.py: this folder is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -39,17 +39,6 @@ MODES = {
     "async-1": {"schedule": "async", "alpha": 1},
     "async-2": {"schedule": "async", "alpha": 2},
 }
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def topology(base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace) -> Path:
