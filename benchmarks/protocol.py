@@ -43,14 +43,12 @@ import datetime
 import logging
 import multiprocessing
 import os
-import platform
 import shlex
 import statistics
 import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from importlib.metadata import version
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
@@ -58,6 +56,7 @@ from typing import Any
 import msgspec
 import structlog
 import uvloop
+from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.protocol import (
     CONTROL,
@@ -555,18 +554,7 @@ def ratios(by_key: dict[str, Result]) -> list[str]:
 
 
 def machine() -> str:
-    model = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"nproc {len(os.sched_getaffinity(0))} ({model}), {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}, uvloop {version('uvloop')}, msgspec {version('msgspec')}, "
-        f"structlog {version('structlog')}; load average at start {load}"
-    )
+    return describe(["uvloop", "msgspec", "structlog"])
 
 
 def report(results: list[Result], started: datetime.datetime, host: str, seconds: float) -> str:

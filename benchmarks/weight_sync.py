@@ -30,7 +30,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 import structlog
 import torch
 import uvloop
+from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
 from rollart.weights import WeightPublisher, WeightReceiver, ucx, ucx_unavailable
@@ -321,22 +321,11 @@ def table(routes: list[Route], payloads: dict[str, dict[str, torch.Tensor]]) -> 
 
 
 def machine() -> str:
-    model = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     missing = ucx_unavailable()  # importing ucxx sets the UCX_* defaults this run uses
     ucx_note = f"ucxx {pkg_version('ucxx-cu12')}, UCX_TLS={os.environ.get('UCX_TLS', '?')}"
     if missing is not None:
         ucx_note = f"no UCX ({missing})"
-    return (
-        f"nproc {len(os.sched_getaffinity(0))} ({model}), {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}, uvloop {pkg_version('uvloop')}, "
-        f"{ucx_note}; load average at start {load}"
-    )
+    return describe(["torch", "uvloop"], ucx_note)
 
 
 def main() -> None:
