@@ -1,8 +1,12 @@
 """copy-reverse: a decode-heavy, single-turn task small enough for a tiny char-level model.
 
 The prompt gives a random string over a small alphabet (default `abcdefgh`, length 16-32) and
-asks for it reversed inside `\\boxed{...}` (with `mode="copy"`: copied, which a tiny model learns
-sooner; with `boxed=False` the whole reply is the answer, no format to get wrong). The reward gives
+asks for it reversed inside `\\boxed{...}` (with `mode="copy"`: copied; with `mode="repeat"` the
+prompt gives one letter and the answer is that letter, as many times as the string would be long:
+a tiny model learns it by RL in minutes, and a reply that repeats the wrong letter scores 0, below
+the random policy's 1/len(alphabet), so the collapse to one repeated letter that GRPO drifts into
+on copy or reverse is not a resting place here; with `boxed=False` the whole reply is the answer,
+no format to get wrong). The reward gives
 partial credit, so a tiny model can improve gradually: the fraction of positions where the answer
 matches the reversed string, counted over the longer of the two (padding does not pay), 1.0 for an
 exact answer. A reply with no `\\boxed{...}` gets the format penalty. `info["answer"]` holds the
@@ -21,6 +25,9 @@ from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, last_boxed,
 
 SYSTEM_PROMPT = "Write the given string reversed inside \\boxed{}. Example: abc -> \\boxed{cba}"
 COPY_SYSTEM_PROMPT = "Write the given string inside \\boxed{}. Example: abc -> \\boxed{abc}"
+REPEAT_SYSTEM_PROMPT = "Write the given letter the given number of times inside \\boxed{}. Example: 3 times: a -> \\boxed{aaa}"
+Mode = Literal["reverse", "copy", "repeat"]
+_VERBS = {"reverse": ("Reverse", "the reversed string"), "copy": ("Copy", "it"), "repeat": ("Repeat", "them")}
 
 
 def position_match(answer: str, reference: str) -> float:
@@ -46,7 +53,7 @@ class CopyReverseEnv(Env):
         max_len: int = 32,
         alphabet: str = "abcdefgh",
         format_penalty: float = FORMAT_PENALTY,
-        mode: Literal["reverse", "copy"] = "reverse",
+        mode: Mode = "reverse",
         boxed: bool = True,
     ) -> None:
         require(1 <= min_len <= max_len, self.name, f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
@@ -57,12 +64,12 @@ class CopyReverseEnv(Env):
         )
         self.min_len = min_len
         self.max_len = max_len
-        require(mode in ("reverse", "copy"), self.name, f"mode must be 'reverse' or 'copy', got {mode!r}")
+        require(mode in _VERBS, self.name, f"mode must be one of {', '.join(_VERBS)}, got {mode!r}")
         self.alphabet = alphabet
         self.mode = mode
         self.boxed = boxed
-        if mode == "copy":
-            self.system_prompt = COPY_SYSTEM_PROMPT
+        if mode != "reverse":
+            self.system_prompt = COPY_SYSTEM_PROMPT if mode == "copy" else REPEAT_SYSTEM_PROMPT
         if not boxed:
             self.system_prompt = ""  # the observation says it all; the whole reply is the answer
         self.format_penalty = format_penalty
@@ -71,10 +78,17 @@ class CopyReverseEnv(Env):
     def reset(self, seed: int | None = None) -> tuple[str, Info]:
         episode_seed = resolve_seed(seed)
         rng = random.Random(episode_seed)
-        text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
-        self._answer = text if self.mode == "copy" else text[::-1]
-        verb, what = ("Copy", "it") if self.mode == "copy" else ("Reverse", "the reversed string")
-        obs = f"{verb} this string: {text}\n" + (f"Put {what} in \\boxed{{}}." if self.boxed else "")
+        length = rng.randint(self.min_len, self.max_len)
+        verb, what = _VERBS[self.mode]
+        if self.mode == "repeat":
+            letter = rng.choice(self.alphabet)
+            self._answer = letter * length
+            task = f"{verb} this letter {length} times: {letter}\n"
+        else:
+            text = "".join(rng.choice(self.alphabet) for _ in range(length))
+            self._answer = text if self.mode == "copy" else text[::-1]
+            task = f"{verb} this string: {text}\n"
+        obs = task + (f"Put {what} in \\boxed{{}}." if self.boxed else "")
         return obs, {"seed": episode_seed, "answer": self._answer}
 
     def sample_action(self, rng: random.Random) -> str | None:

@@ -86,8 +86,11 @@ class FrozenLakeEnv(GridEnv):
         shaping: float = 0.0,
         actions: Actions = "words",
         compact: bool = False,
+        position: bool = False,
     ) -> None:
-        super().__init__(max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact)
+        super().__init__(
+            max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact, position=position
+        )
         self.layout = _parse_layout(layout, max_turns) if layout is not None else None
         self.corners = corners
         require(shaping >= 0.0, self.name, f"shaping must be >= 0, got {shaping}")

@@ -12,6 +12,9 @@ what a tiny model trained from scratch can learn in minutes. A reply with no val
 With `compact=True` every observation is the board alone (the goal, legend and move hint go to
 the system prompt once, and there is no feedback line or turn counter): a 4x4 lake costs about
 60 tokens a turn instead of about 200, which is what makes multi-turn training on a CPU fast.
+With `position=True` the board is followed by the player's cell in words ("You are at row 2,
+column 3."), the observation Gymnasium's FrozenLake gives as a number: a tiny model reads it far
+sooner than it learns to find P in the drawing.
 
 Subclasses generate a board from a `random.Random` seeded with the episode seed (so the same
 seed gives the same board), apply a move, and draw the board as rows of characters.
@@ -76,6 +79,8 @@ class GridEnv(Env):
     """The registered name, used in messages."""
     intro = ""
     """The first lines of the first observation: the goal and the legend."""
+    player: Pos
+    """The player's cell; subclasses keep it up to date."""
 
     def __init__(
         self,
@@ -84,11 +89,13 @@ class GridEnv(Env):
         format_penalty: float = FORMAT_PENALTY,
         actions: Actions = "words",
         compact: bool = False,
+        position: bool = False,
     ) -> None:
         require(max_turns >= 1, self.name, f"max_turns must be >= 1, got {max_turns}")
         require(actions in ("words", "letters"), self.name, f"actions must be 'words' or 'letters', got {actions!r}")
         self.actions = actions
         self.compact = compact
+        self.position = position
         self.hint = MOVE_HINT if actions == "words" else LETTER_HINT
         self.system_prompt = GRID_SYSTEM_PROMPT if actions == "words" else LETTER_SYSTEM_PROMPT
         if compact:
@@ -142,8 +149,11 @@ class GridEnv(Env):
         return direction[0].upper() if self.actions == "letters" else f"\\boxed{{{direction}}}"
 
     def _board(self) -> str:
+        rows = self._rows()
+        if self.position:
+            rows.append(f"You are at row {self.player[0] + 1}, column {self.player[1] + 1}.")
         if self.compact:
-            return "\n".join(self._rows())
+            return "\n".join(rows)
         left = self.max_turns - self._turn
         footer = f"Turns left: {left}. {self.hint}" if self._running else "The episode is over."
-        return "\n".join([*self._rows(), footer])
+        return "\n".join([*rows, footer])

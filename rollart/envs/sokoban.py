@@ -49,8 +49,11 @@ class SokobanEnv(GridEnv):
         format_penalty: float = FORMAT_PENALTY,
         actions: Actions = "words",
         compact: bool = False,
+        position: bool = False,
     ) -> None:
-        super().__init__(max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact)
+        super().__init__(
+            max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact, position=position
+        )
         # A 3x3 floor is the smallest where a box can leave the target and still be pushed back.
         require(size >= 5, self.name, f"size must be >= 5 (walls included), got {size}")
         require(step_penalty >= 0.0, self.name, f"step_penalty must be >= 0, got {step_penalty}")

@@ -825,3 +825,33 @@ def test_copy_without_a_box_scores_the_whole_reply_by_position() -> None:
     env.reset(seed=7)
     guess = env.sample_action(random.Random(0))
     assert guess is not None and len(guess) == 6 and set(guess) <= {"a", "b"}
+
+
+def test_repeat_asks_for_one_letter_many_times() -> None:
+    env = make_env("copy-reverse", mode="repeat", boxed=False, min_len=6, max_len=6, alphabet="abcd")
+    letters = set()
+    for seed in range(8):
+        observation, info = env.reset(seed=seed)
+        letter = observation.removeprefix("Repeat this letter 6 times: ").strip()
+        letters.add(letter)
+        assert info["answer"] == letter * 6 and letter in "abcd"
+        assert env.step(letter * 6)[1] == 1.0
+        env.reset(seed=seed)
+        wrong = "a" if letter != "a" else "b"
+        assert env.step(wrong * 6)[1] == 0.0  # one repeated wrong letter scores below random (1/4)
+    assert len(letters) > 1
+    boxed = make_env("copy-reverse", mode="repeat", min_len=3, max_len=3, alphabet="abc")
+    assert "\\boxed" in boxed.system_prompt and "\\boxed" in boxed.reset(seed=0)[0]
+    with pytest.raises(ConfigError, match="mode must be one of reverse, copy, repeat"):
+        make_env("copy-reverse", mode="sort")
+
+
+@pytest.mark.parametrize("name", ["frozen-lake", "sokoban"])
+def test_position_adds_the_players_cell_in_words(name: str) -> None:
+    env = make_env(name, actions="letters", compact=True, position=True)
+    observation, _ = env.reset(seed=3)
+    *rows, where = observation.split("\n")
+    row = next(r for r, line in enumerate(rows) if "P" in line or "@" in line)
+    col = max(rows[row].find("P"), rows[row].find("@"))
+    assert where == f"You are at row {row + 1}, column {col + 1}."
+    assert make_env(name, actions="letters", compact=True).reset(seed=3)[0] == "\n".join(rows)
