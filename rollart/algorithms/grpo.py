@@ -28,7 +28,9 @@ is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL
 
 Aggregation is a token mean over the whole batch: `grpo_loss` sums loss_t over one micro-batch's
 loss tokens and divides by `total_tokens`, the loss tokens of the whole batch. Summing the
-micro-batches' gradients therefore gives the whole batch's gradient, whatever the split.
+micro-batches' gradients therefore gives the whole batch's gradient, whatever the split. The
+trainer leaves out groups whose rewards are all equal (zero advantage, no signal) before packing
+(`rollart.nodes.learner.Learner.train`), so the mean is over tokens that carry signal.
 
 A training step, in outline:
 
@@ -71,6 +73,11 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     return centred.masked_fill(same, 0.0)
 
 
+def groups_with_signal(advantages: torch.Tensor) -> list[int]:
+    """Indices of the groups of advantages [groups, G] that are not all zero: the groups to train on."""
+    return [i for i in range(advantages.shape[0]) if bool(advantages[i].ne(0).any())]
+
+
 class SequenceLike(Protocol):
     """A finished trajectory as `pack_batch` reads it (protocol.messages.Trajectory is one)."""
 
@@ -84,11 +91,14 @@ class SequenceLike(Protocol):
     def logprobs(self) -> Sequence[float]: ...
     @property
     def versions(self) -> Sequence[int]: ...
+    @property
+    def segments(self) -> Sequence[int]: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Sequences as right-padded tensors, all [N, T]; position t refers to token t of prompt + response."""
+    """Rows as right-padded tensors, all [N, T]: a row is a trajectory's prompt + response, or one
+    segment of it; position t refers to token t of the row."""
 
     input_ids: torch.Tensor
     """Prompt and response tokens, padded with pad_id (long)."""
@@ -129,36 +139,64 @@ class PackedBatch:
 
 
 def pack_batch(sequences: Sequence[SequenceLike], advantages: Sequence[float], *, pad_id: int) -> PackedBatch:
-    """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`)."""
+    """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`).
+
+    A trajectory with `segments` (each turn its own prompt, `context: last`) gives one row per
+    segment, every row with the trajectory's advantage; otherwise one row per trajectory.
+    """
     if len(sequences) != len(advantages):
         raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
     if not sequences:
         raise ValueError("no sequences to pack")
-    n, width = len(sequences), max(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
+    rows: list[tuple[list[int], list[int], list[float], list[int], float]] = []
+    for i, (seq, advantage) in enumerate(zip(sequences, advantages, strict=True)):
+        rows += _rows(i, seq, advantage)
+    n, width = len(rows), max(len(ids) for ids, *_ in rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     loss_mask = torch.zeros((n, width))
     behaviour = torch.zeros((n, width))
     adv = torch.zeros((n, width))
     versions = torch.full((n, width), -1, dtype=torch.long)
-    for i, (seq, advantage) in enumerate(zip(sequences, advantages, strict=True)):
-        p, r = len(seq.prompt_ids), len(seq.response_ids)
-        lengths = {name: len(getattr(seq, name)) for name in ("response_mask", "logprobs", "versions")}
-        if any(length != r for length in lengths.values()):
-            raise ValueError(f"sequence {i}: response_ids has {r} tokens but {lengths}; expected all equal")
-        if p == 0:
-            raise ValueError(f"sequence {i}: empty prompt; the first token has no log-prob")
-        if not set(seq.response_mask) <= {0, 1}:
-            raise ValueError(f"sequence {i}: response_mask holds values other than 0 and 1")
-        input_ids[i, : p + r] = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
-        attention_mask[i, : p + r] = 1
-        mask = torch.tensor(seq.response_mask, dtype=torch.float32)
-        on = mask > 0
-        loss_mask[i, p : p + r] = mask
-        behaviour[i, p : p + r] = torch.tensor(seq.logprobs, dtype=torch.float32) * mask
-        adv[i, p : p + r] = advantage * mask
-        versions[i, p : p + r] = torch.where(on, torch.tensor(seq.versions, dtype=torch.long), -1)
+    for i, (ids, row_mask, logprobs, row_versions, advantage) in enumerate(rows):
+        t = len(ids)
+        input_ids[i, :t] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, :t] = 1
+        mask = torch.tensor(row_mask, dtype=torch.float32)
+        loss_mask[i, :t] = mask
+        behaviour[i, :t] = torch.tensor(logprobs, dtype=torch.float32) * mask
+        adv[i, :t] = advantage * mask
+        versions[i, :t] = torch.where(mask > 0, torch.tensor(row_versions, dtype=torch.long), -1)
     return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions)
+
+
+def _rows(
+    i: int, seq: SequenceLike, advantage: float
+) -> list[tuple[list[int], list[int], list[float], list[int], float]]:
+    """Sequence `i` checked and cut at its segments: (ids, loss mask, log-probs, versions, advantage)
+    per row, over prompt + response positions."""
+    p, r = len(seq.prompt_ids), len(seq.response_ids)
+    lengths = {name: len(getattr(seq, name)) for name in ("response_mask", "logprobs", "versions")}
+    if any(length != r for length in lengths.values()):
+        raise ValueError(f"sequence {i}: response_ids has {r} tokens but {lengths}; expected all equal")
+    if p == 0:
+        raise ValueError(f"sequence {i}: empty prompt; the first token has no log-prob")
+    if not set(seq.response_mask) <= {0, 1}:
+        raise ValueError(f"sequence {i}: response_mask holds values other than 0 and 1")
+    cuts = list(seq.segments)
+    if cuts != sorted(set(cuts)) or any(not 0 < cut < r for cut in cuts):
+        raise ValueError(f"sequence {i}: segments {cuts} are not increasing offsets inside its {r} response tokens")
+    if any(seq.response_mask[cut] for cut in cuts):
+        raise ValueError(f"sequence {i}: a segment starts on a generated token; it must start with a prompt")
+    ids = [*seq.prompt_ids, *seq.response_ids]
+    mask = [0] * p + list(seq.response_mask)
+    logprobs = [0.0] * p + list(seq.logprobs)
+    versions = [-1] * p + list(seq.versions)
+    bounds = [0, *(p + cut for cut in cuts), p + r]
+    return [
+        (ids[a:b], mask[a:b], logprobs[a:b], versions[a:b], advantage)
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

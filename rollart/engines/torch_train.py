@@ -1,10 +1,10 @@
 """The plain PyTorch training engine: one device, CPU or GPU, any Hugging Face causal LM.
 
-A step splits the batch into `updates_per_batch` mini-batches (one optimizer step each) and each
-mini-batch into micro-batches of `micro_batch_size` sequences whose gradients accumulate. The
-proximal log-probs (pi_prox of the decoupled PPO loss, `rollart.algorithms.grpo`) are the
-weights at the start of the step; with a single update per batch they equal the new log-probs
-before the update, so the extra no-grad forward pass is skipped. bf16 autocast on GPUs that have
+A step makes `epochs` passes over the batch, each split into `updates_per_batch` mini-batches (one
+optimizer step each), each mini-batch into micro-batches of `micro_batch_size` sequences whose
+gradients accumulate. The proximal log-probs (pi_prox of the decoupled PPO loss,
+`rollart.algorithms.grpo`) are the weights at the start of the step; for the first update they
+equal the new log-probs before it, so that update needs no extra no-grad forward pass. bf16 autocast on GPUs that have
 it (`precision: auto`); master weights and optimizer state stay fp32. A reference model for the KL
 term is loaded only when `kl_coef > 0`.
 """
@@ -12,6 +12,7 @@ term is loaded only when `kl_coef > 0`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import time
@@ -77,20 +78,19 @@ class TorchTrainer:
         total_stats: LossStats | None = None
         grad_norms = []
         minis = list(batch.micro_batches(per_update))
-        # pi_prox: the weights at the start of the step, for every mini-batch after the first.
-        prox_later: list[list[torch.Tensor]] = []
-        if len(minis) > 1:
-            with torch.no_grad():
-                prox_later = [
-                    [self._logprobs(self.model, mb) for mb in mini.micro_batches(spec.micro_batch_size)]
-                    for mini in minis[1:]
-                ]
-        for index, mini in enumerate(minis):
+        # pi_prox: the weights at the start of the step, for every update after the first.
+        later = range(0 if spec.epochs > 1 else 1, len(minis))
+        with torch.no_grad():
+            prox_at_start = {
+                index: [self._logprobs(self.model, mb) for mb in minis[index].micro_batches(spec.micro_batch_size)]
+                for index in later
+            }
+        for epoch, (index, mini) in itertools.product(range(spec.epochs), enumerate(minis)):
             total_tokens = max(mini.loss_tokens, 1)
             self.optimizer.zero_grad(set_to_none=True)
             for k, mb in enumerate(mini.micro_batches(spec.micro_batch_size)):
                 new = self._logprobs(self.model, mb)
-                prox = new.detach() if index == 0 else prox_later[index - 1][k]
+                prox = new.detach() if epoch == index == 0 else prox_at_start[index][k]
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():

@@ -43,7 +43,11 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     micro_batch_size: int = 16
     """Sequences per forward/backward; gradients accumulate over a batch's micro-batches."""
     updates_per_batch: int = 1
-    """Optimizer steps per batch, each on 1/updates_per_batch of it (PPO mini-batches)."""
+    """Optimizer steps per pass over a batch, each on 1/updates_per_batch of it (PPO mini-batches)."""
+    epochs: int = 1
+    """Passes over each batch (PPO epochs): epochs x updates_per_batch optimizer steps per training
+    step, all in the trust region around the weights at the step's start. More than 1 gets more
+    out of every trajectory when the trainer is faster than the generators."""
     grpo: GRPOConfig = GRPOConfig()
     checkpoint_every: int = 10
     """Save a checkpoint every this many steps (and on drain); 0: only on drain."""
@@ -57,7 +61,7 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 
     def validate(self) -> list[tuple[str, str]]:
         problems = [(f"grpo.{key}", problem) for key, problem in self.grpo.validate()]
-        for key in ("lr", "micro_batch_size", "updates_per_batch", "bucket_mb"):
+        for key in ("lr", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
         for key in ("weight_decay", "grad_clip", "checkpoint_every", "threads"):

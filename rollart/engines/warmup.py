@@ -31,12 +31,15 @@ from rollart.rollout.trajectory import ChatRenderer
 log = structlog.get_logger("rollart.warmup")
 
 
-def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> tuple[list[int], list[int]]:
-    """One episode of `task` under the random valid policy: token ids and the mask of reply tokens."""
+def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """One episode of `task` under the random valid policy, as the trainer would see it: rows of
+    token ids and the mask of reply tokens (one row per turn with `context: last`, else one)."""
     env = make_env(task.env, **task.env_kwargs)
     observation, _ = env.reset(rng.randrange(2**31))
-    messages, ids = renderer.first_prompt(env.system_prompt, observation)
+    system = task.system_for(env.system_prompt)
+    messages, ids = renderer.first_prompt(system, observation)
     mask = [0] * len(ids)
+    rows = [(ids, mask)]
     stop = renderer.stop_ids[-1]
     for _ in range(task.max_turns or env.max_turns):
         reply = env.sample_action(rng)
@@ -52,10 +55,15 @@ def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -
         observation, _, terminated, truncated, _ = env.step(reply)
         if terminated or truncated:
             break
+        if task.context == "last":
+            messages, ids = renderer.first_prompt(system, observation)
+            mask = [0] * len(ids)
+            rows.append((ids, mask))
+            continue
         context = renderer.next_turn(messages, reply, generated, observation)
         ids += context
         mask += [0] * len(context)
-    return ids, mask
+    return [(ids, mask) for ids, mask in rows if any(mask)]
 
 
 def format_warmup(
@@ -71,7 +79,7 @@ def format_warmup(
     started, loss_value = time.monotonic(), float("nan")
     for step in range(steps):
         # Every task equally often, whatever the training mix: each has its own format to learn.
-        rows = [random_episode(tasks[i % len(tasks)], renderer, rng) for i in range(episodes)]
+        rows = [row for i in range(episodes) for row in random_episode(tasks[i % len(tasks)], renderer, rng)]
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((len(rows), width), pad)
         attention = torch.zeros((len(rows), width), dtype=torch.long)

@@ -171,8 +171,14 @@ class Learner:
     # -- a step -----------------------------------------------------------------------------------
 
     async def train(self, batch: list[GroupDone], *, version: int) -> dict[str, Any]:
-        """One training step on `batch`, taken at policy `version`; returns its statistics."""
-        from rollart.algorithms.grpo import group_advantages, pack_batch
+        """One training step on `batch`, taken at policy `version`; returns its statistics.
+
+        Only groups with signal are trained on: a group whose rewards are all equal has zero
+        advantage everywhere (DAPO's dynamic-sampling filter, without refilling the batch). Left in,
+        its tokens would only dilute the token mean; and a batch with no signal at all takes no
+        optimizer step, since AdamW's momentum would still move the weights on a zero gradient.
+        """
+        from rollart.algorithms.grpo import group_advantages, groups_with_signal, pack_batch, staleness
 
         assert self.engine is not None
         engine = self.engine
@@ -183,9 +189,17 @@ class Learner:
 
             rewards = torch.tensor([[t.reward for t in group.trajectories] for group in batch])
             advantages = group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
-            trajectories = [t for group in batch for t in group.trajectories]
-            packed = pack_batch(trajectories, advantages.flatten().tolist(), pad_id=engine.pad_id)
-            return engine.train_step(packed, version=version)
+            signal = groups_with_signal(advantages)
+            counts = {"groups_trained": float(len(signal)), "groups_without_signal": float(len(batch) - len(signal))}
+            if not signal:
+                everything = [t for group in batch for t in group.trajectories]
+                packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
+                return counts | {"loss": 0.0, "tokens": 0.0, "train_s": 0.0} | staleness(
+                    packed.versions, packed.loss_mask, version
+                )
+            trajectories = [t for i in signal for t in batch[i].trajectories]
+            packed = pack_batch(trajectories, advantages[signal].flatten().tolist(), pad_id=engine.pad_id)
+            return counts | engine.train_step(packed, version=version)
 
         return await asyncio.to_thread(step)
 

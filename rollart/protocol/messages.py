@@ -260,6 +260,10 @@ class Trajectory(msgspec.Struct, tag="trajectory", **_WIRE):
     spans: list[tuple[str, float, float]] = []
     """(kind, start, end) wall-clock times of each env call ("env"), generation ("gen") and the
     reward ("reward"): what the run report's trajectory timeline draws."""
+    segments: list[int] = []
+    """Offsets in `response_ids` where a new, independent sequence starts (a task with
+    `context: last` gives each turn a fresh prompt: the prompt's ids, then the reply). Empty: the
+    whole trajectory is one sequence."""
 
 
 class GroupDone(msgspec.Struct, tag="group", **_WIRE):

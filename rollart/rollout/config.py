@@ -49,7 +49,20 @@ class TaskSpec(msgspec.Struct, **_STRUCT):
     max_tokens_per_turn: int = 48
     """Tokens the model may generate in one turn."""
     max_total_tokens: int = 1024
-    """Prompt plus response tokens before the trajectory is cut."""
+    """Prompt plus response tokens before the trajectory is cut (with `context: last`: of one turn)."""
+    system_prompt: str | None = None
+    """Replaces the environment's system prompt; "" for none (a tiny model cannot read instructions,
+    and every prompt gets shorter). None: the environment's own."""
+    context: Literal["full", "last"] = "full"
+    """full: each turn's prompt is the whole conversation so far. last: the system prompt and the
+    latest observation alone, for environments whose observation says everything (FrozenLake's
+    board): short prompts to generate from and to train on; the trainer trains each turn as its
+    own sequence with the trajectory's advantage."""
+
+
+    def system_for(self, env_system_prompt: str) -> str:
+        """The system prompt of this task's conversations in an environment with `env_system_prompt`."""
+        return env_system_prompt if self.system_prompt is None else self.system_prompt
 
 
 class SamplingSpec(msgspec.Struct, **_STRUCT):

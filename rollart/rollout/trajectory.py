@@ -6,7 +6,9 @@
 
 It keeps the token-level history the trainer needs: the first prompt's ids, then every later
 token with a mask that is 1 exactly on generated tokens, and each generated token's behaviour
-log-prob and weight version. A trajectory stops when the environment ends it, at the task's
+log-prob and weight version. With the task's `context: last` every turn starts afresh from the
+latest observation, and the history marks where each turn's prompt begins (`Trajectory.segments`),
+so the trainer trains the turns as separate sequences. A trajectory stops when the environment ends it, at the task's
 turn limit, or when the context would pass its token budget. Every environment call runs off
 the event loop with a deadline (`EnvRunner`); an environment that fails fails this trajectory only.
 """
@@ -139,11 +141,18 @@ class _History:
         self.replies.append(reply)
         self.generators.append(result.generator)
 
+    segments: list[int] = field(default_factory=list)
+
     def context(self, ids: list[int]) -> None:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+
+    def fresh_prompt(self, ids: list[int]) -> None:
+        """A new, independent sequence starts here with prompt `ids` (`context: last`)."""
+        self.segments.append(len(self.ids))
+        self.context(ids)
 
 
 async def run_trajectory(
@@ -169,13 +178,17 @@ async def run_trajectory(
     history = _History()
     try:
         observation, info = await history.timed("env", runner.reset(job.seed))
-        messages, prompt_ids = renderer.first_prompt(env.system_prompt, observation)
+        system = task.system_for(env.system_prompt)
+        messages, prompt_ids = renderer.first_prompt(system, observation)
         prompt_text = renderer.render(messages, generation_prompt=True)
+        turn_prompt = prompt_ids  # what the next generation call sees, with `context: last`
+        last_only = task.context == "last"
         started_at_version: int | None = None
         env_reward, turns, finish = 0.0, 0, "max-turns"
         max_turns = task.max_turns or env.max_turns
         while turns < max_turns:
-            budget = min(task.max_tokens_per_turn, task.max_total_tokens - len(prompt_ids) - len(history.ids))
+            used = len(turn_prompt) if last_only else len(prompt_ids) + len(history.ids)
+            budget = min(task.max_tokens_per_turn, task.max_total_tokens - used)
             if budget <= 0:
                 finish = "max-tokens"
                 break
@@ -187,7 +200,7 @@ async def run_trajectory(
             request = Generate(
                 request_id=f"{job.trajectory_id}.t{turns}",
                 trajectory_id=job.trajectory_id,
-                prompt_ids=prompt_ids + history.ids,
+                prompt_ids=turn_prompt if last_only else prompt_ids + history.ids,
                 max_tokens=budget,
                 temperature=job.sampling.temperature,
                 top_p=job.sampling.top_p,
@@ -205,7 +218,12 @@ async def run_trajectory(
             if terminated or truncated:
                 finish = "done" if terminated else "max-turns"
                 break
-            history.context(renderer.next_turn(messages, reply, result.token_ids, observation))
+            if last_only:
+                messages, turn_prompt = renderer.first_prompt(system, observation)
+                if turns < max_turns:  # no prompt without a reply to train on
+                    history.fresh_prompt(turn_prompt)
+            else:
+                history.context(renderer.next_turn(messages, reply, result.token_ids, observation))
         answer = info.get("answer")
         reward = await history.timed(
             "reward",
@@ -247,4 +265,5 @@ async def run_trajectory(
         generators=history.generators,
         success=bool(info.get("success", False)),
         spans=history.spans,
+        segments=history.segments,
     )

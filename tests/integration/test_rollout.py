@@ -131,6 +131,30 @@ def test_rollout_only_run_collects_complete_groups_and_routes_by_profile(tmp_pat
 
 
 @pytest.mark.timeout(300)
+def test_context_last_gives_every_turn_a_fresh_prompt(tmp_path: Path, tiny_model: Path) -> None:
+    extra_run = rollout_yaml(tiny_model, steps=2, extra=", context: last")
+    topology, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=extra_run)
+    run_to_completion(topology)
+    trajectories = [t for r in batches(tmp_path / "run") for t in r["group"]["trajectories"]]
+    lake = [t for t in trajectories if t["task"] == "lake"]
+    assert lake and any(t["turns"] > 1 for t in lake)
+    for t in trajectories:
+        check_trajectory(t)
+        if t["task"] != "lake":
+            assert t["segments"] == []  # the other task keeps its whole conversation
+            continue
+        assert len(t["segments"]) == t["turns"] - 1  # one per later turn; none after the last reply
+        ids, mask, first = t["response_ids"], t["response_mask"], t["prompt_ids"]
+        for cut in t["segments"]:
+            # the same chat header and system prompt as the first prompt, none of the earlier turns
+            assert ids[cut : cut + 16] == first[:16]
+            prompt_len = mask[cut:].index(1)
+            assert mask[cut : cut + prompt_len] == [0] * prompt_len
+            # one observation (the feedback line instead of the first one's intro), not the history
+            assert prompt_len < len(first) + 50
+
+
+@pytest.mark.timeout(300)
 def test_killing_a_generator_mid_run_loses_and_duplicates_nothing(tmp_path: Path, tiny_model: Path) -> None:
     topology, ports = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=rollout_yaml(tiny_model, steps=6))
     proc = launch_and_wait_for_a_batch(topology, ports)

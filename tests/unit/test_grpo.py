@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import pytest
@@ -13,6 +13,7 @@ from rollart.algorithms.grpo import (
     GRPOConfig,
     PackedBatch,
     group_advantages,
+    groups_with_signal,
     grpo_loss,
     pack_batch,
     staleness,
@@ -27,6 +28,7 @@ class Seq:
     response_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    segments: list[int] = field(default_factory=list)
 
 
 def row_batch(*, mask: list[float], behaviour: list[float], advantages: list[float]) -> PackedBatch:
@@ -250,6 +252,25 @@ def test_pack_batch_aligns_every_tensor_on_prompt_plus_response_positions() -> N
     assert len(batch) == 2
 
 
+def test_pack_batch_gives_each_segment_its_own_row_with_the_trajectorys_advantage() -> None:
+    # Two turns with fresh prompts (`context: last`): [5 6 | 7] then [8 9 | 4]; 3 is the first reply's end.
+    turns = Seq(
+        prompt_ids=[5, 6],
+        response_ids=[7, 3, 8, 9, 4],
+        response_mask=[1, 1, 0, 0, 1],
+        logprobs=[-0.1, -0.2, 0.0, 0.0, -0.4],
+        versions=[2, 2, -1, -1, 3],
+        segments=[2],
+    )
+    batch = pack_batch([turns, SEQS[1]], [0.5, -1.0], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 3], [8, 9, 4, 0], [5, 7, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 0, 0]]
+    assert batch.advantages.tolist() == [[0, 0, 0.5, 0.5], [0, 0, 0.5, 0], [0, -1, 0, 0]]
+    assert batch.versions.tolist() == [[-1, -1, 2, 2], [-1, -1, 3, -1], [-1, 4, -1, -1]]
+    torch.testing.assert_close(batch.behaviour_logprobs[1], torch.tensor([0, 0, -0.4, 0]))
+    assert batch.loss_tokens == 4 and len(batch) == 3
+
+
 def test_micro_batches_slice_rows_and_drop_their_padding_columns() -> None:
     batch = pack_batch([*SEQS, SEQS[1]], [0.5, -1.0, 2.0], pad_id=0)
     parts = list(batch.micro_batches(2))
@@ -269,6 +290,9 @@ def test_micro_batches_slice_rows_and_drop_their_padding_columns() -> None:
         (Seq([1], [2], [1], [-0.1], [0, 0]), "response_ids has 1 tokens"),
         (Seq([], [2], [1], [-0.1], [0]), "empty prompt"),
         (Seq([1], [2], [2], [-0.1], [0]), "response_mask"),
+        (Seq([1], [2, 3, 4], [1, 0, 1], [-0.1, 0, -0.2], [0, -1, 0], [0]), "segments"),
+        (Seq([1], [2, 3, 4], [1, 0, 1], [-0.1, 0, -0.2], [0, -1, 0], [2, 1]), "segments"),
+        (Seq([1], [2, 3, 4], [1, 0, 1], [-0.1, 0, -0.2], [0, -1, 0], [2]), "starts on a generated token"),
     ],
 )
 def test_pack_batch_refuses_inconsistent_sequences(seq: Seq, message: str) -> None:
@@ -309,3 +333,9 @@ def test_staleness_counts_versions_behind_on_loss_tokens_only() -> None:
     # behind version 5: 2, 1, 0
     assert staleness(versions, mask, 5) == {"staleness_mean": 1.0, "staleness_max": 2.0}
     assert staleness(versions, torch.zeros_like(mask), 5) == {"staleness_mean": 0.0, "staleness_max": 0.0}
+
+
+def test_only_groups_whose_rewards_differ_carry_signal() -> None:
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.25, 0.25, 0.25], [0.3, 0.3, 0.2]])
+    assert groups_with_signal(group_advantages(rewards)) == [1, 3]
+    assert groups_with_signal(group_advantages(torch.zeros(2, 4))) == []

@@ -46,6 +46,7 @@ class Seq:
     response_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    segments: list[int] = dataclasses.field(default_factory=list)
 
 
 def synthetic_batch() -> PackedBatch:
@@ -154,6 +155,19 @@ def test_two_updates_per_batch_take_two_optimizer_steps(model_dir: Path) -> None
     assert 0.0 < stats[0]["clipped_frac"] <= 0.5
 
 
+def test_epochs_pass_over_the_whole_batch_again_around_the_same_weights(model_dir: Path) -> None:
+    engine = trainer(model_dir, lr=1e-2, epochs=3, updates_per_batch=2)
+    stats = engine.train_step(synthetic_batch(), version=4)
+    assert engine.steps == 1 and stats["tokens"] == 18.0
+    adam_steps = {float(state["step"]) for state in engine.optimizer.state.values()}
+    assert adam_steps == {6.0}  # 3 passes x 2 mini-batches
+    # Every update after the first is scored against the step's starting weights: ratios move away
+    # from 1 and the trust region clips some; one epoch of one update clips none.
+    assert stats["clipped_frac"] > 0.0
+    assert trainer(model_dir, lr=1e-2).train_step(synthetic_batch(), version=4)["clipped_frac"] == 0.0
+    assert TrainerSpec(epochs=0).validate() == [("epochs", "must be > 0, got 0")]
+
+
 def test_save_then_load_continues_exactly(model_dir: Path, tmp_path: Path) -> None:
     batch = synthetic_batch()
     original = trainer(model_dir)
@@ -226,7 +240,7 @@ def test_random_episode_masks_exactly_the_replies(env_kwargs: dict[str, Any], ma
     header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
     turns_seen = set()
     for seed in range(8):
-        ids, mask = random_episode(task, renderer, random.Random(seed))
+        [(ids, mask)] = random_episode(task, renderer, random.Random(seed))
         assert len(ids) == len(mask) and set(mask) <= {0, 1}
         runs = reply_runs(mask)
         replies = [renderer.decode(ids[a:b]) for a, b in runs]
@@ -255,16 +269,32 @@ def test_random_episode_masks_exactly_the_replies(env_kwargs: dict[str, Any], ma
     assert len(turns_seen) > 1  # episodes of several lengths: holes, the goal, or the turn limit
 
 
+def test_random_episode_with_context_last_gives_a_row_per_turn_from_the_latest_observation() -> None:
+    tokenizer = build_tokenizer()
+    renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]
+    task = TaskSpec(name="lake", env="frozen-lake", env_kwargs=LAKE, max_tokens_per_turn=1, context="last", system_prompt="")
+    for seed in range(4):
+        rows = random_episode(task, renderer, random.Random(seed))
+        env = make_env("frozen-lake", **LAKE)
+        observation, _ = env.reset(seed=0)
+        for ids, mask in rows:
+            # no system message, no earlier turn: the chat template around this observation, then one reply
+            prompt = renderer.encode(renderer.render([{"role": "user", "content": observation}], generation_prompt=True))
+            assert ids[:-1] == prompt and mask == [0] * len(prompt) + [1]
+            observation, _, terminated, truncated, _ = env.step(renderer.decode(ids[-1:]))
+        assert terminated or truncated or len(rows) == LAKE["max_turns"]
+
+
 def test_random_episode_keeps_replies_within_max_total_tokens() -> None:
     renderer = ChatRenderer(build_tokenizer())  # type: ignore[arg-type]
     open_lake = {"corners": True, "hole_prob": 0.0, "actions": "letters", "compact": True, "max_turns": 30}
     free = TaskSpec(name="lake", env="frozen-lake", env_kwargs=open_lake, max_tokens_per_turn=1)
-    ids, mask = random_episode(free, renderer, random.Random(3))
+    [(ids, mask)] = random_episode(free, renderer, random.Random(3))
     runs = reply_runs(mask)
     assert len(runs) >= 6
     budget = runs[3][0] + 1  # room for exactly four replies
     cut = TaskSpec(name="lake", env="frozen-lake", env_kwargs=open_lake, max_tokens_per_turn=1, max_total_tokens=budget)
-    cut_ids, cut_mask = random_episode(cut, renderer, random.Random(3))
+    [(cut_ids, cut_mask)] = random_episode(cut, renderer, random.Random(3))
     assert len(reply_runs(cut_mask)) == 4 and max(i for i, bit in enumerate(cut_mask) if bit) < budget
     # The same episode, stopped where the fifth reply would pass the budget: the observation after
     # the fourth reply is kept (as a trajectory keeps it), nothing generated beyond the budget.
