@@ -17,7 +17,8 @@ Per loss token, with A the token's advantage:
     w         = min(exp(prox - mu), tis_cap)                        (detached)
     r         = exp(new - prox)
     surrogate = min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps_high) * A)
-    loss_t    = -w * surrogate + kl_coef * k3,   k3 = exp(ref - new) - (ref - new) - 1
+    loss_t    = -w * surrogate + kl_coef * k3(ref) + anchor_coef * k3(prox),
+                k3(x) = exp(x - new) - (x - new) - 1
 
 w corrects for staleness (the data came from mu, not pi_prox); truncating it at tis_cap bounds its
 variance when mu gave a token far less probability than pi_prox does. The trust region is taken
@@ -25,6 +26,9 @@ around pi_prox, the recent weights, not around the stale mu: clipping pi_theta /
 data can sit outside the clip range before any update and its tokens then get no gradient, while
 others may move as far as the staleness allows. When mu == pi_prox (fully on-policy) w = 1 and this
 is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL(pi_theta || pi_ref).
+The anchor is the same estimator against pi_prox on every generated token, zero-advantage ones
+included: a task whose groups are all solved gets no policy gradient, and without it nothing holds
+its behaviour while other tasks' updates move the shared weights.
 
 Aggregation is a token mean over the whole batch: `grpo_loss` sums loss_t over one micro-batch's
 loss tokens and divides by `total_tokens`, the loss tokens of the whole batch. Summing the
@@ -234,6 +238,8 @@ class LossStats:
     """Tokens whose pi_prox / mu exceeded tis_cap."""
     clipped: torch.Tensor
     """Tokens where the clipped branch of min() was taken and differed from the unclipped one."""
+    anchor: torch.Tensor
+    """Sum of k3 KL(pi_theta || pi_prox) (0 when anchor_coef is 0)."""
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(
@@ -244,6 +250,7 @@ class LossStats:
             importance_ratio_max=torch.maximum(self.importance_ratio_max, other.importance_ratio_max),
             truncated=self.truncated + other.truncated,
             clipped=self.clipped + other.clipped,
+            anchor=self.anchor + other.anchor,
         )
 
     def means(self, total_tokens: int | None = None) -> dict[str, float]:
@@ -257,6 +264,7 @@ class LossStats:
             "importance_ratio_max": self.importance_ratio_max.item(),
             "truncated_frac": self.truncated.item() * per,
             "clipped_frac": self.clipped.item() * per,
+            "anchor_kl": self.anchor.item() * per,
         }
 
 
@@ -303,6 +311,11 @@ def grpo_loss(
         kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1) * mask
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
+    anchor = zero
+    if cfg.anchor_coef > 0:
+        log_prox_ratio = torch.where(on, prox - new_logprobs, zero)
+        anchor = (torch.exp(log_prox_ratio) - log_prox_ratio - 1) * mask
+        per_token = per_token + cfg.anchor_coef * anchor
     loss = per_token.sum() / total_tokens
     with torch.no_grad():
         stats = LossStats(
@@ -313,6 +326,7 @@ def grpo_loss(
             importance_ratio_max=torch.where(on, behaviour_ratio, zero).max(),
             truncated=((behaviour_ratio > cfg.tis_cap) & on).sum().to(dtype),
             clipped=((clipped < unclipped) & on).sum().to(dtype),
+            anchor=anchor.sum(),
         )
     return loss, stats
 

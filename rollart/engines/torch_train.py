@@ -104,7 +104,7 @@ class TorchTrainer:
         self.steps += 1
         assert total_stats is not None
         out = total_stats.means()
-        out["loss"] = out["policy_loss"] + spec.grpo.kl_coef * out["kl"]
+        out["loss"] = out["policy_loss"] + spec.grpo.kl_coef * out["kl"] + spec.grpo.anchor_coef * out["anchor_kl"]
         out["grad_norm"] = max(grad_norms)
         out |= staleness(batch.versions, batch.loss_mask, version)
         out["tokens"] = float(batch.loss_tokens)

@@ -176,7 +176,9 @@ class Learner:
         Only groups with signal are trained on: a group whose rewards are all equal has zero
         advantage everywhere (DAPO's dynamic-sampling filter, without refilling the batch). Left in,
         its tokens would only dilute the token mean; and a batch with no signal at all takes no
-        optimizer step, since AdamW's momentum would still move the weights on a zero gradient.
+        optimizer step, since AdamW's momentum would still move the weights on a zero gradient. With
+        `grpo.anchor_coef > 0` up to `grpo.anchor_groups` of them, drawn at random, stay in the
+        batch: the anchor holds their behaviour in place.
         """
         from rollart.algorithms.grpo import group_advantages, groups_with_signal, pack_batch, staleness
 
@@ -197,6 +199,9 @@ class Learner:
                 return counts | {"loss": 0.0, "tokens": 0.0, "train_s": 0.0} | staleness(
                     packed.versions, packed.loss_mask, version
                 )
+            if cfg.anchor_coef > 0:  # the anchor holds groups without signal where they are
+                quiet = [i for i in range(len(batch)) if i not in signal]
+                signal = sorted(signal + random.sample(quiet, min(cfg.anchor_groups, len(quiet))))
             trajectories = [t for i in signal for t in batch[i].trajectories]
             packed = pack_batch(trajectories, advantages[signal].flatten().tolist(), pad_id=engine.pad_id)
             return counts | engine.train_step(packed, version=version)

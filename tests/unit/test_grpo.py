@@ -137,6 +137,7 @@ def test_the_loss_clips_the_ratio_and_truncates_the_behaviour_weight() -> None:
             "importance_ratio_max": 3.0,
             "truncated_frac": 1 / 5,
             "clipped_frac": 2 / 5,
+            "anchor_kl": 0.0,
         }
     )
     assert stats.means(10)["clipped_frac"] == pytest.approx(2 / 10)
@@ -169,6 +170,23 @@ def test_the_kl_term_is_k3_to_the_reference_policy() -> None:
     assert stats0.means()["kl"] == pytest.approx(1 - math.log(2))
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(new, prox, batch, cfg, total_tokens=1)
+
+
+def test_the_anchor_is_k3_to_the_steps_starting_policy_on_zero_advantage_tokens_too() -> None:
+    new = torch.tensor([[0.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    prox = torch.tensor([[0.0, math.log(1.0)]], dtype=torch.float64)
+    batch = row_batch(mask=[0.0, 1.0], behaviour=[0.0, 0.0], advantages=[0.0, 0.0])
+    loss, stats = grpo_loss(new, prox, batch, GRPOConfig(anchor_coef=0.5), total_tokens=1)
+    # prox - new = ln 2: k3 = 1 - ln 2, though the advantage is 0 (a group without signal)
+    assert loss.item() == pytest.approx(0.5 * (1 - math.log(2)))
+    assert stats.means()["anchor_kl"] == pytest.approx(1 - math.log(2))
+    loss.backward()
+    assert new.grad is not None
+    assert new.grad[0].tolist() == pytest.approx([0.0, 0.5 * (1 - 2)])  # pulls new back up toward prox
+    # before the first update new == prox: no anchor, no gradient from it
+    same = new.detach().clone().requires_grad_(True)
+    assert grpo_loss(same, same.detach(), batch, GRPOConfig(anchor_coef=0.5), total_tokens=1)[0].item() == 0.0
+    assert GRPOConfig(anchor_coef=-1.0).validate() == [("anchor_coef", "expected a value >= 0; got -1.0")]
 
 
 def test_the_loss_refuses_log_probs_of_another_shape() -> None:
