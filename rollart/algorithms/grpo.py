@@ -51,6 +51,7 @@ A training step, in outline:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -197,10 +198,7 @@ def _rows(
     logprobs = [0.0] * p + list(seq.logprobs)
     versions = [-1] * p + list(seq.versions)
     bounds = [0, *(p + cut for cut in cuts), p + r]
-    return [
-        (ids[a:b], mask[a:b], logprobs[a:b], versions[a:b], advantage)
-        for a, b in zip(bounds, bounds[1:], strict=False)
-    ]
+    return [(ids[a:b], mask[a:b], logprobs[a:b], versions[a:b], advantage) for a, b in itertools.pairwise(bounds)]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, last_boxed,
 
 SYSTEM_PROMPT = "Write the given string reversed inside \\boxed{}. Example: abc -> \\boxed{cba}"
 COPY_SYSTEM_PROMPT = "Write the given string inside \\boxed{}. Example: abc -> \\boxed{abc}"
-REPEAT_SYSTEM_PROMPT = "Write the given letter the given number of times inside \\boxed{}. Example: 3 times: a -> \\boxed{aaa}"
+REPEAT_SYSTEM_PROMPT = (
+    "Write the given letter the given number of times inside \\boxed{}. Example: 3 times: a -> \\boxed{aaa}"
+)
 Mode = Literal["reverse", "copy", "repeat"]
 _VERBS = {"reverse": ("Reverse", "the reversed string"), "copy": ("Copy", "it"), "repeat": ("Repeat", "them")}
 

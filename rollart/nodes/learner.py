@@ -196,8 +196,10 @@ class Learner:
             if not signal:
                 everything = [t for group in batch for t in group.trajectories]
                 packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
-                return counts | {"loss": 0.0, "tokens": 0.0, "train_s": 0.0} | staleness(
-                    packed.versions, packed.loss_mask, version
+                return (
+                    counts
+                    | {"loss": 0.0, "tokens": 0.0, "train_s": 0.0}
+                    | staleness(packed.versions, packed.loss_mask, version)
                 )
             if cfg.anchor_coef > 0:  # the anchor holds groups without signal where they are
                 quiet = [i for i in range(len(batch)) if i not in signal]

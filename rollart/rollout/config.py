@@ -59,7 +59,6 @@ class TaskSpec(msgspec.Struct, **_STRUCT):
     board): short prompts to generate from and to train on; the trainer trains each turn as its
     own sequence with the trajectory's advantage."""
 
-
     def system_for(self, env_system_prompt: str) -> str:
         """The system prompt of this task's conversations in an environment with `env_system_prompt`."""
         return env_system_prompt if self.system_prompt is None else self.system_prompt

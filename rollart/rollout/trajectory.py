@@ -155,6 +155,33 @@ class _History:
         self.context(ids)
 
 
+@dataclass
+class _Conversation:
+    """What each turn is prompted with: the whole conversation so far, or with `context: last` the
+    system prompt and the latest observation alone."""
+
+    renderer: ChatRenderer
+    system: str
+    last_only: bool
+    messages: list[dict[str, str]]
+    first: list[int]
+    """The first prompt's ids."""
+    current: list[int]
+    """This turn's prompt when `last_only`."""
+
+    def prompt(self, history: _History) -> list[int]:
+        return self.current if self.last_only else self.first + history.ids
+
+    def advance(self, history: _History, reply: str, generated: list[int], observation: str, *, more: bool) -> None:
+        """Add what follows `reply` to `history`; `more`: another turn follows (a fresh prompt needs one)."""
+        if not self.last_only:
+            history.context(self.renderer.next_turn(self.messages, reply, generated, observation))
+            return
+        self.messages, self.current = self.renderer.first_prompt(self.system, observation)
+        if more:  # no prompt without a reply to train on
+            history.fresh_prompt(self.current)
+
+
 async def run_trajectory(
     job: TrajectoryJob,
     *,
@@ -181,14 +208,13 @@ async def run_trajectory(
         system = task.system_for(env.system_prompt)
         messages, prompt_ids = renderer.first_prompt(system, observation)
         prompt_text = renderer.render(messages, generation_prompt=True)
-        turn_prompt = prompt_ids  # what the next generation call sees, with `context: last`
-        last_only = task.context == "last"
+        talk = _Conversation(renderer, system, task.context == "last", messages, prompt_ids, prompt_ids)
         started_at_version: int | None = None
         env_reward, turns, finish = 0.0, 0, "max-turns"
         max_turns = task.max_turns or env.max_turns
         while turns < max_turns:
-            used = len(turn_prompt) if last_only else len(prompt_ids) + len(history.ids)
-            budget = min(task.max_tokens_per_turn, task.max_total_tokens - used)
+            context = talk.prompt(history)
+            budget = min(task.max_tokens_per_turn, task.max_total_tokens - len(context))
             if budget <= 0:
                 finish = "max-tokens"
                 break
@@ -200,7 +226,7 @@ async def run_trajectory(
             request = Generate(
                 request_id=f"{job.trajectory_id}.t{turns}",
                 trajectory_id=job.trajectory_id,
-                prompt_ids=turn_prompt if last_only else prompt_ids + history.ids,
+                prompt_ids=context,
                 max_tokens=budget,
                 temperature=job.sampling.temperature,
                 top_p=job.sampling.top_p,
@@ -218,12 +244,7 @@ async def run_trajectory(
             if terminated or truncated:
                 finish = "done" if terminated else "max-turns"
                 break
-            if last_only:
-                messages, turn_prompt = renderer.first_prompt(system, observation)
-                if turns < max_turns:  # no prompt without a reply to train on
-                    history.fresh_prompt(turn_prompt)
-            else:
-                history.context(renderer.next_turn(messages, reply, result.token_ids, observation))
+            talk.advance(history, reply, result.token_ids, observation, more=turns < max_turns)
         answer = info.get("answer")
         reward = await history.timed(
             "reward",

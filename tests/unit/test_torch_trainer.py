@@ -272,14 +272,17 @@ def test_random_episode_masks_exactly_the_replies(env_kwargs: dict[str, Any], ma
 def test_random_episode_with_context_last_gives_a_row_per_turn_from_the_latest_observation() -> None:
     tokenizer = build_tokenizer()
     renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]
-    task = TaskSpec(name="lake", env="frozen-lake", env_kwargs=LAKE, max_tokens_per_turn=1, context="last", system_prompt="")
+    task = TaskSpec(
+        name="lake", env="frozen-lake", env_kwargs=LAKE, max_tokens_per_turn=1, context="last", system_prompt=""
+    )
     for seed in range(4):
         rows = random_episode(task, renderer, random.Random(seed))
         env = make_env("frozen-lake", **LAKE)
         observation, _ = env.reset(seed=0)
         for ids, mask in rows:
             # no system message, no earlier turn: the chat template around this observation, then one reply
-            prompt = renderer.encode(renderer.render([{"role": "user", "content": observation}], generation_prompt=True))
+            user = [{"role": "user", "content": observation}]
+            prompt = renderer.encode(renderer.render(user, generation_prompt=True))
             assert ids[:-1] == prompt and mask == [0] * len(prompt) + [1]
             observation, _, terminated, truncated, _ = env.step(renderer.decode(ids[-1:]))
         assert terminated or truncated or len(rows) == LAKE["max_turns"]
