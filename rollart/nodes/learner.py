@@ -196,11 +196,8 @@ class Learner:
             if not signal:
                 everything = [t for group in batch for t in group.trajectories]
                 packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
-                return (
-                    counts
-                    | {"loss": 0.0, "tokens": 0.0, "train_s": 0.0}
-                    | staleness(packed.versions, packed.loss_mask, version)
-                )
+                skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
+                return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
             if cfg.anchor_coef > 0:  # the anchor holds groups without signal where they are
                 quiet = [i for i in range(len(batch)) if i not in signal]
                 signal = sorted(signal + random.sample(quiet, min(cfg.anchor_groups, len(quiet))))

@@ -8,8 +8,8 @@ It keeps the token-level history the trainer needs: the first prompt's ids, then
 token with a mask that is 1 exactly on generated tokens, and each generated token's behaviour
 log-prob and weight version. With the task's `context: last` every turn starts afresh from the
 latest observation, and the history marks where each turn's prompt begins (`Trajectory.segments`),
-so the trainer trains the turns as separate sequences. A trajectory stops when the environment ends it, at the task's
-turn limit, or when the context would pass its token budget. Every environment call runs off
+so the trainer trains the turns as separate sequences. A trajectory stops when the environment
+ends it, at the task's turn limit, or when the context would pass its token budget. Every environment call runs off
 the event loop with a deadline (`EnvRunner`); an environment that fails fails this trajectory only.
 """
 
@@ -122,6 +122,8 @@ class _History:
     generators: list[str] = field(default_factory=list)
     waited: dict[str, float] = field(default_factory=lambda: {"env": 0.0, "gen": 0.0, "reward": 0.0})
     spans: list[tuple[str, float, float]] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)
+    """Offsets in `ids` where a turn's fresh prompt starts (`context: last`)."""
 
     async def timed(self, kind: str, call: Awaitable[T]) -> T:
         """Await `call`, adding the wait to the trajectory's env, generation or reward time."""
@@ -140,8 +142,6 @@ class _History:
         self.versions += result.versions
         self.replies.append(reply)
         self.generators.append(result.generator)
-
-    segments: list[int] = field(default_factory=list)
 
     def context(self, ids: list[int]) -> None:
         self.ids += ids
