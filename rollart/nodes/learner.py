@@ -174,7 +174,8 @@ class Learner:
         """One training step on `batch`, taken at policy `version`; returns its statistics.
 
         Only groups with signal are trained on: a group whose rewards are all equal has zero
-        advantage everywhere (DAPO's dynamic-sampling filter, without refilling the batch). Left in,
+        advantage everywhere (DAPO's dynamic-sampling filter; `rollout.dynamic_sampling` also has the
+        buffer fill the batch with groups that have signal). Left in,
         its tokens would only dilute the token mean; and a batch with no signal at all takes no
         optimizer step, since AdamW's momentum would still move the weights on a zero gradient. With
         `grpo.anchor_coef > 0` up to `grpo.anchor_groups` of them, drawn at random, stay in the

@@ -51,7 +51,12 @@ class TrainerNode(NodeDaemon):
         rollout = self.topology.run.rollout
         self.rollout = rollout
         if rollout is not None:
-            self.buffer = SampleBuffer(batch_groups=rollout.batch_groups, alpha=rollout.alpha)
+            self.buffer = SampleBuffer(
+                batch_groups=rollout.batch_groups,
+                alpha=rollout.alpha,
+                dynamic_sampling=rollout.dynamic_sampling,
+                max_uniform_batches=rollout.max_uniform_batches,
+            )
             self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
         self.out_path = self.topology.run_dir() / "rollout.jsonl"
         self.learner = Learner(self) if rollout is not None and rollout.mode == "train" else None

@@ -5,6 +5,15 @@ its first generation call). When the policy is at version n, the buffer holds on
 every trajectory started at n - alpha or later: `put` refuses an older group and `drop_stale`
 removes the ones a version bump left behind. `take` hands out a batch, oldest first, as soon as
 `batch_groups` groups are there.
+
+With `dynamic_sampling` (DAPO's dynamic sampling) a group whose rewards are all equal, so whose
+group-relative advantage is zero everywhere, does not count toward the batch: `take` waits for
+`batch_groups` groups *with* signal and hands out the uniform ones that came in meanwhile beside
+them (the learner leaves them out of the gradient, or keeps a few as its anchor; the batch's
+metrics still see every group sampled). A task that is solved, or not yet solvable, then no
+longer crowds the others out of the gradient. So that a mix without signal anywhere still steps,
+a batch is handed out anyway once `max_uniform_batches` batches' worth of uniform groups wait.
+Admission counts only groups with signal (`len`), so generation goes on while uniform ones pile up.
 """
 
 from __future__ import annotations
@@ -15,6 +24,11 @@ import collections
 from rollart.protocol.messages import GroupDone
 
 
+def has_signal(group: GroupDone) -> bool:
+    """Whether the group's rewards differ, so that its group-relative advantages are not all zero."""
+    return len({t.reward for t in group.trajectories}) > 1
+
+
 def started_at(group: GroupDone) -> int:
     """The oldest start version among a group's trajectories."""
     return min(t.started_at_version for t in group.trajectories)
@@ -23,17 +37,23 @@ def started_at(group: GroupDone) -> int:
 class SampleBuffer:
     """Groups ready for training, oldest first."""
 
-    def __init__(self, *, batch_groups: int, alpha: int) -> None:
+    def __init__(self, *, batch_groups: int, alpha: int, dynamic_sampling: bool = False, max_uniform_batches: int = 4):
         self.batch_groups = batch_groups
         self.alpha = alpha
+        self.dynamic_sampling = dynamic_sampling
+        self.max_uniform = max_uniform_batches * batch_groups
         self._groups: collections.deque[GroupDone] = collections.deque()
+        self._uniform: collections.deque[GroupDone] = collections.deque()
+        """With dynamic sampling: groups without signal, waiting to go out beside a batch."""
         self._changed = asyncio.Event()
         self.accepted = 0
         self.refused_stale = 0
         self.dropped_stale = 0
         self.taken = 0
+        self.uniform = 0
 
     def __len__(self) -> int:
+        """Groups toward the next batch (with dynamic sampling, those with signal)."""
         return len(self._groups)
 
     def put(self, group: GroupDone, version: int) -> tuple[bool, str]:
@@ -42,39 +62,48 @@ class SampleBuffer:
         if oldest < version - self.alpha:
             self.refused_stale += 1
             return False, f"stale: a trajectory started at version {oldest}, the policy is at {version}"
-        self._groups.append(group)
+        if self.dynamic_sampling and not has_signal(group):
+            self._uniform.append(group)
+            self.uniform += 1
+        else:
+            self._groups.append(group)
         self.accepted += 1
         self._changed.set()
         return True, ""
 
     def drop_stale(self, version: int) -> list[GroupDone]:
         """Remove and return the groups that `version` makes too old."""
-        keep: collections.deque[GroupDone] = collections.deque()
         dropped: list[GroupDone] = []
-        for group in self._groups:
-            (dropped if started_at(group) < version - self.alpha else keep).append(group)
-        self._groups = keep
+        for queue in (self._groups, self._uniform):
+            keep = [group for group in queue if started_at(group) >= version - self.alpha]
+            dropped += [group for group in queue if started_at(group) < version - self.alpha]
+            queue.clear()
+            queue.extend(keep)
         self.dropped_stale += len(dropped)
         return dropped
 
     async def take(self) -> list[GroupDone]:
-        """Wait for `batch_groups` groups and return them, oldest first."""
-        while len(self._groups) < self.batch_groups:
+        """Wait for `batch_groups` groups and return them, oldest first (with dynamic sampling, the
+        uniform groups waiting follow them)."""
+        while len(self._groups) < self.batch_groups and len(self._uniform) < self.max_uniform:
             self._changed.clear()
             await self._changed.wait()
-        batch = [self._groups.popleft() for _ in range(self.batch_groups)]
+        batch = [self._groups.popleft() for _ in range(min(self.batch_groups, len(self._groups)))]
+        batch += self._uniform
+        self._uniform.clear()
         self.taken += len(batch)
         return batch
 
     def peek(self) -> list[GroupDone]:
         """The groups buffered now, oldest first (not removed)."""
-        return list(self._groups)
+        return [*self._groups, *self._uniform]
 
     def stats(self) -> dict[str, int]:
         return {
-            "depth": len(self._groups),
+            "depth": len(self._groups) + len(self._uniform),
             "accepted": self.accepted,
             "refused_stale": self.refused_stale,
             "dropped_stale": self.dropped_stale,
             "taken": self.taken,
+            "uniform": self.uniform,
         }

@@ -88,6 +88,13 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """R: extra trajectories started per group; the first G to finish make the group."""
     batch_groups: int = 4
     """Groups per training batch."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: only groups whose rewards differ count toward `batch_groups`; the
+    uniform ones (no signal) go out beside the batch, so a solved task leaves the gradient to the
+    tasks still learning (see `rollart.rollout.buffer`)."""
+    max_uniform_batches: int = 4
+    """With dynamic sampling, a batch is handed out anyway once this many batches' worth of groups
+    without signal wait (a mix solved everywhere, or nowhere yet, still steps)."""
     alpha: int = 1
     """Staleness bound: at version n, every trajectory used was started at version n - alpha or later."""
     steps: int | None = None
@@ -117,7 +124,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
         problems: list[tuple[str, str]] = []
-        for key, low in (("group_size", 1), ("redundancy", 0), ("batch_groups", 1), ("alpha", 0)):
+        lows = (("group_size", 1), ("redundancy", 0), ("batch_groups", 1), ("alpha", 0), ("max_uniform_batches", 1))
+        for key, low in lows:
             if getattr(self, key) < low:
                 problems.append((key, f"expected an integer >= {low}; got {getattr(self, key)}"))
         if self.groups_per_env_host < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from rollart.protocol.messages import GroupDone, GroupFailed, GroupTask, Trajectory
@@ -59,7 +60,14 @@ async def test_buffer_refuses_and_drops_what_breaks_the_alpha_bound() -> None:
     assert buffer.put(group("g3", 4, 4), version=4)[0]
     dropped = buffer.drop_stale(version=5)  # 3 < 5 - 1: g1 goes, g3 stays
     assert [g.group_id for g in dropped] == ["g1"]
-    assert buffer.stats() == {"depth": 1, "accepted": 2, "refused_stale": 1, "dropped_stale": 1, "taken": 0}
+    assert buffer.stats() == {
+        "depth": 1,
+        "accepted": 2,
+        "refused_stale": 1,
+        "dropped_stale": 1,
+        "taken": 0,
+        "uniform": 0,
+    }
 
 
 async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
@@ -72,6 +80,45 @@ async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
     buffer.put(group("g3", 0), version=0)
     batch = await asyncio.wait_for(taker, 1)
     assert [g.group_id for g in batch] == ["g1", "g2"] and len(buffer) == 1
+
+
+def rewarded(gid: str, *rewards: float, started: int = 0) -> GroupDone:
+    done = group(gid, *[started] * len(rewards))
+    scored = zip(done.trajectories, rewards, strict=True)
+    return GroupDone(gid, [msgspec.structs.replace(t, reward=reward) for t, reward in scored])
+
+
+async def test_dynamic_sampling_counts_only_groups_with_signal_and_hands_the_rest_beside() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=1, dynamic_sampling=True, max_uniform_batches=2)
+    taker = asyncio.ensure_future(buffer.take())
+    buffer.put(rewarded("solved", 1.0, 1.0), version=0)
+    buffer.put(rewarded("learning", 0.0, 1.0), version=0)
+    buffer.put(rewarded("hopeless", 0.0, 0.0), version=0)
+    await asyncio.sleep(0)
+    assert not taker.done() and len(buffer) == 1  # admission sees the one group with signal
+    buffer.put(rewarded("partial", 0.25, 0.5), version=0)
+    batch = await asyncio.wait_for(taker, 1)
+    assert [g.group_id for g in batch] == ["learning", "partial", "solved", "hopeless"]
+    assert buffer.stats()["uniform"] == 2 and buffer.stats()["taken"] == 4 and buffer.stats()["depth"] == 0
+
+
+async def test_dynamic_sampling_steps_anyway_when_no_group_has_signal() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=1, dynamic_sampling=True, max_uniform_batches=2)
+    taker = asyncio.ensure_future(buffer.take())
+    for i in range(3):
+        buffer.put(rewarded(f"u{i}", 1.0, 1.0), version=0)
+        await asyncio.sleep(0)
+        assert not taker.done()
+    buffer.put(rewarded("u3", 0.0, 0.0), version=0)  # 2 batches' worth of uniform groups
+    assert [g.group_id for g in await asyncio.wait_for(taker, 1)] == ["u0", "u1", "u2", "u3"]
+
+
+async def test_dynamic_sampling_drops_stale_uniform_groups_too() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=0, dynamic_sampling=True)
+    buffer.put(rewarded("old", 1.0, 1.0, started=0), version=0)
+    buffer.put(rewarded("new", 1.0, 1.0, started=1), version=1)
+    assert [g.group_id for g in buffer.drop_stale(version=1)] == ["old"]
+    assert [g.group_id for g in buffer.peek()] == ["new"]
 
 
 @pytest.mark.parametrize("alpha", [0, 1, 2])
