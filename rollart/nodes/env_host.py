@@ -77,10 +77,18 @@ class EnvHostNode(NodeDaemon):
             return
         import_env_modules(self.topology.run.env_modules)
         for task in self.rollout.tasks:
+            env = make_env(task.env, **task.env_kwargs)
             if task.profile is None:  # the environment's own profile is the starting guess
-                env = make_env(task.env, **task.env_kwargs)
                 self.profiler.initial[task.name] = env.profile
-                env.close()
+            if task.max_turns is not None and task.max_turns > env.max_turns:
+                log.warning(  # the environment truncates its episodes first
+                    "env_host.max_turns_capped",
+                    task=task.name,
+                    task_max_turns=task.max_turns,
+                    env_max_turns=env.max_turns,
+                    hint="raise max_turns in the task's env_kwargs",
+                )
+            env.close()
         self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, self.topology.run.model.path))
         trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
         try:
