@@ -50,7 +50,7 @@ def summarize(path: Path, *, window: int, success_target: float, reward_target: 
         base = baseline.get(task, {})
         rows.append(
             [
-                path.parent.name + "/" + path.name,
+                str(path),
                 task,
                 f"{base.get('reward_mean', float('nan')):.3f} / {base.get('success_rate', float('nan')):.3f}",
                 f"{mean(first, 'reward_mean')} / {mean(first, 'success_rate')}",
