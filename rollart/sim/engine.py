@@ -1,0 +1,247 @@
+"""The simulated generation engine: the `GenerationEngine` interface, timed by a hardware model.
+
+It schedules like a continuous-batching server (vLLM without chunked prefill or prefix caching):
+requests queue in arrival order; one is admitted when the batch has room (`max_batch_size`) and
+the KV cache can hold its prompt plus its whole response (otherwise it waits: "queueing when KV is
+full"); the newly admitted prompts are prefilled together, which pauses decoding; then every
+running request gains one token per decode step. Each prefill and decode step lasts what
+`CostModel` says (`rollart/sim/hardware.py`), on the `SimClock`.
+
+To keep the event loop's work per simulated second small, decode steps run in runs of up to
+`max_steps_per_wake` at a time, cut short at the next request to finish; a request that arrives
+meanwhile waits for the end of the run (at most that many steps, a few tens of milliseconds of
+simulated time). The engine keeps its own timeline (`sleep_until`), so loop overhead does not add up.
+
+Tokens are drawn uniformly from `token_ids` (ids the tokenizer can decode), so `logprobs` are
+log(1 / len(token_ids)): what the sampler did. A response is `max_tokens` long, or, with
+`length_min_frac < 1`, a length drawn uniformly between that fraction of `max_tokens` and all of
+it (ending with `eos_id`, finish "stop"), from the request's seed when it has one. Weights are
+not used: `load_weights` only changes the version later tokens report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart.engines.base import (
+    EngineClosed,
+    EngineLoad,
+    FinishReason,
+    GenerationResult,
+    InvalidRequest,
+    SamplingParams,
+)
+from rollart.sim.clock import SimClock
+from rollart.sim.hardware import CostModel
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_tokens: int
+    target: int
+    """Tokens this request will generate."""
+    stop: bool
+    """Whether it ends with EOS (before max_tokens) rather than by length."""
+    rng: random.Random
+    done: asyncio.Future[GenerationResult]
+    tokens: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cache reserved at admission: the prompt and the whole response."""
+        return self.prompt_tokens + self.target
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + len(self.tokens)
+
+
+class SimEngine:
+    """A generation engine of one hardware shape, in simulated time."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        clock: SimClock,
+        token_ids: list[int],
+        eos_id: int,
+        max_batch_size: int = 256,
+        length_min_frac: float = 1.0,
+        max_steps_per_wake: int = 8,
+        seed: int = 0,
+    ) -> None:
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        if not 0.0 < length_min_frac <= 1.0:
+            raise ValueError(f"length_min_frac must be in (0, 1], got {length_min_frac}")
+        self.cost = cost
+        self.clock = clock
+        self.token_ids = token_ids
+        self.eos_id = eos_id
+        self.max_batch_size = max_batch_size
+        self.length_min_frac = length_min_frac
+        self.max_steps_per_wake = max_steps_per_wake
+        self.version = 0
+        self._rng = random.Random(seed)
+        self._logprob = -math.log(len(token_ids))
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[str, _Request] = {}
+        self._kv_used = 0
+        self._arrived = asyncio.Event()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._timeline = 0.0
+        """Simulated time at which the engine's current work ends."""
+        self._started_at = 0.0
+        self.busy_s = 0.0
+        """Simulated seconds spent prefilling or decoding."""
+        self.prefill_s = 0.0
+        self.generated_tokens = 0
+        self.prefilled_tokens = 0
+
+    async def start(self) -> None:
+        self._started_at = self._timeline = self.clock.now()
+        self._scheduler = asyncio.create_task(self._schedule(), name="sim-engine-scheduler")
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+        self._scheduler = None
+        for request in [*self._waiting, *self._running.values()]:
+            if not request.done.done():
+                request.done.set_exception(EngineClosed("the simulated engine closed"))
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        if self._scheduler is None or self._scheduler.done():
+            raise EngineClosed("the simulated engine is not running")
+        if params.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {params.max_tokens}")
+        rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
+        target = params.max_tokens
+        if self.length_min_frac < 1.0:
+            target = rng.randint(max(1, math.ceil(self.length_min_frac * params.max_tokens)), params.max_tokens)
+        request = _Request(
+            request_id,
+            len(prompt_ids),
+            target,
+            stop=target < params.max_tokens,
+            rng=rng,
+            done=asyncio.get_running_loop().create_future(),
+        )
+        if request.kv_tokens > self.cost.kv_capacity_tokens:
+            raise InvalidRequest(
+                f"request {request_id} needs {request.kv_tokens} tokens of KV cache; the engine holds "
+                f"{self.cost.kv_capacity_tokens}"
+            )
+        self._waiting.append(request)
+        self._arrived.set()
+        try:
+            return await asyncio.shield(request.done)
+        except asyncio.CancelledError:
+            await self.abort(request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                self._finish(request, "abort")
+                return True
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        self._kv_used -= running.kv_tokens
+        self._finish(running, "abort")
+        self._arrived.set()  # room for a waiting request
+        return True
+
+    async def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
+        self.version = version
+
+    def load(self) -> EngineLoad:
+        elapsed = max(self.clock.now(), self._timeline) - self._started_at
+        return EngineLoad(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            busy_fraction=min(1.0, self.busy_s / elapsed) if elapsed > 0 else 0.0,
+            generated_tokens=self.generated_tokens,
+            version=self.version,
+        )
+
+    def _finish(self, request: _Request, reason: FinishReason) -> None:
+        if request.done.done():
+            return
+        request.done.set_result(
+            GenerationResult(
+                token_ids=list(request.tokens),
+                logprobs=[self._logprob] * len(request.tokens),
+                versions=list(request.versions),
+                finish_reason=reason,
+                prompt_tokens=request.prompt_tokens,
+            )
+        )
+
+    def _admit(self) -> list[_Request]:
+        """Move waiting requests into the batch, oldest first, while the batch and the KV cache have room."""
+        admitted = []
+        while self._waiting and len(self._running) < self.max_batch_size:
+            head = self._waiting[0]
+            if self._kv_used + head.kv_tokens > self.cost.kv_capacity_tokens:
+                break
+            self._waiting.popleft()
+            self._running[head.request_id] = head
+            self._kv_used += head.kv_tokens
+            admitted.append(head)
+        return admitted
+
+    async def _work(self, seconds: float) -> None:
+        """Spend `seconds` of simulated time busy, on the engine's own timeline."""
+        self._timeline = max(self._timeline, self.clock.now()) + seconds
+        self.busy_s += seconds
+        await self.clock.sleep_until(self._timeline)
+
+    async def _schedule(self) -> None:
+        while True:
+            if not self._running and not self._waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
+                self._timeline = max(self._timeline, self.clock.now())
+            admitted = self._admit()
+            if admitted:
+                tokens = sum(r.prompt_tokens for r in admitted)
+                seconds = self.cost.prefill_s(tokens)
+                self.prefill_s += seconds
+                self.prefilled_tokens += tokens
+                await self._work(seconds)
+            if not self._running:
+                if self._waiting:  # nothing runs and the head does not fit: cannot happen, see generate
+                    raise RuntimeError("the simulated engine is stuck: a waiting request fits no empty cache")
+                continue
+            left = min(r.target - len(r.tokens) for r in self._running.values())
+            steps = max(1, min(self.max_steps_per_wake, left))
+            batch = list(self._running.values())
+            context = sum(r.context for r in batch)
+            seconds = sum(self.cost.decode_step_s(len(batch), context + i * len(batch)) for i in range(steps))
+            await self._work(seconds)
+            for request in batch:
+                if request.request_id not in self._running:  # aborted during the steps
+                    continue
+                for _ in range(steps):
+                    last = len(request.tokens) == request.target - 1
+                    token = self.eos_id if last and request.stop else request.rng.choice(self.token_ids)
+                    request.tokens.append(token)
+                    request.versions.append(self.version)
+                self.generated_tokens += steps
+                if len(request.tokens) >= request.target:
+                    del self._running[request.request_id]
+                    self._kv_used -= request.kv_tokens
+                    self._finish(request, "stop" if request.stop else "length")

@@ -1,0 +1,126 @@
+"""The simulated engine follows its hardware model: prefill scales with FLOPs, decode with
+bandwidth, requests queue when the KV cache is full. Event-loop time is virtual (looptime), so
+simulated seconds pass instantly and exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from rollart.engines.base import GenerationResult, InvalidRequest, SamplingParams
+from rollart.protocol.errors import ConfigError
+from rollart.sim.clock import SimClock, virtual_event_loop
+from rollart.sim.engine import SimEngine
+from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape
+
+TOKENS = list(range(10, 20))
+
+
+def virtual(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """Run an async test on the virtual-time loop."""
+
+    @functools.wraps(test)
+    def run() -> None:
+        with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
+            runner.run(test())
+
+    return run
+
+
+def engine(gpu: str = "H800", gpus: int = 1, model: str = "qwen3-8b", **kwargs: object) -> SimEngine:
+    cost = CostModel.build(EngineShape(gpu=gpu, gpus=gpus), model)
+    return SimEngine(cost, clock=SimClock(), token_ids=TOKENS, eos_id=2, **kwargs)  # type: ignore[arg-type]
+
+
+async def timed(eng: SimEngine, prompt: int, max_tokens: int, n: int = 1) -> tuple[float, list[GenerationResult]]:
+    """Seconds (simulated) until `n` identical requests submitted together are all answered."""
+    await eng.start()
+    clock = eng.clock
+    start = clock.now()
+    params = SamplingParams(max_tokens=max_tokens)
+    results = await asyncio.gather(*(eng.generate(f"r{i}", [1] * prompt, params) for i in range(n)))
+    took = clock.now() - start
+    await eng.close()
+    return took, results
+
+
+def test_cost_model_by_hand() -> None:
+    cost = CostModel.build(EngineShape(gpu="H20", gpus=2, mfu=0.5, mbu=0.7), "qwen3-32b")
+    flops = 2 * 148e12 * 0.5
+    assert cost.prefill_s(1000) == pytest.approx(2 * 32.8e9 * 1000 / flops)
+    weights, kv = 32.8e9 * 2, 2 * 64 * 8 * 128 * 2
+    assert cost.model.kv_bytes_per_token == kv == 262144
+    assert cost.decode_step_s(4, 10_000) == pytest.approx((weights + kv * 10_000) / (2 * 4e12 * 0.7))
+    assert cost.kv_capacity_tokens == int((2 * 96e9 * 0.9 - weights) // kv)
+    assert cost.cost_per_hour == 2.0
+    # a big enough batch turns decode compute-bound
+    assert cost.decode_step_s(100_000, 0) == pytest.approx(2 * 32.8e9 * 100_000 / flops)
+
+
+def test_a_model_that_does_not_fit_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"does not fit on 1 x H800 at mem_fraction 0\.8"):
+        CostModel.build(EngineShape(gpu="H800", gpus=1, mem_fraction=0.8), "qwen3-32b")  # 65.6 GB of weights
+    with pytest.raises(ConfigError, match="unknown GPU 'A100'"):
+        CostModel.build(EngineShape(gpu="A100"), "qwen3-8b")
+
+
+@virtual
+async def test_prefill_time_follows_flops() -> None:
+    h800, _ = await timed(engine("H800"), prompt=8000, max_tokens=1)
+    h20, _ = await timed(engine("H20"), prompt=8000, max_tokens=1)
+    # one token of decode beside 8000 of prefill: the ratio is the TFLOPS ratio, to within the decode step
+    assert h20 / h800 == pytest.approx(GPUS["H800"].tflops / GPUS["H20"].tflops, rel=0.05)
+    assert h800 == pytest.approx(2 * MODELS["qwen3-8b"].params_b * 1e9 * 8000 / (989.5e12 * 0.5), rel=0.05)
+
+
+@virtual
+async def test_decode_time_follows_bandwidth_and_batches_nearly_free() -> None:
+    h800, _ = await timed(engine("H800"), prompt=1, max_tokens=500)
+    h20, _ = await timed(engine("H20"), prompt=1, max_tokens=500)
+    assert h800 / h20 == pytest.approx(GPUS["H20"].hbm_tb_s / GPUS["H800"].hbm_tb_s, rel=0.02)
+    one, _ = await timed(engine("H20"), prompt=1, max_tokens=500, n=1)
+    eight, results = await timed(engine("H20"), prompt=1, max_tokens=500, n=8)
+    assert all(len(r.token_ids) == 500 and r.finish_reason == "length" for r in results)
+    assert eight < 1.1 * one  # the weight read dominates: 8 requests cost about what one does (an H20 turns
+    # compute-bound near 30)
+
+
+@virtual
+async def test_requests_queue_when_the_kv_cache_is_full() -> None:
+    eng = engine("H800", model="qwen3-8b")
+    capacity = eng.cost.kv_capacity_tokens
+    per_request = capacity // 3 + 1  # two fit at once, a third must wait
+    prompt = per_request - 100
+    both, _ = await timed(engine("H800"), prompt=prompt, max_tokens=100, n=2)
+    three, _ = await timed(engine("H800"), prompt=prompt, max_tokens=100, n=3)
+    assert three > 1.4 * both
+    with pytest.raises(InvalidRequest, match=r"needs \d+ tokens of KV cache"):
+        await timed(engine("H800"), prompt=capacity, max_tokens=10)
+
+
+@virtual
+async def test_tokens_logprobs_versions_and_abort() -> None:
+    eng = engine("H20", length_min_frac=0.5)
+    await eng.start()
+    result = await eng.generate("a", [1, 2, 3], SamplingParams(max_tokens=40, seed=7))
+    again = await eng.generate("b", [1, 2, 3], SamplingParams(max_tokens=40, seed=7))
+    assert result.token_ids == again.token_ids and 20 <= len(result.token_ids) <= 40
+    assert set(result.token_ids[:-1]) <= set(TOKENS)
+    assert result.logprobs == [pytest.approx(-math.log(len(TOKENS)))] * len(result.token_ids)
+    assert result.prompt_tokens == 3 and set(result.versions) == {0}
+    long = asyncio.ensure_future(eng.generate("c", [1], SamplingParams(max_tokens=100_000)))
+    await eng.clock.sleep(1.0)
+    await eng.load_weights(3, {})
+    await eng.clock.sleep(1.0)
+    assert await eng.abort("c")
+    cut = await long
+    assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 100_000 and set(cut.versions) == {0, 3}
+    assert not await eng.abort("c")
+    load = eng.load()
+    assert load.running == load.waiting == 0 and 0.9 < load.busy_fraction <= 1.0
+    await eng.close()
