@@ -9,6 +9,7 @@ Importing this package registers the built-ins:
 | `copy-reverse` | decode-heavy | reverse a random string, one turn, partial credit |
 | `flaky` | (its inner env's) | another env that fails and hangs on purpose, for tests |
 | `slow` | (its inner env's) | another env whose calls take lognormal time (the latency spread sigma) |
+| `sim` | as configured | a task's shape alone (turns, prompt length, success, latency, failures): simulation |
 | `gem:<id>`, `gym:<id>` | (see adapters) | GEM and Gymnasium envs, if those are installed |
 
 Pure code over plain data: nothing here knows the network, the nodes, the engines, or torch.
@@ -39,6 +40,7 @@ from rollart.envs.registry import (
     registered_envs,
 )
 from rollart.envs.runner import EnvRunner
+from rollart.envs.sim import SimEnv
 from rollart.envs.slow import SlowEnv
 from rollart.envs.sokoban import SokobanEnv
 
@@ -47,6 +49,7 @@ register_env("sokoban", SokobanEnv)
 register_env("copy-reverse", CopyReverseEnv)
 register_env("flaky", FlakyEnv)
 register_env("slow", SlowEnv)
+register_env("sim", SimEnv)
 register_env_family("gem", GemEnv)
 register_env_family("gym", GymnasiumTextEnv)
 
@@ -64,6 +67,7 @@ __all__ = [
     "GymnasiumTextEnv",
     "Info",
     "Profile",
+    "SimEnv",
     "SlowEnv",
     "SokobanEnv",
     "StepResult",

@@ -59,6 +59,9 @@ class Env(abc.ABC):
     """The most `step` calls of one episode; the env truncates (or terminates) by then."""
     system_prompt: str = ""
     """Instructions for the model: the task and how to format an action."""
+    wait_s: float = 0.0
+    """Simulated seconds the last call took, which `EnvRunner` waits out on the simulation clock
+    after it returns (or raises); set by simulated envs (`sim`). A real env takes its time in the call."""
 
     @abc.abstractmethod
     def reset(self, seed: int | None = None) -> tuple[str, Info]:

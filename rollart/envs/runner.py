@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from rollart.envs.base import Env, EnvFailure, Info, StepResult
+from rollart.sim.clock import SimClock
 
 T = TypeVar("T")
 
@@ -53,10 +54,12 @@ CLOSE_GRACE_S = 0.2
 class EnvRunner:
     """Runs one env's `reset`/`step`/`close` in a worker thread under a per-call timeout."""
 
-    def __init__(self, env: Env, *, name: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, env: Env, *, name: str | None = None, timeout_s: float = 30.0, clock: SimClock | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.env = env
+        self.clock = clock or SimClock()
+        """Where a simulated env's `wait_s` is waited out."""
         self.name = name or type(env).__name__
         self.timeout_s = timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env-{self.name}")
@@ -110,6 +113,11 @@ class EnvRunner:
             self._closed = True
             self._executor.shutdown(wait=False, cancel_futures=True)
 
+    async def _wait_out(self) -> None:
+        """The simulated time the env says its call took (real envs: none), within the call's deadline."""
+        if self.env.wait_s > 0:
+            await self.clock.sleep(self.env.wait_s)
+
     async def _call(self, call: str, fn: Callable[..., T], *args: Any) -> T:
         if self._broken is not None:
             raise EnvFailure(f"env {self.name!r}: {call}() refused: the env is broken ({self._broken})")
@@ -118,8 +126,15 @@ class EnvRunner:
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                self._running = self._executor.submit(_contain, fn, *args)
-                return await asyncio.wrap_future(self._running)
+                future: Future[T] = self._executor.submit(_contain, fn, *args)
+                self._running = future
+                try:
+                    result = await asyncio.wrap_future(future)
+                except Exception:
+                    await self._wait_out()
+                    raise
+                await self._wait_out()
+                return result
         except TimeoutError as exc:
             if not deadline.expired():  # the env itself raised TimeoutError
                 raise EnvFailure(f"env {self.name!r}: {call}() raised TimeoutError: {exc}") from exc
