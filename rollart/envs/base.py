@@ -62,6 +62,9 @@ class Env(abc.ABC):
     wait_s: float = 0.0
     """Simulated seconds the last call took, which `EnvRunner` waits out on the simulation clock
     after it returns (or raises); set by simulated envs (`sim`). A real env takes its time in the call."""
+    blocking: bool = True
+    """Whether calls may block (real envs: `EnvRunner` runs them in a worker thread). A simulated env
+    whose calls return at once sets False and is called on the event loop."""
 
     @abc.abstractmethod
     def reset(self, seed: int | None = None) -> tuple[str, Info]:

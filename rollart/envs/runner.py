@@ -10,6 +10,10 @@ locks) and awaits every call under a deadline:
     obs, reward, terminated, truncated, info = await runner.step(reply)
     await runner.close()
 
+An env that says `blocking = False` (a simulated one, whose calls return at once) is called on
+the event loop itself, and the simulated time it reports in `wait_s` is waited out on the
+runner's `SimClock`, inside the same deadline.
+
 Whatever goes wrong comes out as `EnvFailure`, naming the env, the call and the cause, so one bad
 env fails only its own trajectory: an exception raised by the env (any kind, `SystemExit`
 included), a call past its deadline, or a call on a runner that is broken or closed.
@@ -126,10 +130,13 @@ class EnvRunner:
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                future: Future[T] = self._executor.submit(_contain, fn, *args)
-                self._running = future
                 try:
-                    result = await asyncio.wrap_future(future)
+                    if self.env.blocking:
+                        future: Future[T] = self._executor.submit(_contain, fn, *args)
+                        self._running = future
+                        result = await asyncio.wrap_future(future)
+                    else:  # returns at once (a simulated env): no thread, nothing for a virtual clock to skip
+                        result = _contain(fn, *args)
                 except Exception:
                     await self._wait_out()
                     raise

@@ -29,6 +29,7 @@ class SimEnv(Env):
     """An episode of a given shape: turns, observation length, success rate, latency, failures."""
 
     name = "sim"
+    blocking = False
 
     def __init__(
         self,
