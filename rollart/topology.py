@@ -25,6 +25,7 @@ from rollart.engines.training import TrainerSpec
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConfigError
 from rollart.rollout.config import GeneratorSpec, ModelSpec, RewardPoolSpec, RolloutSpec
+from rollart.sim.config import SimSpec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _WILDCARD_HOSTS = {"0.0.0.0", "::"}
@@ -127,6 +128,8 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """How the trainer trains and pushes weights (rollout mode `train`)."""
     env_modules: list[str] = []
     """Python modules imported by env-hosts before they start, to register your own environments."""
+    sim: SimSpec = SimSpec()
+    """Simulation mode: the simulated model and engines (`generator.backend: sim`) and the clock."""
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -305,6 +308,11 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     if run.rollout is not None:
         problems += [(f"run.rollout.{field}", problem) for field, problem in run.rollout.validate()]
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
+    problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
+    if run.generator.backend == "sim":
+        for i, node in enumerate(topology.nodes):
+            if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
+                problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
     pool = run.reward_pool
     problems += _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
     if pool.min_workers > pool.max_workers:

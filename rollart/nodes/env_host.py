@@ -36,6 +36,7 @@ from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
+from rollart.sim.clock import SimClock
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.env_host")
@@ -55,6 +56,8 @@ class EnvHostNode(NodeDaemon):
         """The trainer said the run is over (`PolicyVersion.done`)."""
         self.counts: collections.Counter[str] = collections.Counter()
         self.renderer: ChatRenderer | None = None
+        self.clock = SimClock(self.topology.run.sim.speedup)
+        """Where simulated env latency passes (`sim` envs); real envs take real time."""
         self._slots: list[asyncio.Task[None]] = []
         generators = [
             GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
@@ -204,6 +207,7 @@ class EnvHostNode(NodeDaemon):
                 on_start=started,
                 barrier=barrier,
                 min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
+                clock=self.clock,
             )
         except EnvFailure:
             self.counts["env_failures"] += 1

@@ -1,7 +1,7 @@
 """The generator node: an inference engine of one hardware class, serving generation requests.
 
-Env-hosts send `Generate` requests; the engine batches every request in flight (transformers
-or vLLM backend, `run.generator.backend`). A request whose caller gives up (timeout, a
+Env-hosts send `Generate` requests; the engine batches every request in flight (transformers,
+vLLM, or in simulation mode a `SimEngine`: `run.generator.backend`). A request whose caller gives up (timeout, a
 redundant trajectory cancelled, a stale trajectory aborted) is cancelled here too, which aborts
 it in the engine; the aborts are counted in `/status`.
 
@@ -25,14 +25,21 @@ from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import ConfigError, RemoteError
 from rollart.protocol.messages import Generate, Generated, WeightsHere, WeightsWhere
-from rollart.topology import Role
+from rollart.topology import Role, RunSpec
 from rollart.weights import WeightReceiver, ucx_unavailable
 
 log = structlog.get_logger("rollart.generator")
 
 
-def build_engine(backend: str, model_path: str, *, max_batch_size: int, dtype: str) -> GenerationEngine:
-    """The configured backend; imported here so a node without rollout never imports torch."""
+def build_engine(run: RunSpec, hardware: str) -> GenerationEngine:
+    """The configured backend for a generator of `hardware`; imported here so a node without rollout
+    never imports torch."""
+    backend, model_path = run.generator.backend, run.model.path
+    max_batch_size, dtype = run.generator.max_batch_size, run.generator.dtype
+    if backend == "sim":
+        from rollart.sim.engine import build_sim_engine
+
+        return build_sim_engine(run.sim, hardware, tokenizer_path=model_path, max_batch_size=max_batch_size)
     if backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(
@@ -92,12 +99,7 @@ class GeneratorNode(NodeDaemon):
     async def _serve_engine(self) -> None:
         run = self.topology.run
         started = time.monotonic()
-        engine = build_engine(
-            run.generator.backend,
-            run.model.path,
-            max_batch_size=run.generator.max_batch_size,
-            dtype=run.generator.dtype,
-        )
+        engine = build_engine(run, self.spec.hardware)
         await engine.start()
         self.engine = engine
         self._engine_started = time.monotonic()

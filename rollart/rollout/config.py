@@ -152,9 +152,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
 class GeneratorSpec(msgspec.Struct, **_STRUCT):
     """The inference engine every generator node runs."""
 
-    backend: Literal["vllm", "hf"] = "vllm"
+    backend: Literal["vllm", "hf", "sim"] = "vllm"
     """vllm: vLLM's async engine (`bin/setup-vllm`; `rollart run` sets it up when missing);
-    hf: transformers, for machines without vLLM and for fast tests."""
+    hf: transformers, for machines without vLLM and for fast tests; sim: simulated (`run.sim`)."""
     max_batch_size: int = 64
     """Most requests batched in one step."""
     dtype: Literal["float32", "bfloat16"] = "float32"

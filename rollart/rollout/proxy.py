@@ -4,7 +4,8 @@ The route for one call, in order:
 1. **hardware affinity**: the task's profile picks the class: prefill-heavy -> `compute`
    generators, decode-heavy -> `bandwidth` ones. The profile starts as the topology (or the
    environment) says and is then *measured*: prompt tokens per generated token, per task;
-2. **failover**: when no generator of that class is up, any generator will do;
+2. **failover**: when no generator of that class is up, any generator will do (but a class whose
+   sessions are all still connecting, as at start-up, is waited for up to `CONNECT_WAIT_S` first);
 3. **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is
    cached there) unless that one is much busier than the least busy;
 4. **least loaded**: otherwise the generator with the fewest calls in flight from this env-host.
@@ -34,6 +35,8 @@ CLASS_FOR: dict[Profile, str] = {"prefill-heavy": "compute", "decode-heavy": "ba
 STICKY_SLACK = 2
 """A sticky generator is kept while it has at most this many more calls in flight than the least busy."""
 COOL_DOWN_S = 2.0
+CONNECT_WAIT_S = 30.0
+"""How long a call waits for a hardware class whose sessions have never come up before failing over."""
 MIN_SAMPLES = 4
 
 
@@ -127,10 +130,23 @@ class LLMProxy:
             return sticky
         return random.choice([g for g in pool if g.in_flight == least])
 
+    async def _first_connection(self, want: str) -> None:
+        """Wait (bounded) while every generator of class `want` is still making its first connection."""
+        mine = [g.session.up for g in self.generators if g.hardware == want]
+        if not mine or any(g.session.state is not State.CONNECTING for g in self.generators if g.hardware == want):
+            return
+        waits = [asyncio.ensure_future(up.wait()) for up in mine]
+        try:
+            await asyncio.wait(waits, timeout=CONNECT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     async def generate(self, task: str, request: Generate) -> Generated:
         """Generate one turn of a trajectory, on the best generator that answers."""
         profile = self.profiler.profile(task)
         want = CLASS_FOR[profile]
+        await self._first_connection(want)
         excluded: set[str] = set()
         last_error = "no generator is up"
         for attempt in range(self.attempts):

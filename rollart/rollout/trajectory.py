@@ -26,6 +26,7 @@ from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.proxy import LLMProxy
+from rollart.sim.clock import SimClock
 
 
 class Tokenizer(Protocol):
@@ -193,12 +194,14 @@ async def run_trajectory(
     on_start: Callable[[int], None] = lambda version: None,
     barrier: TurnBarrier | None = None,
     min_version: Callable[[], int] = lambda: 0,
+    clock: SimClock | None = None,
 ) -> Trajectory:
     """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ...
 
-    `min_version` gives the oldest weight version a generator may use (the staleness bound)."""
+    `min_version` gives the oldest weight version a generator may use (the staleness bound); `clock`
+    is where simulated env latency is waited out (`Env.wait_s`)."""
     task = job.task
-    runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s)
+    runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s, clock=clock)
     if barrier is not None:
         barrier.join()
     started_at = time.time()

@@ -38,6 +38,7 @@ from rollart.engines.base import (
     SamplingParams,
 )
 from rollart.sim.clock import SimClock
+from rollart.sim.config import SimSpec
 from rollart.sim.hardware import CostModel
 
 
@@ -245,3 +246,20 @@ class SimEngine:
                     del self._running[request.request_id]
                     self._kv_used -= request.kv_tokens
                     self._finish(request, "stop" if request.stop else "length")
+
+
+def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_batch_size: int) -> SimEngine:
+    """The engine `spec` gives a generator of `hardware`, emitting the run tokenizer's ordinary tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    return SimEngine(
+        CostModel.build(spec.engines[hardware], spec.model),
+        clock=SimClock(spec.speedup),
+        token_ids=[i for i in range(len(tokenizer)) if i not in special],
+        eos_id=tokenizer.eos_token_id,
+        max_batch_size=max_batch_size,
+        length_min_frac=spec.response_length_min_frac,
+        max_steps_per_wake=spec.max_steps_per_wake,
+    )

@@ -307,3 +307,15 @@ def test_semantic_problems_are_reported_together() -> None:
 def test_distinct_hosts_may_share_a_port() -> None:
     text = _yaml([_node("a", "trainer", 7100, 7200, host="10.0.0.1"), _node("b", "generator", 7100, 7201)])
     assert [n.port for n in parse_topology(text).nodes] == [7100, 7100]
+
+
+def test_sim_mode_problems_name_their_paths() -> None:
+    sim = {"speedup": 0, "model": "qwen3-70b", "engines": {"compute": {"gpu": "A100", "gpus": 0}}}
+    text = _yaml(_nodes(), run={"generator": {"backend": "sim"}, "sim": sim})
+    assert _error(text).splitlines() == [
+        "t.yaml: run.sim.speedup: expected a value > 0; got 0.0",
+        "t.yaml: run.sim.model: expected one of ['qwen3-14b', 'qwen3-32b', 'qwen3-8b']; got 'qwen3-70b'",
+        "t.yaml: run.sim.engines.compute.gpu: expected one of ['H100', 'H20', 'H200', 'H800']; got 'A100'",
+        "t.yaml: run.sim.engines.compute.gpus: expected an integer >= 1; got 0",
+        "t.yaml: nodes[1].hardware: run.sim.engines has no engine for 'cpu'",
+    ]

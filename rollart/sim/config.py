@@ -1,0 +1,64 @@
+"""`run.sim`: what simulation mode simulates (the model, each hardware kind's engine) and how fast.
+
+    run:
+      generator: {backend: sim}
+      sim:
+        speedup: 10
+        model: qwen3-32b
+        engines:
+          compute: {gpu: H800, gpus: 8}
+          bandwidth: {gpu: H20, gpus: 8}
+
+A generator node with `backend: sim` runs a `SimEngine` shaped by `engines[<its hardware>]`;
+env-hosts wait simulated env latency (`sim` envs) on a clock `speedup` times faster than real time.
+Deadlines in `run.rollout` (generate, env, reward, group) stay in real seconds.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rollart.sim.hardware import GPUS, MODELS, EngineShape
+
+
+def _default_engines() -> dict[str, EngineShape]:
+    return {
+        "compute": EngineShape(gpu="H800", gpus=8),
+        "bandwidth": EngineShape(gpu="H20", gpus=8),
+        "cpu": EngineShape(gpu="H20", gpus=8),
+    }
+
+
+class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Simulation mode's model, engine shapes and clock."""
+
+    speedup: float = 1.0
+    """Simulated seconds per real second."""
+    model: str = "qwen3-32b"
+    """A model preset: qwen3-8b, qwen3-14b, qwen3-32b."""
+    engines: dict[str, EngineShape] = msgspec.field(default_factory=_default_engines)
+    """The engine each generator runs, by the node's `hardware` (compute, bandwidth, cpu)."""
+    response_length_min_frac: float = 1.0
+    """Responses are `max_tokens` long, or with this < 1 drawn between this fraction of it and all of it."""
+    max_steps_per_wake: int = 8
+    """Decode steps a simulated engine runs between looks at its queue."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        """(field, problem) pairs for values that are well-typed but unusable."""
+        problems: list[tuple[str, str]] = []
+        if self.speedup <= 0:
+            problems.append(("speedup", f"expected a value > 0; got {self.speedup}"))
+        if self.model not in MODELS:
+            problems.append(("model", f"expected one of {sorted(MODELS)}; got {self.model!r}"))
+        for kind, shape in self.engines.items():
+            if shape.gpu not in GPUS:
+                problems.append((f"engines.{kind}.gpu", f"expected one of {sorted(GPUS)}; got {shape.gpu!r}"))
+            if shape.gpus < 1:
+                problems.append((f"engines.{kind}.gpus", f"expected an integer >= 1; got {shape.gpus}"))
+        if not 0 < self.response_length_min_frac <= 1:
+            problems.append(
+                ("response_length_min_frac", f"expected a value in (0, 1]; got {self.response_length_min_frac}")
+            )
+        if self.max_steps_per_wake < 1:
+            problems.append(("max_steps_per_wake", f"expected an integer >= 1; got {self.max_steps_per_wake}"))
+        return problems
