@@ -105,10 +105,11 @@ class EnvHostNode(NodeDaemon):
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
 
-    async def _ask(self, trainer: ClientSession) -> GroupTask | NoTask | None:
-        """One group task from the trainer, its refusal, or None after a transient failure."""
+    async def _ask(self, trainer: ClientSession, *, wait_s: float = 5.0) -> GroupTask | NoTask | None:
+        """One group task from the trainer (waiting up to `wait_s` for room), its refusal, or None after
+        a transient failure."""
         try:
-            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=5.0), timeout=20.0)
+            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=wait_s), timeout=20.0)
         except (RequestTimeout, SessionLost, RemoteError) as exc:
             log.warning("env_host.no_task", error=str(exc))
             await asyncio.sleep(RETRY_S)
@@ -138,7 +139,9 @@ class EnvHostNode(NodeDaemon):
             await self.unpaused.wait()
             tasks: list[GroupTask] = []
             while len(tasks) < self.rollout.groups_per_env_host and not self.draining:
-                reply = await self._ask(trainer)
+                # Once the batch has a group, take only what is there now: waiting for room would
+                # wait for this very batch to be trained on.
+                reply = await self._ask(trainer, wait_s=0.0 if tasks else 5.0)
                 if isinstance(reply, GroupTask):
                     tasks.append(reply)
                 elif isinstance(reply, NoTask) and (reply.done or tasks):

@@ -1,0 +1,184 @@
+"""Fig. 12a: trajectory-level rollout vs batch-level env handling, at env latency spread sigma 1 and 10.
+
+Simulation mode (docs/simulation.md), real node processes: one trainer, one generator (a
+simulated Qwen3-8B on 8 x H800), two env-hosts, a reward gateway. One multi-turn task whose every
+env reset and step takes `median * exp(sigma * N(0, 1))` simulated seconds (capped), as in the paper's
+latency-spread experiment. Two modes, the same code and config otherwise:
+
+- **batch-level** (`schedule: sync`): the veRL-like baseline: each env-host steps its groups as a
+  batch whose every turn waits for all of them, and a batch starts when the last one is taken;
+- **trajectory-level** (`schedule: async`, alpha 1): RollArt: every trajectory is its own
+  coroutine, and the next batch's trajectories run while the last ones of this batch finish.
+
+Reports the mean step time (simulated seconds between batches), the speed-up, the paper's figure
+beside it, two bounds and an efficiency. The no-barrier step: what a synchronous step would take
+without the per-turn barrier (per batch, its slowest trajectory's own env latency plus
+generation). The throughput bound for trajectory-level rollout: with C groups in flight at once and
+groups that take T on average on their own (their slowest trajectory's env latency plus
+generation), a batch of B groups cannot come faster than B * T / C (Little's law); efficiency =
+ideal / measured.
+
+    .venv/bin/python benchmarks/paper/fig12a_env_handling.py            # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/paper/fig12a_env_handling.py --quick    # sigma 1, fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from simrun import ROOT, Result, run, tiny_tokenizer_model
+
+PAPER = {1.0: 1.23, 10.0: 2.27}
+TARGET = {1.0: 1.3, 10.0: 2.5}
+MODES = {"batch-level": {"schedule": "sync"}, "trajectory-level": {"schedule": "async", "alpha": 1}}
+
+
+def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> dict[str, Any]:
+    env_kwargs = {
+        "turns": args.turns,
+        "obs_tokens": 300,
+        "reset_s": args.reset_s,
+        "step_s": args.step_s,
+        "sigma": sigma,
+        "cap_s": args.cap_s,
+    }
+    return {
+        "restart": {"policy": "stop-all"},
+        "model": {"path": str(model)},
+        "generator": {"backend": "sim", "max_batch_size": 512},
+        "reward_pool": {"min_workers": 1, "max_workers": 2},
+        "sim": {
+            "speedup": args.speedup,
+            "model": "qwen3-8b",
+            "engines": {"compute": {"gpu": "H800", "gpus": 8}},
+            "max_steps_per_wake": 16,
+        },
+        "rollout": {
+            "mode": "rollout-only",
+            "tasks": [
+                {
+                    "name": "game",
+                    "env": "sim",
+                    "env_kwargs": env_kwargs,
+                    "profile": "prefill-heavy",
+                    "max_tokens_per_turn": 32,
+                    "max_total_tokens": 8192,
+                }
+            ],
+            "group_size": args.group_size,
+            "redundancy": 0,
+            "batch_groups": args.batch_groups,
+            "steps": args.steps,
+            "groups_per_env_host": args.batch_groups,
+            "generate_timeout_s": 600,
+            "env_timeout_s": 600,
+            "group_timeout_s": 3600,
+        }
+        | MODES[mode],
+    }
+
+
+NODES = [
+    {"name": "trainer", "role": "trainer"},
+    {"name": "gen-0", "role": "generator", "hardware": "compute"},
+    {"name": "env-0", "role": "env-host"},
+    {"name": "env-1", "role": "env-host"},
+    {"name": "reward", "role": "reward-gateway"},
+]
+
+
+def no_barrier_step_s(result: Result, speedup: float) -> float:
+    """What a synchronous step would take without the per-turn barrier: per batch, the slowest
+    trajectory's own time (env latency plus generation); the mean over batches."""
+    slowest: dict[int, float] = {}
+    for t, version in zip(result.trajectories, result.versions, strict=True):
+        slowest[version] = max(slowest.get(version, 0.0), (t["env_wait_s"] + t["gen_wait_s"]) * speedup)
+    return statistics.fmean(slowest.values())
+
+
+def ideal_step_s(result: Result, args: argparse.Namespace, speedup: float) -> float:
+    """B * T / C over groups: a group holds its env-host slot until its slowest trajectory ends, so T
+    is the mean over groups of their slowest member's own time (env latency plus generation), C the
+    groups in flight (alpha 1: this batch and the next), B the groups per batch."""
+    groups: dict[str, float] = {}
+    for t in result.trajectories:
+        alone = (t["env_wait_s"] + t["gen_wait_s"]) * speedup
+        groups[t["group_id"]] = max(groups.get(t["group_id"], 0.0), alone)
+    in_flight = 2 * args.batch_groups
+    return args.batch_groups * statistics.fmean(groups.values()) / in_flight
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="sigma 1 only, 3 steps")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch-groups", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--reset-s", type=float, default=5.0, help="median env reset latency, simulated s")
+    parser.add_argument("--step-s", type=float, default=2.0, help="median env step latency, simulated s")
+    parser.add_argument("--cap-s", type=float, default=120.0, help="longest env call, simulated s")
+    parser.add_argument("--speedup", type=float, default=100.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig12a.md")
+    args = parser.parse_args()
+    sigmas = [1.0] if args.quick else [1.0, 10.0]
+    if args.quick:
+        args.steps = 3
+    model = tiny_tokenizer_model()
+    began = time.monotonic()
+    rows = []
+    for sigma in sigmas:
+        measured = {}
+        for mode in MODES:
+            print(f"sigma {sigma}: {mode} ...", flush=True)
+            measured[mode] = run(run_spec(args, sigma, mode, model), NODES)
+            print(f"  step times (simulated s): {[round(s) for s in measured[mode].step_s]}", flush=True)
+        batch, traj = measured["batch-level"], measured["trajectory-level"]
+        ideal = ideal_step_s(traj, args, traj.speedup)
+        rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal))
+
+    lines = [
+        "| sigma | batch-level step s | trajectory-level step s | speed-up | paper | target "
+        "| no-barrier step s | throughput bound s | efficiency (bound / trajectory-level) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sigma, batch_s, traj_s, no_barrier, ideal in rows:
+        ratio = batch_s / traj_s
+        verdict = "met" if ratio >= TARGET[sigma] else "missed"
+        lines.append(
+            f"| {sigma:g} | {batch_s:.0f} | {traj_s:.0f} | {ratio:.2f}x | {PAPER[sigma]}x "
+            f"| >= {TARGET[sigma]}x ({verdict}) | {no_barrier:.0f} | {ideal:.0f} | {ideal / traj_s:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    command = " ".join(["python", "benchmarks/paper/fig12a_env_handling.py", *sys.argv[1:]])
+    shape = (
+        f"simulated Qwen3-8B on one 8 x H800 engine; batch {args.batch_groups} groups x {args.group_size}; "
+        f"{args.turns} turns per episode, 300 prompt + 32 generated tokens per turn; env latency lognormal, "
+        f"median reset {args.reset_s} s / step {args.step_s} s, capped at {args.cap_s} s; "
+        f"{args.steps} batches per run, step time = mean gap between batches after the first; "
+        f"speedup {args.speedup:g}"
+    )
+    report = (
+        "# Fig. 12a: trajectory-level vs batch-level env handling (simulation)\n\n"
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}\n"
+        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
+        f"- shape: {shape}\n\n{table}\n"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
