@@ -8,7 +8,9 @@ never waits for, metrics, checkpoints), bumps the policy version and goes on; wi
 `schedule: sync` it instead holds the dispenser while it trains and until every generator has
 loaded the new weights (the synchronous baseline). In `rollout-only` mode it does not train: it
 records each batch to `RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy
-version, which drops and aborts whatever that version makes too stale, exactly as training would.
+version, which drops and aborts whatever that version makes too stale, exactly as training would;
+in simulation mode with `run.sim.trainer`, each batch also costs a modelled training step (and for
+the sync schedule the weight push), on the simulation clock.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rollart.protocol import Session
 from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
+from rollart.sim.clock import SimClock
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.trainer")
@@ -61,6 +64,8 @@ class TrainerNode(NodeDaemon):
         self.out_path = self.topology.run_dir() / "rollout.jsonl"
         self.learner = Learner(self) if rollout is not None and rollout.mode == "train" else None
         self.last_checkpoint_step = 0
+        self.clock = SimClock(self.topology.run.sim.speedup)
+        """Simulation mode's clock (`run.sim.trainer`)."""
         self._step_lock = asyncio.Lock()
         """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
 
@@ -119,11 +124,15 @@ class TrainerNode(NodeDaemon):
             if self.learner is not None:
                 await self._train(batch)
                 continue
+            simulated = self.topology.run.sim.trainer is not None
+            self.dispenser.held = simulated and self.rollout.schedule == "sync"
             self.dispenser.changed()
             await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
             self.batches += 1
             log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
-            if self.rollout.bump_version_every_batch:
+            if simulated:
+                await self._simulated_step(batch)
+            elif self.rollout.bump_version_every_batch:
                 await self.bump_version()
         if self.learner is not None and self.batches > self.last_checkpoint_step:
             await self._checkpoint()
@@ -132,6 +141,22 @@ class TrainerNode(NodeDaemon):
         self.dispenser.changed()
         await self._tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
         log.info("trainer.done", batches=self.batches, version=self.version)
+
+    async def _simulated_step(self, batch: list[GroupDone]) -> None:
+        """Simulation mode (`run.sim.trainer`): the modelled training step on the batch's tokens, a new
+        version, and the weight push, which the sync schedule waits for with the dispenser held."""
+        from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
+
+        sim = self.topology.run.sim
+        assert sim.trainer is not None and self.rollout is not None
+        model, gpu = MODELS[sim.model], GPUS[sim.trainer.gpu]
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
+        await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
+        await self.bump_version()
+        if self.rollout.schedule == "sync":
+            await self.clock.sleep(transfer_s(model, gbps=sim.trainer.link_gbps))
+            self.dispenser.held = False
+            self.dispenser.changed()
 
     async def _train(self, batch: list[GroupDone]) -> None:
         """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""

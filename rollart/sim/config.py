@@ -10,7 +10,8 @@
           bandwidth: {gpu: H20, gpus: 8}
 
 A generator node with `backend: sim` runs a `SimEngine` shaped by `engines[<its hardware>]`;
-env-hosts wait simulated env latency (`sim` envs) on a clock `speedup` times faster than real time.
+env-hosts wait simulated env latency (`sim` envs) on a clock `speedup` times faster than real time;
+with `trainer`, a rollout-only trainer spends a modelled training step and weight push per batch.
 Deadlines in `run.rollout` (generate, env, reward, group) stay in real seconds.
 """
 
@@ -29,6 +30,20 @@ def _default_engines() -> dict[str, EngineShape]:
     }
 
 
+class SimTrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """A simulated trainer: in rollout-only mode each batch costs a modelled training step and push."""
+
+    gpu: str = "H800"
+    """A key of `GPUS`."""
+    gpus: int = 32
+    """Training GPUs."""
+    mfu: float = 0.4
+    """Fraction of peak FLOPs training reaches (assumption)."""
+    link_gbps: float = 200.0
+    """Bandwidth of the weight push to the generators: 400 for InfiniBand inside a cluster, 200 for
+    the paper's Ethernet across clusters."""
+
+
 class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Simulation mode's model, engine shapes and clock."""
 
@@ -42,6 +57,9 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """Responses are `max_tokens` long, or with this < 1 drawn between this fraction of it and all of it."""
     max_steps_per_wake: int = 8
     """Decode steps a simulated engine runs between looks at its queue."""
+    trainer: SimTrainerSpec | None = None
+    """In rollout-only mode, make each batch cost a simulated training step and weight push (the
+    sync schedule waits for both; async only for the step). None: batches cost nothing."""
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
@@ -53,12 +71,19 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
         for kind, shape in self.engines.items():
             if shape.gpu not in GPUS:
                 problems.append((f"engines.{kind}.gpu", f"expected one of {sorted(GPUS)}; got {shape.gpu!r}"))
-            if shape.gpus < 1:
-                problems.append((f"engines.{kind}.gpus", f"expected an integer >= 1; got {shape.gpus}"))
+            for key in ("gpus", "replicas"):
+                if getattr(shape, key) < 1:
+                    problems.append((f"engines.{kind}.{key}", f"expected an integer >= 1; got {getattr(shape, key)}"))
         if not 0 < self.response_length_min_frac <= 1:
             problems.append(
                 ("response_length_min_frac", f"expected a value in (0, 1]; got {self.response_length_min_frac}")
             )
+        if self.trainer is not None:
+            if self.trainer.gpu not in GPUS:
+                problems.append(("trainer.gpu", f"expected one of {sorted(GPUS)}; got {self.trainer.gpu!r}"))
+            for key in ("gpus", "mfu", "link_gbps"):
+                if getattr(self.trainer, key) <= 0:
+                    problems.append((f"trainer.{key}", f"expected a value > 0; got {getattr(self.trainer, key)}"))
         if self.max_steps_per_wake < 1:
             problems.append(("max_steps_per_wake", f"expected an integer >= 1; got {self.max_steps_per_wake}"))
         return problems

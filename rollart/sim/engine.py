@@ -7,6 +7,9 @@ full"); the newly admitted prompts are prefilled together, which pauses decoding
 running request gains one token per decode step. Each prefill and decode step lasts what
 `CostModel` says (`rollart/sim/hardware.py`), on the `SimClock`.
 
+`replicas` copies of the engine (data parallel, each on its own GPUs) share one queue; a replica
+admits up to its share of the work, so their batches stay level.
+
 To keep the event loop's work per simulated second small, decode steps run in runs of up to
 `max_steps_per_wake` at a time, cut short at the next request to finish; a request that arrives
 meanwhile waits for the end of the run (at most that many steps, a few tens of milliseconds of
@@ -65,8 +68,20 @@ class _Request:
         return self.prompt_tokens + len(self.tokens)
 
 
+@dataclass(eq=False)
+class _Replica:
+    """One copy of the model on its own GPUs: its batch, its KV cache, its timeline."""
+
+    index: int
+    running: dict[str, _Request] = field(default_factory=dict)
+    kv_used: int = 0
+    timeline: float = 0.0
+    """Simulated time at which this replica's current work ends."""
+    busy_s: float = 0.0
+
+
 class SimEngine:
-    """A generation engine of one hardware shape, in simulated time."""
+    """A generation engine of one hardware shape (`replicas` copies of it), in simulated time."""
 
     def __init__(
         self,
@@ -76,6 +91,7 @@ class SimEngine:
         token_ids: list[int],
         eos_id: int,
         max_batch_size: int = 256,
+        replicas: int = 1,
         length_min_frac: float = 1.0,
         max_steps_per_wake: int = 8,
         seed: int = 0,
@@ -84,6 +100,8 @@ class SimEngine:
             raise ValueError("token_ids must not be empty")
         if not 0.0 < length_min_frac <= 1.0:
             raise ValueError(f"length_min_frac must be in (0, 1], got {length_min_frac}")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.cost = cost
         self.clock = clock
         self.token_ids = token_ids
@@ -95,34 +113,37 @@ class SimEngine:
         self._rng = random.Random(seed)
         self._logprob = -math.log(len(token_ids))
         self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: dict[str, _Request] = {}
-        self._kv_used = 0
+        self._replicas = [_Replica(i) for i in range(replicas)]
         self._arrived = asyncio.Event()
-        self._scheduler: asyncio.Task[None] | None = None
-        self._timeline = 0.0
-        """Simulated time at which the engine's current work ends."""
+        self._schedulers: list[asyncio.Task[None]] = []
         self._started_at = 0.0
-        self.busy_s = 0.0
-        """Simulated seconds spent prefilling or decoding."""
         self.prefill_s = 0.0
         self.generated_tokens = 0
         self.prefilled_tokens = 0
 
+    @property
+    def busy_s(self) -> float:
+        """Simulated seconds spent prefilling or decoding, summed over replicas."""
+        return sum(r.busy_s for r in self._replicas)
+
     async def start(self) -> None:
-        self._started_at = self._timeline = self.clock.now()
-        self._scheduler = asyncio.create_task(self._schedule(), name="sim-engine-scheduler")
+        self._started_at = self.clock.now()
+        for replica in self._replicas:
+            replica.timeline = self._started_at
+            self._schedulers.append(asyncio.create_task(self._schedule(replica), name=f"sim-replica-{replica.index}"))
 
     async def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            await asyncio.gather(self._scheduler, return_exceptions=True)
-        self._scheduler = None
-        for request in [*self._waiting, *self._running.values()]:
+        for task in self._schedulers:
+            task.cancel()
+        await asyncio.gather(*self._schedulers, return_exceptions=True)
+        self._schedulers = []
+        running = [request for replica in self._replicas for request in replica.running.values()]
+        for request in [*self._waiting, *running]:
             if not request.done.done():
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        if self._scheduler is None or self._scheduler.done():
+        if not self._schedulers or any(task.done() for task in self._schedulers):
             raise EngineClosed("the simulated engine is not running")
         if params.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {params.max_tokens}")
@@ -157,23 +178,25 @@ class SimEngine:
                 self._waiting.remove(request)
                 self._finish(request, "abort")
                 return True
-        running = self._running.pop(request_id, None)
-        if running is None:
-            return False
-        self._kv_used -= running.kv_tokens
-        self._finish(running, "abort")
-        self._arrived.set()  # room for a waiting request
-        return True
+        for replica in self._replicas:
+            running = replica.running.pop(request_id, None)
+            if running is not None:
+                replica.kv_used -= running.kv_tokens
+                self._finish(running, "abort")
+                self._arrived.set()  # room for a waiting request
+                return True
+        return False
 
     async def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
         self.version = version
 
     def load(self) -> EngineLoad:
-        elapsed = max(self.clock.now(), self._timeline) - self._started_at
+        now = max(self.clock.now(), *(r.timeline for r in self._replicas))
+        capacity = (now - self._started_at) * len(self._replicas)
         return EngineLoad(
-            running=len(self._running),
+            running=sum(len(r.running) for r in self._replicas),
             waiting=len(self._waiting),
-            busy_fraction=min(1.0, self.busy_s / elapsed) if elapsed > 0 else 0.0,
+            busy_fraction=min(1.0, self.busy_s / capacity) if capacity > 0 else 0.0,
             generated_tokens=self.generated_tokens,
             version=self.version,
         )
@@ -191,61 +214,69 @@ class SimEngine:
             )
         )
 
-    def _admit(self) -> list[_Request]:
-        """Move waiting requests into the batch, oldest first, while the batch and the KV cache have room."""
+    def _admit(self, replica: _Replica) -> list[_Request]:
+        """Move waiting requests into this replica's batch, oldest first, while the batch and the KV
+        cache have room, up to its share: the replicas' running counts are kept level."""
+        total = len(self._waiting) + sum(len(r.running) for r in self._replicas)
+        share = max(1, -(-total // len(self._replicas)))
         admitted = []
-        while self._waiting and len(self._running) < self.max_batch_size:
+        while self._waiting and len(replica.running) < min(self.max_batch_size, share):
             head = self._waiting[0]
-            if self._kv_used + head.kv_tokens > self.cost.kv_capacity_tokens:
+            if replica.kv_used + head.kv_tokens > self.cost.kv_capacity_tokens:
                 break
             self._waiting.popleft()
-            self._running[head.request_id] = head
-            self._kv_used += head.kv_tokens
+            replica.running[head.request_id] = head
+            replica.kv_used += head.kv_tokens
             admitted.append(head)
         return admitted
 
-    async def _work(self, seconds: float) -> None:
-        """Spend `seconds` of simulated time busy, on the engine's own timeline."""
-        self._timeline = max(self._timeline, self.clock.now()) + seconds
-        self.busy_s += seconds
-        await self.clock.sleep_until(self._timeline)
+    async def _work(self, replica: _Replica, seconds: float) -> None:
+        """Spend `seconds` of simulated time busy, on the replica's own timeline."""
+        replica.timeline = max(replica.timeline, self.clock.now()) + seconds
+        replica.busy_s += seconds
+        await self.clock.sleep_until(replica.timeline)
 
-    async def _schedule(self) -> None:
+    async def _schedule(self, replica: _Replica) -> None:
         while True:
-            if not self._running and not self._waiting:
+            if not replica.running and not self._waiting:
                 self._arrived.clear()
                 await self._arrived.wait()
-                self._timeline = max(self._timeline, self.clock.now())
-            admitted = self._admit()
+                replica.timeline = max(replica.timeline, self.clock.now())
+            admitted = self._admit(replica)
             if admitted:
                 tokens = sum(r.prompt_tokens for r in admitted)
                 seconds = self.cost.prefill_s(tokens)
                 self.prefill_s += seconds
                 self.prefilled_tokens += tokens
-                await self._work(seconds)
-            if not self._running:
-                if self._waiting:  # nothing runs and the head does not fit: cannot happen, see generate
+                await self._work(replica, seconds)
+            if not replica.running:
+                if self._waiting and not any(r.running for r in self._replicas):
                     raise RuntimeError("the simulated engine is stuck: a waiting request fits no empty cache")
+                await asyncio.sleep(0)  # another replica took the work; look again after it runs
                 continue
-            left = min(r.target - len(r.tokens) for r in self._running.values())
-            steps = max(1, min(self.max_steps_per_wake, left))
-            batch = list(self._running.values())
-            context = sum(r.context for r in batch)
-            seconds = sum(self.cost.decode_step_s(len(batch), context + i * len(batch)) for i in range(steps))
-            await self._work(seconds)
-            for request in batch:
-                if request.request_id not in self._running:  # aborted during the steps
-                    continue
-                for _ in range(steps):
-                    last = len(request.tokens) == request.target - 1
-                    token = self.eos_id if last and request.stop else request.rng.choice(self.token_ids)
-                    request.tokens.append(token)
-                    request.versions.append(self.version)
-                self.generated_tokens += steps
-                if len(request.tokens) >= request.target:
-                    del self._running[request.request_id]
-                    self._kv_used -= request.kv_tokens
-                    self._finish(request, "stop" if request.stop else "length")
+            await self._decode(replica)
+
+    async def _decode(self, replica: _Replica) -> None:
+        """Decode steps for the replica's batch, up to the next request to finish."""
+        left = min(r.target - len(r.tokens) for r in replica.running.values())
+        steps = max(1, min(self.max_steps_per_wake, left))
+        batch = list(replica.running.values())
+        context = sum(r.context for r in batch)
+        seconds = sum(self.cost.decode_step_s(len(batch), context + i * len(batch)) for i in range(steps))
+        await self._work(replica, seconds)
+        for request in batch:
+            if request.request_id not in replica.running:  # aborted during the steps
+                continue
+            for _ in range(steps):
+                last = len(request.tokens) == request.target - 1
+                token = self.eos_id if last and request.stop else request.rng.choice(self.token_ids)
+                request.tokens.append(token)
+                request.versions.append(self.version)
+            self.generated_tokens += steps
+            if len(request.tokens) >= request.target:
+                del replica.running[request.request_id]
+                replica.kv_used -= request.kv_tokens
+                self._finish(request, "stop" if request.stop else "length")
 
 
 def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_batch_size: int) -> SimEngine:
@@ -260,6 +291,7 @@ def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_b
         token_ids=[i for i in range(len(tokenizer)) if i not in special],
         eos_id=tokenizer.eos_token_id,
         max_batch_size=max_batch_size,
+        replicas=spec.engines[hardware].replicas,
         length_min_frac=spec.response_length_min_frac,
         max_steps_per_wake=spec.max_steps_per_wake,
     )

@@ -8,7 +8,9 @@ for decode (every step reads all the weights once, plus each running request's K
     decode_step_s(B, C) = max(2 * params * B / (gpus * tflops * mfu),
                               (weight_bytes + kv_bytes_per_token * C) / (gpus * hbm_bw * mbu))
 
-for B requests in the batch holding C context tokens in all. A batch of decodes costs barely more
+for B requests in the batch holding C context tokens in all. A training step on T tokens takes
+6 * params * T / (GPUs * TFLOPS * mfu) (forward and backward), and pushing the weights over a
+link of L Gb/s takes weight_bytes * 8 / (L * 1e9). A batch of decodes costs barely more
 than one until the weight read stops dominating: that is why decode wants many requests at once,
 and why a card with more bandwidth per dollar (H20) decodes more cheaply than one with more FLOPs
 (H800). KV-cache capacity is what is left of HBM after the weights, times `mem_fraction`.
@@ -91,7 +93,9 @@ class EngineShape(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     gpu: str = "H800"
     """A key of `GPUS`: H800, H20, H100, H200."""
     gpus: int = 1
-    """GPUs the engine spans (tensor parallel)."""
+    """GPUs one replica spans (tensor parallel)."""
+    replicas: int = 1
+    """Copies of the engine behind one generator node (data parallel): replicas x gpus GPUs in all."""
     mfu: float = 0.5
     """Fraction of peak FLOPs reached in prefill (assumption)."""
     mbu: float = 0.7
@@ -148,4 +152,15 @@ class CostModel:
 
     @property
     def cost_per_hour(self) -> float:
-        return self.shape.gpus * self.gpu.cost_per_hour
+        """Of every replica."""
+        return self.shape.gpus * self.shape.replicas * self.gpu.cost_per_hour
+
+
+def train_step_s(model: Model, gpu: Gpu, *, gpus: int, mfu: float, tokens: int) -> float:
+    """Seconds for one training step (forward and backward) on `tokens` tokens."""
+    return 6 * model.params_b * 1e9 * tokens / (gpus * gpu.tflops * 1e12 * mfu)
+
+
+def transfer_s(model: Model, *, gbps: float) -> float:
+    """Seconds to move the model's weights over a link of `gbps` gigabits per second."""
+    return model.weight_bytes * 8 / (gbps * 1e9)

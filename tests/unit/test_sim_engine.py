@@ -16,7 +16,7 @@ from rollart.engines.base import GenerationResult, InvalidRequest, SamplingParam
 from rollart.protocol.errors import ConfigError
 from rollart.sim.clock import SimClock, virtual_event_loop
 from rollart.sim.engine import SimEngine
-from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape
+from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape, train_step_s, transfer_s
 
 TOKENS = list(range(10, 20))
 
@@ -124,3 +124,19 @@ async def test_tokens_logprobs_versions_and_abort() -> None:
     load = eng.load()
     assert load.running == load.waiting == 0 and 0.9 < load.busy_fraction <= 1.0
     await eng.close()
+
+
+@virtual
+async def test_replicas_share_the_queue_and_multiply_throughput() -> None:
+    one, _ = await timed(engine("H20", max_batch_size=16), prompt=100, max_tokens=200, n=64)
+    four, results = await timed(engine("H20", max_batch_size=16, replicas=4), prompt=100, max_tokens=200, n=64)
+    assert all(len(r.token_ids) == 200 for r in results)
+    assert four == pytest.approx(one / 4, rel=0.1)  # 4 batches of 16 at once instead of one after another
+
+
+def test_training_and_transfer_times_by_hand() -> None:
+    model, h800 = MODELS["qwen3-32b"], GPUS["H800"]
+    assert train_step_s(model, h800, gpus=32, mfu=0.4, tokens=1_000_000) == pytest.approx(
+        6 * 32.8e9 * 1e6 / (32 * 989.5e12 * 0.4)
+    )
+    assert transfer_s(model, gbps=200) == pytest.approx(65.6e9 * 8 / 200e9)
