@@ -52,6 +52,9 @@ class EnvHostNode(NodeDaemon):
         self.rollout = self.topology.run.rollout
         self.version = 0
         self.running: dict[str, tuple[asyncio.Task[Any], int]] = {}
+        """Trajectories that have generated, with the version they started at (for stale aborts)."""
+        self.live: dict[str, asyncio.Task[Any]] = {}
+        """Every trajectory task, from before its env is made (all are cancelled when the run is done)."""
         self.run_done = False
         """The trainer said the run is over (`PolicyVersion.done`)."""
         self.counts: collections.Counter[str] = collections.Counter()
@@ -68,6 +71,10 @@ class EnvHostNode(NodeDaemon):
         self.proxy = LLMProxy(
             generators, self.profiler, timeout_s=self.rollout.generate_timeout_s if self.rollout else 60
         )
+
+    def over(self) -> bool:
+        """Whether the trainer said the run is done (read through a call: it changes across awaits)."""
+        return self.run_done
 
     def _peer(self, role: Role) -> ClientSession:
         for peer in self.topology.nodes_with_role(role):
@@ -127,6 +134,8 @@ class EnvHostNode(NodeDaemon):
                 case NoTask(done=True):
                     return
                 case GroupTask() as task:
+                    if self.over():  # granted just before the trainer said the run is over
+                        return
                     outcome = await run_group(task, functools.partial(self._trajectory, task, reward, None))
                     if not self.run_done:
                         await self._hand_in(trainer, outcome)
@@ -147,6 +156,8 @@ class EnvHostNode(NodeDaemon):
                 elif isinstance(reply, NoTask) and (reply.done or tasks):
                     done = reply.done
                     break
+            if self.over():
+                return
             barrier = TurnBarrier()
             outcomes = await asyncio.gather(
                 *(run_group(task, functools.partial(self._trajectory, task, reward, barrier)) for task in tasks)
@@ -185,6 +196,7 @@ class EnvHostNode(NodeDaemon):
         )
         me = asyncio.current_task()
         assert me is not None
+        self.live[trajectory_id] = me
 
         def started(version: int) -> None:
             self.running[trajectory_id] = (me, version)
@@ -197,7 +209,11 @@ class EnvHostNode(NodeDaemon):
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
         alpha = self.rollout.alpha if self.rollout.mode == "train" else None
-        env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
+        try:
+            env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
+        except BaseException:
+            self.live.pop(trajectory_id, None)
+            raise
         self.counts["envs_opened"] += 1
         try:
             result = await run_trajectory(
@@ -221,6 +237,7 @@ class EnvHostNode(NodeDaemon):
             raise
         finally:
             self.running.pop(trajectory_id, None)
+            self.live.pop(trajectory_id, None)
             self.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
         self.counts["trajectories_done"] += 1
         return result
@@ -230,9 +247,9 @@ class EnvHostNode(NodeDaemon):
             case PolicyVersion(done=True):
                 # The trainer has what it needs: what is in flight can never be used.
                 self.run_done = True
-                for task, _ in list(self.running.values()):
+                for task in list(self.live.values()):
                     task.cancel()
-                log.info("env_host.run_done", aborted=len(self.running))
+                log.info("env_host.run_done", aborted=len(self.live))
             case PolicyVersion(version=version, min_start=min_start):
                 self.version = max(self.version, version)
                 for trajectory_id, (task, started) in list(self.running.items()):
