@@ -38,6 +38,8 @@ class Result:
     versions: list[int]
     """The policy version (batch index) each trajectory was taken at."""
     speedup: float
+    aborted_stale: int = 0
+    """Trajectories the env-hosts aborted because a new version made them too stale."""
 
     @property
     def mean_step_s(self) -> float:
@@ -90,7 +92,11 @@ def run(
         records = [json.loads(line) for line in lines]
         trajectories = [t for r in records for t in r["group"]["trajectories"]]
         versions = [r["version"] for r in records for _ in r["group"]["trajectories"]]
-        return Result(steps, trajectories, versions, speedup)
+        aborted = 0
+        for log in (run_dir / "logs").glob("*.log"):
+            for summary in events(log, "env_host.summary")[-1:]:
+                aborted += summary.get("aborted_stale", 0)
+        return Result(steps, trajectories, versions, speedup, aborted)
 
 
 def events(log: Path, event: str) -> list[dict[str, Any]]:
@@ -99,3 +105,80 @@ def events(log: Path, event: str) -> list[dict[str, Any]]:
         if line.startswith("{") and f'"event": "{event}"' in line:
             found.append(json.loads(line))
     return found
+
+
+# The paper's shape (Fig. 10): Qwen3-32B, batch 512 (64 groups of 8), tasks drawn uniformly: a
+# FrozenLake-like game (multi-turn, long observations: prefill-heavy) and a math-like task (one
+# long answer: decode-heavy); 96 H800 (32 training, 64 serving as 8 engines of 8) and 32 H20
+# (4 engines of 8); the weights cross to the generators over 200 Gb/s Ethernet.
+PAPER_NODES = [
+    {"name": "trainer", "role": "trainer"},
+    {"name": "gen-h800", "role": "generator", "hardware": "compute"},
+    {"name": "gen-h20", "role": "generator", "hardware": "bandwidth"},
+    {"name": "env-0", "role": "env-host"},
+    {"name": "env-1", "role": "env-host"},
+    {"name": "reward", "role": "reward-gateway"},
+]
+
+
+def paper_run_spec(model: Path, *, speedup: float, steps: int, sigma: float = 1.0, **rollout: Any) -> dict[str, Any]:
+    """The `run` section of the paper's shape; `rollout` overrides rollout keys (schedule, alpha, ...)."""
+    return {
+        "restart": {"policy": "stop-all"},
+        "model": {"path": str(model)},
+        "generator": {"backend": "sim", "max_batch_size": 256},
+        "reward_pool": {"min_workers": 2, "max_workers": 2},
+        "sim": {
+            "speedup": speedup,
+            "model": "qwen3-32b",
+            "engines": {
+                "compute": {"gpu": "H800", "gpus": 8, "replicas": 8},
+                "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 4},
+            },
+            "response_length_min_frac": 0.25,
+            "max_steps_per_wake": 32,
+            "trainer": {"gpu": "H800", "gpus": 32, "mfu": 0.4, "link_gbps": 200.0},
+        },
+        "rollout": {
+            "mode": "rollout-only",
+            "tasks": [
+                {
+                    "name": "game",
+                    "env": "sim",
+                    "env_kwargs": {"turns": [3, 10], "obs_tokens": 600, "reset_s": 8.0, "step_s": 1.0, "sigma": sigma},
+                    "profile": "prefill-heavy",
+                    "max_tokens_per_turn": 64,
+                    "max_total_tokens": 16384,
+                },
+                {
+                    "name": "math",
+                    "env": "sim",
+                    "env_kwargs": {"turns": 1, "obs_tokens": 400, "reset_s": 1.0, "sigma": sigma},
+                    "profile": "decode-heavy",
+                    "max_tokens_per_turn": 8192,
+                    "max_total_tokens": 16384,
+                },
+            ],
+            "group_size": 8,
+            "redundancy": 0,
+            "batch_groups": 64,
+            "steps": steps,
+            "groups_per_env_host": 96,
+            "generate_timeout_s": 600,
+            "env_timeout_s": 600,
+            "group_timeout_s": 3600,
+        }
+        | rollout,
+    }
+
+
+def train_step_s(result: Result) -> float:
+    """The simulated trainer's mean step on these batches (the paper shape's 32 H800, mfu 0.4)."""
+    from rollart.sim.hardware import GPUS, MODELS
+    from rollart.sim.hardware import train_step_s as step_s
+
+    tokens: dict[int, int] = {}
+    for t, version in zip(result.trajectories, result.versions, strict=True):
+        tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
+    model, gpu = MODELS["qwen3-32b"], GPUS["H800"]
+    return sum(step_s(model, gpu, gpus=32, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)

@@ -1,0 +1,76 @@
+"""Fig. 13: step time as the staleness bound alpha grows (0, 1, 2, 4), on the paper's shape.
+
+Simulation mode, real node processes, `simrun.paper_run_spec` (Qwen3-32B, batch 512, game + math,
+96 H800 + 32 H20, a simulated 32-GPU trainer). RollArt's trajectory-level rollout with async weight
+push throughout; only alpha changes. alpha 0 lets no generation overlap training; each step of
+alpha lets one more batch be generated ahead, and aborts fewer trajectories as stale. Reports the
+mean step time, the speed-up over alpha 0, the training step (a floor for every alpha: the trainer
+is busy), and trajectories aborted as stale per batch.
+
+    .venv/bin/python benchmarks/paper/fig13_alpha.py            # about 8 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--alphas", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--speedup", type=float, default=10.0, help="above ~10 the two cores fall behind and simulated time stretches"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig13.md")
+    args = parser.parse_args()
+    model = tiny_tokenizer_model()
+    began = time.monotonic()
+    rows = []
+    for alpha in args.alphas:
+        print(f"alpha {alpha} ...", flush=True)
+        result = run(
+            paper_run_spec(model, speedup=args.speedup, steps=args.steps, schedule="async", alpha=alpha), PAPER_NODES
+        )
+        print(f"  step times (simulated s): {[round(s) for s in result.step_s]}", flush=True)
+        rows.append((alpha, result))
+    base = rows[0][1].mean_step_s
+    lines = [
+        "| alpha | step s | speed-up vs first | train step s | efficiency (train step / step) "
+        "| aborted stale per batch |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for alpha, result in rows:
+        train = train_step_s(result)
+        lines.append(
+            f"| {alpha} | {result.mean_step_s:.0f} | {base / result.mean_step_s:.2f}x | {train:.0f} "
+            f"| {train / result.mean_step_s:.2f} | {result.aborted_stale / args.steps:.1f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    command = " ".join(["python", "benchmarks/paper/fig13_alpha.py", *sys.argv[1:]])
+    report = (
+        "# Fig. 13: step time vs the staleness bound alpha (simulation, the paper's shape)\n\n"
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}\n"
+        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
+        "- shape: `benchmarks/paper/simrun.py` `paper_run_spec`; trajectory-level rollout, async push; "
+        f"{args.steps} batches per alpha, step time = mean gap between batches after the first; "
+        f"speedup {args.speedup:g}\n\n{table}\n"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
