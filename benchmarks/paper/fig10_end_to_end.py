@@ -22,14 +22,10 @@ quality, so only step time and throughput are compared.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s
+from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
 
 MODES = {
     "sync (veRL-like)": {"schedule": "sync"},
@@ -83,21 +79,13 @@ def main() -> None:
     )
     print(table)
     print(summary)
-    command = " ".join(["python", "benchmarks/paper/fig10_end_to_end.py", *sys.argv[1:]])
-    report = (
-        "# Fig. 10: synchronous vs one-step-off vs RollArt (simulation, the paper's shape)\n\n"
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
-        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}\n"
-        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        "- shape: `benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, "
+    shape = (
+        "`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, "
         f"96 H800 + 32 H20, 32-GPU trainer, 200 Gb/s push); {args.steps} batches per schedule, step "
-        f"time = mean gap between batches after the first; speedup {args.speedup:g}\n\n"
-        f"{table}\n\n{summary}\n"
+        f"time = mean gap between batches after the first; speedup {args.speedup:g}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(f"wrote {args.out}")
+    title = "Fig. 10: synchronous vs one-step-off vs RollArt (simulation, the paper's shape)"
+    write_report(args.out, title, began=began, shape=shape, body=f"{table}\n\n{summary}")
 
 
 if __name__ == "__main__":

@@ -25,16 +25,12 @@ ideal / measured.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, Result, run, tiny_tokenizer_model
+from simrun import ROOT, Result, run, tiny_tokenizer_model, write_report
 
 PAPER = {1.0: 1.23, 10.0: 2.27}
 TARGET = {1.0: 1.3, 10.0: 2.5}
@@ -159,7 +155,6 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    command = " ".join(["python", "benchmarks/paper/fig12a_env_handling.py", *sys.argv[1:]])
     shape = (
         f"simulated Qwen3-8B on one 8 x H800 engine; batch {args.batch_groups} groups x {args.group_size}; "
         f"{args.turns} turns per episode, 300 prompt + 32 generated tokens per turn; env latency lognormal, "
@@ -167,17 +162,8 @@ def main() -> None:
         f"{args.steps} batches per run, step time = mean gap between batches after the first; "
         f"speedup {args.speedup:g}"
     )
-    report = (
-        "# Fig. 12a: trajectory-level vs batch-level env handling (simulation)\n\n"
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
-        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}\n"
-        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        f"- shape: {shape}\n\n{table}\n"
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(f"wrote {args.out}")
+    title = "Fig. 12a: trajectory-level vs batch-level env handling (simulation)"
+    write_report(args.out, title, began=began, shape=shape, body=table)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,10 @@ is busy), and trajectories aborted as stale per batch.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s
+from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
 
 
 def main() -> None:
@@ -56,20 +52,13 @@ def main() -> None:
         )
     table = "\n".join(lines)
     print(table)
-    command = " ".join(["python", "benchmarks/paper/fig13_alpha.py", *sys.argv[1:]])
-    report = (
-        "# Fig. 13: step time vs the staleness bound alpha (simulation, the paper's shape)\n\n"
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
-        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}\n"
-        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        "- shape: `benchmarks/paper/simrun.py` `paper_run_spec`; trajectory-level rollout, async push; "
+    shape = (
+        "`benchmarks/paper/simrun.py` `paper_run_spec`; trajectory-level rollout, async push; "
         f"{args.steps} batches per alpha, step time = mean gap between batches after the first; "
-        f"speedup {args.speedup:g}\n\n{table}\n"
+        f"speedup {args.speedup:g}"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(f"wrote {args.out}")
+    title = "Fig. 13: step time vs the staleness bound alpha (simulation, the paper's shape)"
+    write_report(args.out, title, began=began, shape=shape, body=table)
 
 
 if __name__ == "__main__":

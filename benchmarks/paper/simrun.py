@@ -13,9 +13,11 @@ import datetime
 import itertools
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,22 @@ def run(
             for summary in events(log, "env_host.summary")[-1:]:
                 aborted += summary.get("aborted_stale", 0)
         return Result(steps, trajectories, versions, speedup, aborted)
+
+
+def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:
+    """Write a result file: the title, date, machine, the command that made it, the shape, then `body`."""
+    command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
+    report = (
+        f"# {title}\n\n"
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}\n"
+        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
+        f"- shape: {shape}\n\n{body}\n"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    print(f"wrote {out}")
 
 
 def events(log: Path, event: str) -> list[dict[str, Any]]:
