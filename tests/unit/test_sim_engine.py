@@ -140,3 +140,18 @@ def test_training_and_transfer_times_by_hand() -> None:
         6 * 32.8e9 * 1e6 / (32 * 989.5e12 * 0.4)
     )
     assert transfer_s(model, gbps=200) == pytest.approx(65.6e9 * 8 / 200e9)
+
+
+@virtual
+async def test_requests_aborted_during_their_prefill_leave_the_engine_running() -> None:
+    eng = engine("H20")
+    await eng.start()
+    params = SamplingParams(max_tokens=10)
+    doomed = [asyncio.ensure_future(eng.generate(f"d{i}", [1] * 50_000, params)) for i in range(4)]
+    await eng.clock.sleep(0.001)  # they are being prefilled now
+    for i in range(4):
+        assert await eng.abort(f"d{i}")
+    assert [r.finish_reason for r in await asyncio.gather(*doomed)] == ["abort"] * 4
+    later = await eng.generate("later", [1] * 10, params)
+    assert later.finish_reason == "length" and len(later.token_ids) == 10
+    await eng.close()
