@@ -74,6 +74,22 @@ def check_ports_free(topology: Topology) -> None:
                     ) from None
 
 
+def finished_step(topology: Topology) -> int | None:
+    """The step of the run directory's latest checkpoint when it is the run's last step, else None.
+
+    A trainer resumes from its latest checkpoint (docs/training.md); once that checkpoint is the
+    final step there is nothing left to resume, and a new `rollart run` starts a fresh run instead
+    of ending at once."""
+    rollout = topology.run.rollout
+    if rollout is None or rollout.mode != "train" or rollout.steps is None:
+        return None
+    pointer = topology.run_dir() / "checkpoints" / "latest"
+    with contextlib.suppress(OSError, ValueError):
+        step = int(pointer.read_text().strip().removeprefix("step-"))
+        return step if step >= rollout.steps else None
+    return None
+
+
 class Launcher:
     """Runs one topology's nodes as local processes until stopped."""
 
@@ -111,6 +127,11 @@ class Launcher:
 
     def _prepare(self) -> None:
         run = self.topology.run
+        finished = finished_step(self.topology)
+        if finished is not None:
+            aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{int(time.time())}")
+            self.run_dir.rename(aside)
+            self._say(f"{self.run_dir} holds a finished run (checkpoint at step {finished}); moved it to {aside}")
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         model = Path(run.model.path)
         if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():

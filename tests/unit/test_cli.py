@@ -29,3 +29,19 @@ def test_run_says_how_to_get_vllm_when_even_its_environment_lacks_it(
     monkeypatch.setenv("ROLLART_IN_VLLM_VENV", "1")  # as after the re-run in .venv-vllm
     assert main(["run", str(topology)]) == 2
     assert "run bin/setup-vllm" in capsys.readouterr().err
+
+
+def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path: Path) -> None:
+    from rollart.launcher import finished_step
+
+    run_dir = tmp_path / "run"
+    rollout = "{mode: train, tasks: [{name: t, env: copy-reverse}], steps: 80}"
+    text = f"run:\n  run_dir: {run_dir}\n  rollout: {rollout}\n" + NODES
+    topology = parse_topology(text)
+    assert finished_step(topology) is None  # no checkpoint yet
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step-000050\n")
+    assert finished_step(topology) is None  # a restart resumes from step 50
+    (run_dir / "checkpoints" / "latest").write_text("step-000080\n")
+    assert finished_step(topology) == 80
+    assert finished_step(parse_topology(text.replace("steps: 80", "steps: 120"))) is None  # more steps asked for
