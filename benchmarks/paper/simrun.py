@@ -1,5 +1,6 @@
 """Shared by the paper experiments: write a simulation-mode topology, run it with real node
-processes (`rollart run`), and read back what happened in simulated seconds.
+processes (`rollart run`) or in-process on a virtual clock (`rollart.sim.inprocess`), and read back
+what happened in simulated seconds.
 
 Every experiment runs the real trainer (dispenser, SampleBuffer, alpha), env-hosts (trajectory
 coroutines or batch-level stepping, LLMProxy routing) and reward gateway, with `sim` generators
@@ -42,6 +43,12 @@ class Result:
     speedup: float
     aborted_stale: int = 0
     """Trajectories the env-hosts aborted because a new version made them too stale."""
+    generator_busy: dict[str, float] | None = None
+    """In-process runs: each generator's busy fraction."""
+    reward_utilization: float | None = None
+    """In-process runs with a simulated reward: busy / live reward worker-seconds."""
+    cpu_s: float | None = None
+    """In-process runs: CPU seconds the whole simulation took."""
 
     @property
     def mean_step_s(self) -> float:
@@ -56,10 +63,18 @@ def tiny_tokenizer_model() -> Path:
 
 
 def run(
-    run_spec: dict[str, Any], nodes: list[dict[str, Any]], *, timeout_s: float = 1800, keep: Path | None = None
+    run_spec: dict[str, Any],
+    nodes: list[dict[str, Any]],
+    *,
+    timeout_s: float = 1800,
+    keep: Path | None = None,
+    inprocess: bool = False,
 ) -> Result:
     """Run a topology whose `run` section is `run_spec` and whose nodes are `nodes` (ports are added);
-    the run directory goes to `keep` when given, else it is deleted."""
+    the run directory goes to `keep` when given, else it is deleted. `inprocess`: every node in this
+    process on a virtual clock (run_spec's `sim.speedup` must be 1)."""
+    if inprocess:
+        return run_inprocess_spec(run_spec, nodes)
     with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
         folder = keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -101,6 +116,27 @@ def run(
         return Result(steps, trajectories, versions, speedup, aborted)
 
 
+def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) -> Result:
+    """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop."""
+    from rollart.nodes import EnvHostNode
+    from rollart.nodes.trainer import as_record
+    from rollart.sim.inprocess import run_inprocess
+    from rollart.topology import parse_topology
+
+    placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused
+    with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
+        spec = {"run": {"name": "paper", "run_dir": tmp, "drain_timeout_s": 5} | run_spec, "nodes": placed}
+        done = run_inprocess(parse_topology(yaml.safe_dump(spec, sort_keys=False)), log=Path(tmp) / "nodes.log")
+    trajectories, versions = [], []
+    for batch in done.batches:
+        for group in batch.groups:
+            trajectories += [as_record(t) for t in group.trajectories]
+            versions += [batch.version] * len(group.trajectories)
+    aborted = sum(node.counts["aborted_stale"] for node in done.nodes.values() if isinstance(node, EnvHostNode))
+    reward = done.reward.utilization if done.reward is not None and done.reward.cold_starts.count else None
+    return Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s)
+
+
 def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:
     """Write a result file: the title, date, machine, the command that made it, the shape, then `body`."""
     command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
@@ -139,8 +175,25 @@ PAPER_NODES = [
 ]
 
 
-def paper_run_spec(model: Path, *, speedup: float, steps: int, sigma: float = 1.0, **rollout: Any) -> dict[str, Any]:
-    """The `run` section of the paper's shape; `rollout` overrides rollout keys (schedule, alpha, ...)."""
+PAPER_ENGINES = {
+    "compute": {"gpu": "H800", "gpus": 8, "replicas": 8},
+    "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 4},
+}
+"""64 H800 as 8 engines of 8 (TP 8), 32 H20 as 4 engines of 8."""
+
+
+def paper_run_spec(
+    model: Path,
+    *,
+    speedup: float,
+    steps: int,
+    sigma: float = 1.0,
+    engines: dict[str, Any] | None = None,
+    reward: dict[str, Any] | None = None,
+    **rollout: Any,
+) -> dict[str, Any]:
+    """The `run` section of the paper's shape; `engines` replaces its generators' shapes, `reward` its
+    simulated reward (default: rule-based, instant), `rollout` overrides rollout keys (schedule, alpha, ...)."""
     return {
         "restart": {"policy": "stop-all"},
         "model": {"path": str(model)},
@@ -149,13 +202,11 @@ def paper_run_spec(model: Path, *, speedup: float, steps: int, sigma: float = 1.
         "sim": {
             "speedup": speedup,
             "model": "qwen3-32b",
-            "engines": {
-                "compute": {"gpu": "H800", "gpus": 8, "replicas": 8},
-                "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 4},
-            },
+            "engines": engines or PAPER_ENGINES,
             "response_length_min_frac": 0.25,
             "max_steps_per_wake": 32,
             "trainer": {"gpu": "H800", "gpus": 32, "mfu": 0.4, "link_gbps": 200.0},
+            "reward": reward or {"placement": "instant"},
         },
         "rollout": {
             "mode": "rollout-only",
@@ -190,7 +241,7 @@ def paper_run_spec(model: Path, *, speedup: float, steps: int, sigma: float = 1.
     }
 
 
-def train_step_s(result: Result) -> float:
+def train_step_s(result: Result, gpus: int = 32) -> float:
     """The simulated trainer's mean step on these batches (the paper shape's 32 H800, mfu 0.4)."""
     from rollart.sim.hardware import GPUS, MODELS
     from rollart.sim.hardware import train_step_s as step_s
@@ -199,4 +250,4 @@ def train_step_s(result: Result) -> float:
     for t, version in zip(result.trajectories, result.versions, strict=True):
         tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
     model, gpu = MODELS["qwen3-32b"], GPUS["H800"]
-    return sum(step_s(model, gpu, gpus=32, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)
+    return sum(step_s(model, gpu, gpus=gpus, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)

@@ -18,6 +18,7 @@ import functools
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import structlog
@@ -33,6 +34,7 @@ from rollart.protocol import (
     tcp_connector,
 )
 from rollart.protocol.errors import ProtocolError, RemoteError, RollartError
+from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
 from rollart.topology import NodeSpec, Role, Topology
 
@@ -55,7 +57,18 @@ class NodeDaemon:
 
     role: ClassVar[Role]
 
-    def __init__(self, topology: Topology, spec: NodeSpec, *, secret: bytes, admin_token: str | None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        spec: NodeSpec,
+        *,
+        secret: bytes,
+        admin_token: str | None,
+        network: MemoryNetwork | None = None,
+    ) -> None:
+        """`network`: run in-process (`rollart.sim.inprocess`): sessions go over this in-memory
+        network, addressed by node name, and the node has no TCP listener, admin endpoint or signal
+        handlers of its own."""
         if spec.role is not self.role:
             raise RollartError(f"node {spec.name!r} has role {spec.role.value}; this daemon is a {self.role.value}")
         self.topology = topology
@@ -75,11 +88,17 @@ class NodeDaemon:
         self.server = SessionServer(
             local=self.identity, secret=secret, channel=APP, handler=self, cfg=self.cfg, on_bulk=self.on_bulk
         )
+        self.network = network
         self.clients: dict[str, ClientSession] = {}
         for peer in topology.nodes:
             if peer.role in CONNECTS_TO[self.role] and peer.name != spec.name:
+                connector: Callable[[], Awaitable[Connection]] = (
+                    functools.partial(tcp_connector, peer.host, peer.port, self.cfg)
+                    if network is None
+                    else functools.partial(network.connect, peer.name, spec.name)
+                )
                 self.clients[peer.name] = ClientSession(
-                    functools.partial(tcp_connector, peer.host, peer.port, self.cfg),
+                    connector,
                     secret=secret,
                     local=self.identity,
                     channel=APP,
@@ -96,17 +115,23 @@ class NodeDaemon:
     async def run(self) -> None:
         """Serve until drained. Raises if a long-lived task fails (the process then exits non-zero)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        signals = (signal.SIGTERM, signal.SIGINT) if self.network is None else ()
+        for sig in signals:
             loop.add_signal_handler(sig, self.request_drain, f"signal {sig.name}")
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.server.serve())
-                await self.server.listen_tcp(self.spec.host, self.spec.port)
-                await self.admin.start()
+                if self.network is None:
+                    await self.server.listen_tcp(self.spec.host, self.spec.port)
+                    await self.admin.start()
+                else:
+                    self.network.listen(self.spec.name, self.server.accept)
                 for client in self.clients.values():
                     tg.create_task(client.run())
                 work = tg.create_task(self.work())
-                watch = tg.create_task(self._watch_peers())
+                # In-process there is no /status to show peers in, and thousands of nodes polling
+                # each other would cost more than the simulation itself.
+                watch = tg.create_task(self._watch_peers() if self.network is None else asyncio.sleep(0))
                 log.info(
                     "node.started",
                     port=self.spec.port,
@@ -118,8 +143,10 @@ class NodeDaemon:
                 work.cancel()
                 watch.cancel()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
+            if self.network is not None:
+                self.network.unlisten(self.spec.name)
             await self.admin.stop()
             self._stopped.set()
         log.info("node.stopped")

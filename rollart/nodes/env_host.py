@@ -62,6 +62,8 @@ class EnvHostNode(NodeDaemon):
         self.clock = SimClock(self.topology.run.sim.speedup)
         """Where simulated env latency passes (`sim` envs); real envs take real time."""
         self._slots: list[asyncio.Task[None]] = []
+        self._blocking: dict[str, bool] = {}
+        """Per task, whether its environment blocks (made in a thread) or runs on the loop (`sim`)."""
         generators = [
             GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
             for peer in self.topology.nodes_with_role(Role.GENERATOR)
@@ -88,6 +90,7 @@ class EnvHostNode(NodeDaemon):
         import_env_modules(self.topology.run.env_modules)
         for task in self.rollout.tasks:
             env = make_env(task.env, **task.env_kwargs)
+            self._blocking[task.name] = env.blocking
             if task.profile is None:  # the environment's own profile is the starting guess
                 self.profiler.initial[task.name] = env.profile
             if task.max_turns is not None and task.max_turns > env.max_turns:
@@ -99,7 +102,11 @@ class EnvHostNode(NodeDaemon):
                     hint="raise max_turns in the task's env_kwargs",
                 )
             env.close()
-        self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, self.topology.run.model.path))
+        path = self.topology.run.model.path
+        if self.network is None:
+            self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, path))
+        else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
+            self.renderer = ChatRenderer(_load_tokenizer(path))
         trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -210,7 +217,10 @@ class EnvHostNode(NodeDaemon):
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
         alpha = self.rollout.alpha if self.rollout.mode == "train" else None
         try:
-            env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
+            if self._blocking.get(task.name, True):
+                env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
+            else:
+                env = make_env(task.env, **task.env_kwargs)
         except BaseException:
             self.live.pop(trajectory_id, None)
             raise
@@ -279,6 +289,7 @@ class EnvHostNode(NodeDaemon):
         return status
 
 
+@functools.cache  # one per process: the in-process simulation runs thousands of env-hosts
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 

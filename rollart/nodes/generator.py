@@ -24,7 +24,7 @@ from rollart.engines.base import GenerationEngine, SamplingParams
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import ConfigError, RemoteError
-from rollart.protocol.messages import Generate, Generated, WeightsHere, WeightsWhere
+from rollart.protocol.messages import Generate, Generated, SimWeights, WeightsHere, WeightsWhere
 from rollart.topology import Role, RunSpec
 from rollart.weights import WeightReceiver, ucx_unavailable
 
@@ -87,7 +87,8 @@ class GeneratorNode(NodeDaemon):
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.receiver.serve())
             transport = run.trainer.weight_transport
-            if transport != "tcp" and ucx_unavailable() is None:
+            # A simulated engine gets no real weights (`SimWeights` stands for the push).
+            if transport != "tcp" and run.generator.backend != "sim" and ucx_unavailable() is None:
                 self.ucx_port = await self.receiver.listen_ucx(
                     local=self.identity, secret=self.secret, cfg=self.cfg, port=0
                 )
@@ -117,8 +118,24 @@ class GeneratorNode(NodeDaemon):
                 return await self._generate(msg)
             case WeightsWhere():
                 return WeightsHere(self.receiver.version, self.ucx_port)
+            case SimWeights():
+                return await self._sim_weights(msg)
             case _:
                 return await super().on_role_request(session, msg)
+
+    async def _sim_weights(self, msg: SimWeights) -> SimWeights:
+        """Simulation mode's weight push: the version arrives after `after_s`, then the engine stops
+        generating for `pause_s` while it loads."""
+        from rollart.sim.engine import SimEngine
+
+        await self.ready.wait()
+        if not isinstance(self.engine, SimEngine):
+            raise RemoteError("bad-request", f"{self.spec.name} runs no simulated engine")
+        await self.engine.clock.sleep(msg.after_s)
+        self.engine.pause(msg.pause_s)
+        await self.engine.clock.sleep(msg.pause_s)
+        await self.engine.load_weights(msg.version, {})
+        return msg
 
     async def _generate(self, msg: Generate) -> Generated:
         await self.ready.wait()  # bounded by the request's own deadline

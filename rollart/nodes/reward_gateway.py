@@ -2,7 +2,8 @@
 
 Env-hosts send `Score` requests naming a registered reward function; the pool
 (`rollart.rewards.RewardPool`) runs them in worker processes that scale between
-`run.reward_pool.min_workers` (zero allowed) and `max_workers` with the queue. Cold starts,
+`run.reward_pool.min_workers` (zero allowed) and `max_workers` with the queue (or, in simulation
+mode with `run.sim.reward`, a `SimRewardPool`: a modelled reward LLM on local GPUs or a service). Cold starts,
 utilization and queue depth show in `/status` and `/metrics`. Bad input comes back as a
 `bad-request` error saying what was wrong.
 """
@@ -19,6 +20,8 @@ from rollart.protocol import Session
 from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout
 from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
+from rollart.sim.clock import SimClock
+from rollart.sim.reward import SimRewardPool
 from rollart.topology import Role
 
 
@@ -27,10 +30,14 @@ class RewardGatewayNode(NodeDaemon):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        spec = self.topology.run.reward_pool
-        self.pool = RewardPool(
-            min_workers=spec.min_workers, max_workers=spec.max_workers, idle_timeout_s=spec.idle_timeout_s
-        )
+        spec, sim = self.topology.run.reward_pool, self.topology.run.sim
+        self.pool: RewardPool | SimRewardPool
+        if sim.reward is not None:
+            self.pool = SimRewardPool(sim.reward, SimClock(sim.speedup))
+        else:
+            self.pool = RewardPool(
+                min_workers=spec.min_workers, max_workers=spec.max_workers, idle_timeout_s=spec.idle_timeout_s
+            )
 
     async def work(self) -> None:
         async with self.pool:
@@ -49,7 +56,10 @@ class RewardGatewayNode(NodeDaemon):
                 rollout = self.topology.run.rollout
                 timeout = rollout.reward_timeout_s if rollout is not None else 30.0
                 try:
-                    out = await self.pool.score(msg.fn, item, timeout=timeout)
+                    if isinstance(self.pool, SimRewardPool):
+                        out = await self.pool.score(msg.fn, item, timeout=timeout, tokens=msg.tokens)
+                    else:
+                        out = await self.pool.score(msg.fn, item, timeout=timeout)
                 except (RewardError, ConfigError) as exc:
                     raise RemoteError("bad-request", str(exc)) from exc
                 except RequestTimeout as exc:

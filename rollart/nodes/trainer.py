@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,16 @@ import structlog
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
 from rollart.protocol import Session
-from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
+from rollart.protocol.errors import RollartError
+from rollart.protocol.messages import (
+    GroupAck,
+    GroupDone,
+    GroupFailed,
+    NoTask,
+    PolicyVersion,
+    SimWeights,
+    TaskWanted,
+)
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
 from rollart.sim.clock import SimClock
@@ -49,6 +59,8 @@ class TrainerNode(NodeDaemon):
         self.version = 0
         self.batches = 0
         self.done = False
+        self.finished = asyncio.Event()
+        """Set with `done`: the last batch is taken."""
         self.last_rewards: list[float] = []
         self._env_host_sessions: dict[str, str] = {}
         rollout = self.topology.run.rollout
@@ -68,6 +80,11 @@ class TrainerNode(NodeDaemon):
         """Simulation mode's clock (`run.sim.trainer`)."""
         self._step_lock = asyncio.Lock()
         """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
+        self._background: set[asyncio.Future[None]] = set()
+        """Simulated asynchronous weight pushes in flight."""
+        self.on_batch: Callable[[int, list[GroupDone]], None] | None = None
+        """Rollout-only mode: called with (version, batch) for each batch taken, instead of appending
+        it to `rollout.jsonl` (the in-process simulation reads batches this way, with no thread)."""
 
     async def work(self) -> None:
         if self.rollout is None:
@@ -127,7 +144,10 @@ class TrainerNode(NodeDaemon):
             simulated = self.topology.run.sim.trainer is not None
             self.dispenser.held = simulated and self.rollout.schedule == "sync"
             self.dispenser.changed()
-            await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
+            if self.on_batch is not None:
+                self.on_batch(self.version, batch)
+            else:
+                await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
             self.batches += 1
             log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
             if simulated:
@@ -137,6 +157,7 @@ class TrainerNode(NodeDaemon):
         if self.learner is not None and self.batches > self.last_checkpoint_step:
             await self._checkpoint()
         self.done = True
+        self.finished.set()
         self.dispenser.done = True
         self.dispenser.changed()
         await self._tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
@@ -144,7 +165,10 @@ class TrainerNode(NodeDaemon):
 
     async def _simulated_step(self, batch: list[GroupDone]) -> None:
         """Simulation mode (`run.sim.trainer`): the modelled training step on the batch's tokens, a new
-        version, and the weight push, which the sync schedule waits for with the dispenser held."""
+        version, and the weight push: a synchronous push (and the sync schedule, with the dispenser
+        held) waits while every engine receives its copy over the link, generation stopped; an
+        asynchronous one goes on at once while each engine receives in the background and stops only
+        to load from host memory."""
         from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
 
         sim = self.topology.run.sim
@@ -153,10 +177,30 @@ class TrainerNode(NodeDaemon):
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
         await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
         await self.bump_version()
-        if self.rollout.schedule == "sync":
-            await self.clock.sleep(transfer_s(model, gbps=sim.trainer.link_gbps))
+        generators = {
+            peer.name: sim.engines[peer.hardware]
+            for peer in self.topology.nodes_with_role(Role.GENERATOR)
+            if peer.hardware in sim.engines
+        }
+        copies = sum(shape.replicas for shape in generators.values())  # each replica receives its own copy
+        cross_s = transfer_s(model, gbps=sim.trainer.link_gbps) * copies
+        if self.rollout.schedule == "sync" or sim.trainer.push == "sync":
+            pushes = [self._sim_push(name, after_s=0.0, pause_s=cross_s) for name in generators]
+            await asyncio.gather(*pushes, self.clock.sleep(cross_s))
             self.dispenser.held = False
             self.dispenser.changed()
+        else:
+            for name, shape in generators.items():
+                load_s = model.weight_bytes / shape.gpus / (sim.trainer.host_load_gbs * 1e9)
+                self._background.add(task := asyncio.ensure_future(self._sim_push(name, cross_s, load_s)))
+                task.add_done_callback(self._background.discard)
+
+    async def _sim_push(self, generator: str, after_s: float, pause_s: float) -> None:
+        client = self.clients[generator]
+        try:
+            await client.request(SimWeights(self.version, after_s, pause_s), timeout=SYNC_PUSH_TIMEOUT_S)
+        except RollartError as exc:  # the push is a model: a generator gone is logged, not fatal
+            log.warning("trainer.sim_push_failed", generator=generator, error=str(exc))
 
     async def _train(self, batch: list[GroupDone]) -> None:
         """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""

@@ -307,6 +307,8 @@ class Score(msgspec.Struct, tag="score", **_WIRE):
     response: str
     answer: str | None = None
     env_reward: float | None = None
+    tokens: int = 0
+    """The trajectory's prompt and response tokens (what a simulated reward model's time follows)."""
 
 
 class Scored(msgspec.Struct, tag="scored", **_WIRE):
@@ -328,6 +330,15 @@ class WeightsHere(msgspec.Struct, tag="weights", **_WIRE):
     ucx_port: int = 0
 
 
+class SimWeights(msgspec.Struct, tag="sim-weights", **_WIRE):
+    """Trainer -> generator, simulation mode: policy `version` reaches the engine `after_s` simulated
+    seconds from now, and loading it stops generation for `pause_s`. Answered (with itself) once loaded."""
+
+    version: int
+    after_s: float
+    pause_s: float
+
+
 RolloutMsg = (
     Generate
     | Generated
@@ -340,6 +351,7 @@ RolloutMsg = (
     | PolicyVersion
     | WeightsWhere
     | WeightsHere
+    | SimWeights
 )
 RewardMsg = Score | Scored
 AppMsg = ControlMsg | RolloutMsg | RewardMsg

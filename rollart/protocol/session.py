@@ -55,6 +55,8 @@ from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel
 
 log = structlog.get_logger("rollart.protocol.session")
 
+CLOCK_SLACK_S = 1e-6
+"""How far before a timer's deadline a clock reading still counts as at it (see `_heartbeat`)."""
 _ENVELOPE_BYTES = 64  # a Msg's own fields, bounded well above what they encode to
 _NO_BODY = b"\xc0"  # msgpack nil: a Msg body is spliced in raw, so even "nothing" must be a value
 
@@ -426,7 +428,9 @@ class Session:
         interval, deadline = self.cfg.heartbeat_interval_s, self.cfg.heartbeat_deadline_s
         next_beat = self._loop.time()
         while True:
-            now = self._loop.time()
+            # A clock read as a hair before the timer it woke from still counts as there: a virtual
+            # clock (looptime) rounds to microseconds, and 0.4 + 0.2 > 0.6 would otherwise spin.
+            now = self._loop.time() + CLOCK_SLACK_S
             silent_until = self.last_heard + deadline
             if now >= silent_until:
                 self.stats.silent_peer += 1
@@ -436,7 +440,7 @@ class Session:
                 conn.send(SESSION.encode(Ack(self._delivered)))
                 self._acked_sent = self._delivered
                 next_beat = now + interval
-            await asyncio.sleep(min(next_beat, silent_until) - now)
+            await asyncio.sleep(min(next_beat, silent_until) - now + CLOCK_SLACK_S)
 
     def _restart_numbering(self) -> None:
         """The peer lost this session's state: resend what it may not have, numbered afresh."""

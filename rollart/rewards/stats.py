@@ -118,10 +118,19 @@ class PoolMeters:
         self.served = self.failed = self.timed_out = self.crashed = self.peak = 0
 
     def snapshot(
-        self, *, starting: int, idle: int, busy: int, queue_depth: int, live_since: list[float], busy_since: list[float]
+        self,
+        *,
+        starting: int,
+        idle: int,
+        busy: int,
+        queue_depth: int,
+        live_since: list[float],
+        busy_since: list[float],
+        now: float | None = None,
     ) -> PoolStats:
-        """`live_since` / `busy_since`: start times of the workers alive / busy right now."""
-        now = time.monotonic()
+        """`live_since` / `busy_since`: start times of the workers alive / busy right now; `now` on
+        the same clock (default `time.monotonic()`)."""
+        now = time.monotonic() if now is None else now
         return PoolStats(
             live_workers=starting + idle + busy,
             starting_workers=starting,

@@ -15,6 +15,7 @@ the event loop with a deadline (`EnvRunner`); an environment that fails fails th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -128,11 +129,12 @@ class _History:
 
     async def timed(self, kind: str, call: Awaitable[T]) -> T:
         """Await `call`, adding the wait to the trajectory's env, generation or reward time."""
-        t0, wall = time.monotonic(), time.time()
+        loop = asyncio.get_running_loop()  # its clock: simulated time on the in-process virtual loop
+        t0, wall = loop.time(), time.time()
         try:
             return await call
         finally:
-            took = time.monotonic() - t0
+            took = loop.time() - t0
             self.waited[kind] += took
             self.spans.append((kind, round(wall, 4), round(wall + took, 4)))
 
@@ -259,6 +261,7 @@ async def run_trajectory(
                     response="\n".join(history.replies),
                     answer=str(answer) if answer is not None else None,
                     env_reward=env_reward,
+                    tokens=len(history.ids),
                 )
             ),
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import random
 from collections.abc import Mapping
@@ -202,6 +203,13 @@ class SimEngine:
     async def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
         self.version = version
 
+    def pause(self, seconds: float) -> None:
+        """Stop generating for `seconds` of simulated time (loading weights): every replica's next
+        step starts that much later; requests in flight wait."""
+        now = self.clock.now()
+        for replica in self._replicas:
+            replica.timeline = max(replica.timeline, now) + seconds
+
     def load(self) -> EngineLoad:
         now = max(self.clock.now(), *(r.timeline for r in self._replicas))
         capacity = (now - self._started_at) * len(self._replicas)
@@ -279,11 +287,11 @@ class SimEngine:
         for request in batch:
             if request.request_id not in replica.running:  # aborted during the steps
                 continue
-            for _ in range(steps):
-                last = len(request.tokens) == request.target - 1
-                token = self.eos_id if last and request.stop else request.rng.choice(self.token_ids)
-                request.tokens.append(token)
-                request.versions.append(self.version)
+            tokens = request.rng.choices(self.token_ids, k=steps)  # steps never pass any request's target
+            if request.stop and len(request.tokens) + steps == request.target:
+                tokens[-1] = self.eos_id
+            request.tokens += tokens
+            request.versions += [self.version] * steps
             self.generated_tokens += steps
             if len(request.tokens) >= request.target:
                 del replica.running[request.request_id]
@@ -293,17 +301,24 @@ class SimEngine:
 
 def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_batch_size: int) -> SimEngine:
     """The engine `spec` gives a generator of `hardware`, emitting the run tokenizer's ordinary tokens."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    special = set(tokenizer.all_special_ids)
+    token_ids, eos_id = _vocabulary(tokenizer_path)
     return SimEngine(
         CostModel.build(spec.engines[hardware], spec.model),
         clock=SimClock(spec.speedup),
-        token_ids=[i for i in range(len(tokenizer)) if i not in special],
-        eos_id=tokenizer.eos_token_id,
+        token_ids=list(token_ids),
+        eos_id=eos_id,
         max_batch_size=max_batch_size,
         replicas=spec.engines[hardware].replicas,
         length_min_frac=spec.response_length_min_frac,
         max_steps_per_wake=spec.max_steps_per_wake,
     )
+
+
+@functools.cache  # one per process: the in-process simulation runs many generators
+def _vocabulary(tokenizer_path: str) -> tuple[tuple[int, ...], int]:
+    """The tokenizer's ordinary (not special) token ids, and its EOS id."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    special = set(tokenizer.all_special_ids)
+    return tuple(i for i in range(len(tokenizer)) if i not in special), tokenizer.eos_token_id

@@ -83,6 +83,7 @@ MODELS: dict[str, Model] = {
         Model("qwen3-8b", params_b=8.19, layers=36, kv_heads=8, head_dim=128),
         Model("qwen3-14b", params_b=14.8, layers=40, kv_heads=8, head_dim=128),
         Model("qwen3-32b", params_b=32.8, layers=64, kv_heads=8, head_dim=128),
+        Model("qwen2.5-7b", params_b=7.62, layers=28, kv_heads=4, head_dim=128),  # the paper's reward LLM
     )
 }
 

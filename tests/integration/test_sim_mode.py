@@ -1,14 +1,20 @@
-"""Simulation mode with real node processes: the same trainer, dispenser, env-hosts, LLMProxy
-routing and reward gateway, with simulated engines and environments timed by their models."""
+"""Simulation mode, with real node processes and in-process on a virtual clock: the same trainer,
+dispenser, env-hosts, LLMProxy routing and reward gateway (the daemons of `rollart.nodes`, no copy),
+with simulated engines, environments and reward timed by their models."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rollart.protocol.errors import ConfigError
 from rollart.sim.config import SimSpec
-from rollart.sim.hardware import CostModel, EngineShape
+from rollart.sim.hardware import MODELS, CostModel, EngineShape, transfer_s
+from rollart.sim.inprocess import InProcessRun, check_inprocess, run_inprocess
+from rollart.topology import load_topology
 from tests.integration.test_rollout import HARDWARE, NODES, batches, check_trajectory, run_to_completion
 from tests.support import write_topology
 
@@ -18,12 +24,12 @@ SPEEDUP = 20.0
 MATH_TOKENS = 600
 
 
-def sim_yaml(model: Path) -> str:
+def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "") -> str:
     return f"""  model: {{path: {model}}}
   generator: {{backend: sim, max_batch_size: 128}}
   sim:
-    speedup: {SPEEDUP}
-    model: qwen3-8b
+    speedup: {speedup}
+    model: qwen3-8b{sim_extra}
     engines: {{compute: {{gpu: H800, gpus: 1}}, bandwidth: {{gpu: H20, gpus: 1}}}}
   rollout:
     tasks:
@@ -56,7 +62,11 @@ def test_a_simulated_rollout_runs_on_the_real_scheduling_code(tmp_path: Path) ->
     run_to_completion(topology)
     records = batches(tmp_path / "run")
     assert len(records) == 4 * 4
-    trajectories = [t for r in records for t in r["group"]["trajectories"]]
+    check_simulated([t for r in records for t in r["group"]["trajectories"]], SPEEDUP)
+
+
+def check_simulated(trajectories: list[dict[str, Any]], speedup: float) -> None:
+    """Four batches of four groups of four; routed by profile; timed at least as the models say."""
     assert len({t["trajectory_id"] for t in trajectories}) == len(trajectories) == 4 * 4 * 4
     spec = SimSpec(model="qwen3-8b")
     h20 = CostModel.build(EngineShape(gpu="H20", gpus=1), spec.model)
@@ -68,7 +78,60 @@ def test_a_simulated_rollout_runs_on_the_real_scheduling_code(tmp_path: Path) ->
         if t["task"] == "math":
             assert sum(t["response_mask"]) == MATH_TOKENS
             # simulated generation took at least what the hardware model says one request takes
-            assert t["gen_wait_s"] * SPEEDUP >= 0.9 * decode_alone, (t["gen_wait_s"], decode_alone)
+            assert t["gen_wait_s"] * speedup >= 0.9 * decode_alone, (t["gen_wait_s"], decode_alone)
         else:
             assert t["turns"] == 3
-            assert t["env_wait_s"] * SPEEDUP >= 0.9 * (1.0 + 3 * 0.5)  # reset + three steps, simulated
+            assert t["env_wait_s"] * speedup >= 0.9 * (1.0 + 3 * 0.5)  # reset + three steps, simulated
+
+
+INPROCESS = """
+    reward: {placement: instant}
+    trainer: {gpu: H800, gpus: 8, link_gbps: 50.0, push: PUSH}"""
+
+
+def inprocess(tmp_path: Path, push: str = "async") -> InProcessRun:
+    from rollart.engines.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", seed=0)
+    extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", push))
+    path, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=extra)
+    return run_inprocess(load_topology(path), log=tmp_path / "nodes.log")
+
+
+@pytest.mark.timeout(300)
+def test_the_same_nodes_run_in_process_on_a_virtual_clock(tmp_path: Path) -> None:
+    from rollart.nodes.trainer import as_record
+
+    done = inprocess(tmp_path)
+    assert {type(node).__name__ for node in done.nodes.values()} == {
+        "TrainerNode",
+        "GeneratorNode",
+        "EnvHostNode",
+        "RewardGatewayNode",
+    }
+    assert [batch.version for batch in done.batches] == [0, 1, 2, 3]
+    assert all(len(batch.groups) == 4 for batch in done.batches)
+    check_simulated([as_record(t) for b in done.batches for g in b.groups for t in g.trajectories], 1.0)
+    assert done.sim_s > 10 * done.wall_s or done.sim_s > 60  # simulated time is not paid in real time
+    assert done.generator_busy.keys() == {"gen-compute", "gen-bandwidth"}
+    assert 0 < done.generator_busy["gen-bandwidth"] <= 1
+
+
+@pytest.mark.timeout(300)
+def test_a_synchronous_weight_push_stops_generation_and_the_trainer(tmp_path: Path) -> None:
+    sync, asynchronous = inprocess(tmp_path / "sync", "sync"), inprocess(tmp_path / "async", "async")
+    # A copy to each of the two engines: 5.2 s, longer than the math env's reset that could hide it.
+    push_s = transfer_s(MODELS["qwen3-8b"], gbps=50.0) * 2
+    gap = statistics.fmean(sync.step_s) - statistics.fmean(asynchronous.step_s)
+    assert gap > 0.5 * push_s, (sync.step_s, asynchronous.step_s, push_s)
+
+
+def test_what_keeps_a_topology_from_running_in_process_is_named(tmp_path: Path) -> None:
+    from rollart.engines.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", seed=0)
+    path, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=sim_yaml(model))
+    with pytest.raises(ConfigError) as caught:
+        check_inprocess(load_topology(path))
+    assert "run.sim.speedup: must be 1" in str(caught.value)
+    assert "run.sim.reward: needed in-process" in str(caught.value)

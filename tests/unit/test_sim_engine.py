@@ -155,3 +155,16 @@ async def test_requests_aborted_during_their_prefill_leave_the_engine_running() 
     later = await eng.generate("later", [1] * 10, params)
     assert later.finish_reason == "length" and len(later.token_ids) == 10
     await eng.close()
+
+
+@virtual
+async def test_a_pause_for_loading_weights_delays_generation_by_its_length() -> None:
+    plain, _ = await timed(engine(), prompt=100, max_tokens=50)
+    eng = engine()
+    await eng.start()
+    start = eng.clock.now()
+    eng.pause(7.0)  # loading weights: nothing is generated meanwhile
+    result = await eng.generate("r", [1] * 100, SamplingParams(max_tokens=50))
+    assert eng.clock.now() - start == pytest.approx(plain + 7.0, rel=1e-4)
+    await eng.close()
+    assert len(result.token_ids) == 50

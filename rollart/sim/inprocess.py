@@ -1,0 +1,176 @@
+"""The in-process simulation: every node of a topology in one process, on a virtual-time loop.
+
+The nodes are the real daemons (`rollart.nodes`): the trainer with its dispenser, SampleBuffer and
+alpha bound, env-hosts running one coroutine per trajectory through their LLMProxy, generators
+serving `SimEngine`s, the reward gateway. Their persistent sessions run over a `MemoryNetwork`
+(addressed by node name) instead of TCP, with the same framing limits, handshake, heartbeats and
+resend buffers. The event loop's clock is virtual (`virtual_event_loop`): it jumps ahead whenever
+nothing is ready, so simulated time costs only the CPU the scheduling code takes, a shape of
+thousands of simulated GPUs fits on two cores, and what is measured does not depend on whether
+the host keeps up (the multi-process mode's limit: docs/simulation.md).
+
+    result = run_inprocess(load_topology("shape.yaml"))
+    print(result.step_s, result.generator_busy)
+
+Requirements: `generator.backend: sim`, `rollout.mode: rollout-only`, every task's environment
+non-blocking (`env: sim`), `run.sim.speedup: 1` (the loop's clock is already simulated time), and
+`run.sim.reward` set (the reward pool's worker processes would run in real time; `placement:
+instant` for a rule-based reward).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import structlog
+
+from rollart.envs import import_env_modules, make_env
+from rollart.logs import configure_logging
+from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode, TrainerNode
+from rollart.protocol.errors import ConfigError
+from rollart.protocol.memory import MemoryNetwork
+from rollart.protocol.messages import GroupDone
+from rollart.rewards.stats import PoolStats
+from rollart.sim.clock import virtual_event_loop
+from rollart.topology import Role, Topology
+
+
+@dataclass
+class Batch:
+    """One batch the trainer took."""
+
+    taken_at: float
+    """Simulated seconds since the start."""
+    version: int
+    groups: list[GroupDone]
+
+
+@dataclass
+class InProcessRun:
+    """What an in-process run did, in simulated seconds, and what it cost this machine."""
+
+    batches: list[Batch]
+    sim_s: float
+    """Simulated seconds from the start until the trainer took its last batch."""
+    cpu_s: float
+    """CPU seconds this process spent on the run."""
+    wall_s: float
+    generator_busy: dict[str, float]
+    """Each generator's busy fraction (busy replica-seconds per replica-second) when the run ended."""
+    reward: PoolStats | None
+    """The reward pool's numbers when the run ended (utilization: busy / live worker-seconds)."""
+    nodes: dict[str, NodeDaemon] = field(repr=False)
+
+    @property
+    def step_s(self) -> list[float]:
+        """Simulated time between consecutive batches (the first batch left out: start-up)."""
+        return [b.taken_at - a.taken_at for a, b in zip(self.batches, self.batches[1:], strict=False)]
+
+    @property
+    def trajectories(self) -> int:
+        return sum(len(group.trajectories) for batch in self.batches for group in batch.groups)
+
+
+def check_inprocess(topology: Topology) -> None:
+    """Raise `ConfigError` naming what keeps `topology` from running in-process."""
+    run, where = topology.run, topology.source
+    problems = []
+    if run.rollout is None:
+        problems.append("run.rollout: an in-process simulation needs a rollout section")
+    elif run.rollout.mode != "rollout-only":
+        problems.append("run.rollout.mode: must be rollout-only (training is simulated by run.sim.trainer)")
+    if run.rollout is not None:
+        import_env_modules(run.env_modules)
+        for index, task in enumerate(run.rollout.tasks):
+            env = make_env(task.env, **task.env_kwargs)
+            if env.blocking:  # a thread would let the virtual clock run past it
+                problems.append(f"run.rollout.tasks[{index}].env: {task.env} blocks; in-process needs env: sim")
+            env.close()
+    if run.generator.backend != "sim":
+        problems.append(f"run.generator.backend: must be sim; got {run.generator.backend}")
+    if run.sim.speedup != 1:
+        problems.append(f"run.sim.speedup: must be 1 in-process (the loop's clock is simulated); got {run.sim.speedup}")
+    if run.sim.reward is None:
+        problems.append(
+            "run.sim.reward: needed in-process, the reward pool's worker processes run in real time "
+            "(for a rule-based reward: {placement: instant})"
+        )
+    if sum(node.role is Role.TRAINER for node in topology.nodes) != 1:
+        problems.append("nodes: an in-process simulation needs exactly one trainer")
+    if problems:
+        raise ConfigError(f"{where}: cannot run in-process:\n  " + "\n  ".join(problems))
+
+
+def run_inprocess(
+    topology: Topology, *, log: TextIO | Path | None = None, log_level: str = "warning", timeout_s: float = 1e7
+) -> InProcessRun:
+    """Run `topology` until its trainer has taken `rollout.steps` batches, then drain every node.
+
+    `log`: where the nodes' JSON log lines go (a stream, or a file path; default stderr);
+    `timeout_s`: a bound in simulated seconds."""
+    check_inprocess(topology)
+    with contextlib.ExitStack() as stack:
+        _LOG.target = stack.enter_context(log.open("a")) if isinstance(log, Path) else log or sys.stderr
+        stack.callback(setattr, _LOG, "target", sys.stderr)
+        configure_logging(level=log_level, stream=_LOG)  # type: ignore[arg-type]  # write and flush are enough
+        with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
+            return runner.run(_run(topology, timeout_s))
+
+
+class _Redirect:
+    """The stream every node logs to in-process. structlog's loggers keep the stream they first
+    wrote to (`cache_logger_on_first_use`), so a second run in the same process redirects this
+    one instead of handing them a new stream."""
+
+    def __init__(self) -> None:
+        self.target: TextIO = sys.stderr
+
+    def write(self, text: str) -> int:
+        return self.target.write(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+_LOG = _Redirect()
+
+
+async def _run(topology: Topology, timeout_s: float) -> InProcessRun:
+    loop = asyncio.get_running_loop()
+    started_cpu, started_wall, started = time.process_time(), time.monotonic(), loop.time()
+    network = MemoryNetwork(max_frame_bytes=topology.run.session.max_frame_bytes)
+    secret = secrets.token_bytes(32)
+    nodes = {
+        spec.name: DAEMONS[spec.role](topology, spec, secret=secret, admin_token=None, network=network)
+        for spec in topology.nodes
+    }
+    trainer = next(node for node in nodes.values() if isinstance(node, TrainerNode))
+    batches: list[Batch] = []
+    trainer.on_batch = lambda version, groups: batches.append(Batch(loop.time() - started, version, groups))
+    async with asyncio.TaskGroup() as tg:
+        for node in nodes.values():
+            context = contextvars.copy_context()  # each node's log lines name it, as in its own process
+            context.run(structlog.contextvars.bind_contextvars, node=node.spec.name, role=node.role.value)
+            tg.create_task(node.run(), context=context)
+        async with asyncio.timeout(timeout_s):
+            await trainer.finished.wait()
+        sim_s = batches[-1].taken_at if batches else loop.time() - started
+        busy = {
+            name: node.engine.load().busy_fraction
+            for name, node in nodes.items()
+            if isinstance(node, GeneratorNode) and node.engine is not None
+        }
+        gateway = next((node for node in nodes.values() if isinstance(node, RewardGatewayNode)), None)
+        reward = gateway.pool.stats() if gateway is not None else None
+        for node in nodes.values():
+            node.request_drain("the run is done")
+    cpu_s, wall_s = time.process_time() - started_cpu, time.monotonic() - started_wall
+    return InProcessRun(batches, sim_s, cpu_s, wall_s, busy, reward, nodes)

@@ -1,0 +1,210 @@
+"""The simulated reward: an LLM judge's scoring time, on dedicated local GPUs or an elastic service.
+
+`SimRewardPool` stands where the reward gateway's `RewardPool` does (same `score`, `stats`,
+`async with`) when `run.sim.reward` is set. The reward *value* is still the registered function's
+(called inline: the functions simulated tasks use are cheap); what is simulated is the time a
+reward model (`run.sim.reward.model`, by default Qwen2.5-7B) takes to read the trajectory
+(prefill of `Score.tokens`) and write a short verdict (`verdict_tokens` decode steps), on one GPU
+per worker, timed by the same `CostModel` as the engines.
+
+Placements (the paper's Fig. 14 compares the first two):
+- `local`: `workers` GPUs reserved for the reward model for the whole run, each serving one
+  request at a time; requests queue when all are busy. The GPUs count as live from start to end.
+- `service`: Reward-as-a-Service. Workers start on demand (a `cold_start_s` wait before the
+  first request they serve), one more whenever the queue is deeper than the live workers, up to
+  `workers`; a worker idle for `idle_timeout_s` is released (down to `min_workers`, zero allowed).
+  A worker is live, and billed, from its start to its release.
+- `instant`: no reward model: the verdict at once (rule-based rewards cost next to nothing).
+
+Utilization is busy worker-seconds over live worker-seconds, as `RewardPool` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import structlog
+
+from rollart.protocol.errors import RequestTimeout
+from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
+from rollart.rewards.stats import PoolMeters, PoolStats
+from rollart.sim.clock import SimClock
+from rollart.sim.config import SimRewardSpec
+from rollart.sim.hardware import CostModel, EngineShape
+
+log = structlog.get_logger("rollart.sim.reward")
+
+
+class _State(enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+@dataclass(eq=False)
+class _Worker:
+    wid: int
+    started_at: float
+    state: _State = _State.STARTING
+    busy_since: float = 0.0
+    retire: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    tokens: int
+    output: ScoreOutput
+    done: asyncio.Future[None]
+    started: bool = False
+
+
+@dataclass
+class SimRewardPool:
+    """Simulated reward workers on the simulation clock."""
+
+    spec: SimRewardSpec
+    clock: SimClock
+    meters: PoolMeters = field(default_factory=lambda: PoolMeters(window_s=30.0))
+    _queue: deque[_Job] = field(default_factory=deque)
+    _workers: list[_Worker] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _running: bool = False
+
+    def __post_init__(self) -> None:
+        self.cost = CostModel.build(EngineShape(gpu=self.spec.gpu, gpus=self.spec.gpus_per_worker), self.spec.model)
+
+    def score_s(self, tokens: int) -> float:
+        """Simulated seconds one worker takes to score a trajectory of `tokens` tokens."""
+        verdict = self.spec.verdict_tokens
+        return self.cost.prefill_s(tokens) + verdict * self.cost.decode_step_s(1, tokens + verdict // 2)
+
+    async def __aenter__(self) -> SimRewardPool:
+        self._running = True
+        floor = {"local": self.spec.workers, "service": self.spec.min_workers, "instant": 0}[self.spec.placement]
+        for _ in range(floor):
+            self._start_worker(cold=self.spec.placement == "service")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._running = False
+        for task in list(self._tasks):
+            task.cancel()
+        for w in list(self._workers):
+            self._release(w)
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.done.done():
+                job.done.set_exception(RewardError("reward pool is closed"))
+
+    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float, tokens: int = 0) -> ScoreOutput:
+        """The registered function's verdict on `item`, after the simulated judge's time on a worker."""
+        if not self._running:
+            raise RewardError("reward pool is not started")
+        output = get_reward(fn_name)(item)  # UnknownReward / the function's own RewardError: at once
+        if self.spec.placement == "instant":
+            self.meters.served += 1
+            return output
+        job = _Job(tokens, output, asyncio.get_running_loop().create_future())
+        self._queue.append(job)
+        self._pump()
+        try:
+            async with asyncio.timeout(timeout):
+                await job.done
+        except TimeoutError:
+            self.meters.failed += 1
+            self.meters.timed_out += 1
+            where = "was running" if job.started else "was still queued"
+            raise RequestTimeout(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
+        finally:
+            if not job.started and job in self._queue:
+                self._queue.remove(job)
+        self.meters.served += 1
+        return output
+
+    def stats(self) -> PoolStats:
+        count = {s: sum(w.state is s for w in self._workers) for s in _State}
+        return self.meters.snapshot(
+            starting=count[_State.STARTING],
+            idle=count[_State.IDLE],
+            busy=count[_State.BUSY],
+            queue_depth=len(self._queue),
+            live_since=[w.started_at for w in self._workers],
+            busy_since=[w.busy_since for w in self._workers if w.state is _State.BUSY],
+            now=self.clock.now(),
+        )
+
+    # -- workers ----------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        for w in self._workers:
+            if not self._queue:
+                break
+            if w.state is _State.IDLE:
+                self._serve(w, self._queue.popleft())
+        if self.spec.placement == "service":  # one worker on its way per request waiting, up to `workers`
+            starting = sum(w.state is _State.STARTING for w in self._workers)
+            while len(self._queue) > starting and len(self._workers) < self.spec.workers:
+                self._start_worker(cold=True)
+                starting += 1
+
+    def _start_worker(self, *, cold: bool) -> None:
+        w = _Worker(next(self._ids), self.clock.now())
+        self._workers.append(w)
+        self.meters.peak = max(self.meters.peak, len(self._workers))
+        self._spawn(self._warm_up(w, self.spec.cold_start_s if cold else 0.0))
+
+    async def _warm_up(self, w: _Worker, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+        self.meters.cold.add(seconds)
+        self._idle(w)
+        self._pump()
+
+    def _serve(self, w: _Worker, job: _Job) -> None:
+        if w.retire is not None:
+            w.retire.cancel()
+            w.retire = None
+        w.state, w.busy_since, job.started = _State.BUSY, self.clock.now(), True
+        self._spawn(self._work(w, job))
+
+    async def _work(self, w: _Worker, job: _Job) -> None:
+        await self.clock.sleep(self.score_s(job.tokens))
+        self.meters.busy.close(w.busy_since, self.clock.now())
+        if not job.done.done():
+            job.done.set_result(None)
+        self._idle(w)
+        self._pump()
+
+    def _idle(self, w: _Worker) -> None:
+        w.state = _State.IDLE
+        if self.spec.placement == "service":
+            loop = asyncio.get_running_loop()
+            w.retire = loop.call_later(self.spec.idle_timeout_s / self.clock.speedup, self._retire, w)
+
+    def _retire(self, w: _Worker) -> None:
+        w.retire = None
+        if w.state is _State.IDLE and len(self._workers) > self.spec.min_workers:
+            self._release(w)
+
+    def _release(self, w: _Worker) -> None:
+        if w.retire is not None:
+            w.retire.cancel()
+        now = self.clock.now()
+        if w.state is _State.BUSY:
+            self.meters.busy.close(w.busy_since, now)
+        self.meters.live.close(w.started_at, now)
+        self._workers.remove(w)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

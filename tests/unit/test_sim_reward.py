@@ -1,0 +1,78 @@
+"""The simulated reward (`rollart.sim.reward`): a judge's time follows the cost model; local GPUs
+are reserved and queue, the service starts workers on demand (cold start), lets idle ones go, and
+counts utilization as busy over live worker-seconds. On the virtual-time loop: exact and instant."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_sim_engine import virtual
+
+from rollart.rewards import ScoreInput, UnknownReward
+from rollart.sim.clock import SimClock
+from rollart.sim.config import SimRewardSpec
+from rollart.sim.hardware import CostModel, EngineShape
+from rollart.sim.reward import SimRewardPool
+
+ITEM = ScoreInput(task="math", prompt="p", response="r", env_reward=1.0)
+
+
+async def score_many(pool: SimRewardPool, n: int, tokens: int) -> tuple[float, list[float]]:
+    """Simulated seconds until `n` requests sent together are scored, and their rewards."""
+    start = pool.clock.now()
+    outs = await asyncio.gather(*(pool.score("env-reward", ITEM, timeout=1e6, tokens=tokens) for _ in range(n)))
+    return pool.clock.now() - start, [out.reward for out in outs]
+
+
+def test_a_judge_takes_the_prefill_of_the_trajectory_and_its_verdict() -> None:
+    pool = SimRewardPool(SimRewardSpec(placement="local", workers=1, verdict_tokens=16), SimClock())
+    cost = CostModel.build(EngineShape(gpu="H800", gpus=1), "qwen2.5-7b")
+    assert pool.score_s(10_000) == pytest.approx(cost.prefill_s(10_000) + 16 * cost.decode_step_s(1, 10_008))
+    assert pool.score_s(20_000) > 1.9 * cost.prefill_s(10_000)  # prefill dominates, linear in tokens
+
+
+@virtual
+async def test_local_gpus_are_reserved_and_requests_queue_for_them() -> None:
+    spec = SimRewardSpec(placement="local", workers=2)
+    async with SimRewardPool(spec, SimClock()) as pool:
+        one = pool.score_s(8000)
+        took, rewards = await score_many(pool, 4, 8000)
+        assert took == pytest.approx(2 * one, rel=1e-4)  # 4 requests, 2 workers: two rounds
+        assert rewards == [1.0] * 4  # the registered function's verdict
+        await pool.clock.sleep(6 * one)  # idle, but reserved: still live
+        stats = pool.stats()
+        assert stats.live_workers == 2 and stats.cold_starts.max_s == 0.0
+        assert stats.utilization == pytest.approx(4 * one / (2 * 8 * one), rel=1e-4)
+
+
+@virtual
+async def test_the_service_starts_workers_on_demand_and_releases_idle_ones() -> None:
+    spec = SimRewardSpec(placement="service", workers=3, cold_start_s=10.0, idle_timeout_s=30.0)
+    async with SimRewardPool(spec, SimClock()) as pool:
+        assert pool.stats().live_workers == 0  # scaled to zero: costs nothing
+        one = pool.score_s(8000)
+        took, _ = await score_many(pool, 5, 8000)
+        stats = pool.stats()
+        assert stats.peak_workers == 3  # one per waiting request, up to `workers`
+        assert took == pytest.approx(10.0 + 2 * one, rel=1e-4)  # a cold start, then 5 requests on 3 workers
+        await pool.clock.sleep(31.0)
+        stats = pool.stats()
+        assert stats.live_workers == 0 and stats.served == 5 and stats.cold_starts.count == 3
+        live = 3 * (10.0 + 30.0) + 5 * one  # each worker: cold start, its jobs, 30 s idle
+        assert stats.utilization == pytest.approx(5 * one / live, rel=1e-4)
+
+
+@virtual
+async def test_instant_scores_at_once_and_errors_come_back_clearly() -> None:
+    async with SimRewardPool(SimRewardSpec(placement="instant"), SimClock()) as pool:
+        took, rewards = await score_many(pool, 3, 8000)
+        assert took == 0.0 and rewards == [1.0] * 3
+        with pytest.raises(UnknownReward, match="no-such"):
+            await pool.score("no-such", ITEM, timeout=1.0)
+
+
+def test_bad_reward_settings_are_named() -> None:
+    problems = dict(SimRewardSpec(model="gpt-9", workers=0, min_workers=2).validate())
+    assert "gpt-9" in problems["reward.model"]
+    assert "reward.workers" in problems and "reward.min_workers" in problems
