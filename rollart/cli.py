@@ -1,6 +1,7 @@
 """The `rollart` command line.
 
     rollart run TOPOLOGY [--duration S]   start every node of the topology here, show their status
+    rollart simulate TOPOLOGY             run a simulation topology in-process on a virtual clock
     rollart check TOPOLOGY                validate a topology file and print its nodes
     rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("topology", help="the topology YAML file, e.g. configs/local.yaml")
     run.add_argument("--duration", type=float, default=None, help="stop after this many seconds of running")
     run.add_argument("--start-timeout", type=float, default=120.0, help="seconds for every node to become healthy")
+    simulate = commands.add_parser(
+        "simulate", help="run a simulation topology in-process, on a virtual clock (docs/simulation.md)"
+    )
+    simulate.add_argument("topology", help="a topology with generator.backend: sim, e.g. configs/sim-paper.yaml")
     check = commands.add_parser("check", help="validate a topology file")
     check.add_argument("topology")
     build = commands.add_parser("build-model", help="build the tiny default model in a folder")
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.command == "simulate":
+        return _simulate(topology)
     if args.command == "check":
         for node in topology.nodes:
             admin = f"{node.admin_host}:{node.admin_port}"
@@ -79,6 +86,36 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _simulate(topology: Topology) -> int:
+    """Run `topology` in-process and print what happened, in simulated seconds."""
+    from rollart.sim.inprocess import check_inprocess, run_inprocess
+
+    run = topology.run
+    log = topology.run_dir() / "logs" / "inprocess.log"
+    try:
+        check_inprocess(topology)
+        if run.model.build_tiny_if_missing and not (Path(run.model.path) / "config.json").exists():
+            from rollart.engines.tiny_model import ensure_tiny_model
+
+            print(f"building the tiny model in {run.model.path} (its tokenizer renders the prompts)")
+            ensure_tiny_model(Path(run.model.path), seed=run.model.seed)
+        steps = run.rollout.steps if run.rollout is not None else None
+        print(f"simulating {len(topology.nodes)} nodes in-process for {steps} batches; node logs in {log}")
+        done = run_inprocess(topology, log=log)
+    except ConfigError as exc:
+        print(f"rollart: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    steps_s = done.step_s
+    mean = sum(steps_s) / len(steps_s) if steps_s else float("nan")
+    print(f"batches {len(done.batches)}, trajectories {done.trajectories}, simulated {done.sim_s:.0f} s")
+    print(f"step (simulated s, after the first batch): mean {mean:.1f}; each {[round(s, 1) for s in steps_s]}")
+    print("generators busy: " + ", ".join(f"{name} {busy:.0%}" for name, busy in done.generator_busy.items()))
+    if done.reward is not None and done.reward.cold_starts.count:
+        print(f"reward workers: utilization {done.reward.utilization:.0%}, peak {done.reward.peak_workers}")
+    print(f"this machine: {done.wall_s:.1f} s, {done.cpu_s:.1f} CPU s")
+    return 0
 
 
 def _report(run_dir: Path, out: Path | None) -> int:

@@ -59,6 +59,14 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group a node leads (it is started in its own session): the node, if
+    still there, and every process it started that has not left the group, such as vLLM's engine
+    core and workers, which would otherwise outlive a killed generator holding gigabytes."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def check_ports_free(topology: Topology) -> None:
     """Fail early, with the node and key named, when a port of the topology is already taken."""
     for index, node in enumerate(topology.nodes):
@@ -240,6 +248,7 @@ class Launcher:
             assert node.proc is not None
             code = await node.proc.wait()
             node.exit_code = code
+            kill_group(node.proc.pid)  # what it started (vLLM's engine processes) goes with it
             if self._stop.is_set():
                 node.state = "stopped" if code == 0 else f"stopped ({describe_exit(code)})"
                 return
@@ -291,8 +300,7 @@ class Launcher:
             assert node.proc is not None
             if node.proc.returncode is None:
                 self._say(f"node {node.spec.name} did not exit within {grace:g} s of SIGTERM: killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    node.proc.kill()
+                kill_group(node.proc.pid)
                 await node.proc.wait()
 
     # -- status -------------------------------------------------------------------------------

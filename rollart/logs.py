@@ -24,8 +24,12 @@ def configure_logging(
     level: str = "info",
     json: bool = True,
     stream: TextIO | None = None,
+    cache: bool = True,
 ) -> None:
-    """Route structlog and stdlib logging to `stream` (stderr) as JSON (or console) lines."""
+    """Route structlog and stdlib logging to `stream` (stderr) as JSON (or console) lines.
+
+    `cache`: loggers keep this configuration from their first use (fast, for a node's process);
+    False when it is temporary (the in-process simulation restores the caller's afterwards)."""
     stream = stream or sys.stderr
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -39,7 +43,7 @@ def configure_logging(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(stream),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(

@@ -23,9 +23,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
+from simrun import (
+    PAPER_NODES,
+    ROOT,
+    add_mode_arguments,
+    mode_words,
+    paper_run_spec,
+    resolve_mode,
+    run,
+    tiny_tokenizer_model,
+    train_step_s,
+    write_report,
+)
 
 MODES = {
     "sync (veRL-like)": {"schedule": "sync"},
@@ -44,17 +54,16 @@ PAPER = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument(
-        "--speedup", type=float, default=10.0, help="above ~10 the two cores fall behind and simulated time stretches"
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig10.md")
+    add_mode_arguments(parser, speedup=10.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig10.md")
     args = parser.parse_args()
+    resolve_mode(args)
     model = tiny_tokenizer_model()
     began = time.monotonic()
     rows = []
     for mode, knobs in MODES.items():
         print(f"{mode} ...", flush=True)
-        result = run(paper_run_spec(model, speedup=args.speedup, steps=args.steps, **knobs), PAPER_NODES)
+        spec = paper_run_spec(model, speedup=args.speedup, steps=args.steps, **knobs)
+        result = run(spec, PAPER_NODES, inprocess=args.inprocess)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}", flush=True)
         rows.append((mode, result))
     sync_s = rows[0][1].mean_step_s
@@ -82,7 +91,7 @@ def main() -> None:
     shape = (
         "`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, "
         f"96 H800 + 32 H20, 32-GPU trainer, 200 Gb/s push); {args.steps} batches per schedule, step "
-        f"time = mean gap between batches after the first; speedup {args.speedup:g}"
+        f"time = mean gap between batches after the first; {mode_words(args)}"
     )
     title = "Fig. 10: synchronous vs one-step-off vs RollArt (simulation, the paper's shape)"
     write_report(args.out, title, began=began, shape=shape, body=f"{table}\n\n{summary}")

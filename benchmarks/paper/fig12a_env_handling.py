@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, Result, run, tiny_tokenizer_model, write_report
+from simrun import ROOT, Result, add_mode_arguments, mode_words, resolve_mode, run, tiny_tokenizer_model, write_report
 
 PAPER = {1.0: 1.23, 10.0: 2.27}
 TARGET = {1.0: 1.3, 10.0: 2.5}
@@ -56,6 +56,7 @@ def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> 
             "model": "qwen3-8b",
             "engines": {"compute": {"gpu": "H800", "gpus": 8}},
             "max_steps_per_wake": 16,
+            "reward": {"placement": "instant"},
         },
         "rollout": {
             "mode": "rollout-only",
@@ -122,11 +123,9 @@ def main() -> None:
     parser.add_argument("--reset-s", type=float, default=5.0, help="median env reset latency, simulated s")
     parser.add_argument("--step-s", type=float, default=2.0, help="median env step latency, simulated s")
     parser.add_argument("--cap-s", type=float, default=120.0, help="longest env call, simulated s")
-    parser.add_argument(
-        "--speedup", type=float, default=20.0, help="at 100 the two cores fell behind and simulated time stretched"
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig12a.md")
+    add_mode_arguments(parser, speedup=20.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig12a.md")
     args = parser.parse_args()
+    resolve_mode(args)
     sigmas = [1.0] if args.quick else [1.0, 10.0]
     if args.quick:
         args.steps = 3
@@ -137,7 +136,7 @@ def main() -> None:
         measured = {}
         for mode in MODES:
             print(f"sigma {sigma}: {mode} ...", flush=True)
-            measured[mode] = run(run_spec(args, sigma, mode, model), NODES)
+            measured[mode] = run(run_spec(args, sigma, mode, model), NODES, inprocess=args.inprocess)
             print(f"  step times (simulated s): {[round(s) for s in measured[mode].step_s]}", flush=True)
         batch, traj = measured["batch-level"], measured["trajectory-level"]
         ideal = ideal_step_s(traj, args, traj.speedup)
@@ -162,7 +161,7 @@ def main() -> None:
         f"{args.turns} turns per episode, 300 prompt + 32 generated tokens per turn; env latency lognormal, "
         f"median reset {args.reset_s} s / step {args.step_s} s, capped at {args.cap_s} s; "
         f"{args.steps} batches per run, step time = mean gap between batches after the first; "
-        f"speedup {args.speedup:g}"
+        f"{mode_words(args)}"
     )
     title = "Fig. 12a: trajectory-level vs batch-level env handling (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)

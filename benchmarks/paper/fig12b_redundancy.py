@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from fig12a_env_handling import NODES, run_spec
-from simrun import ROOT, run, tiny_tokenizer_model, write_report
+from simrun import ROOT, add_mode_arguments, mode_words, resolve_mode, run, tiny_tokenizer_model, write_report
 
 PAPER = "up to 1.62x"
 
@@ -35,9 +34,9 @@ def main() -> None:
     parser.add_argument("--reset-s", type=float, default=5.0)
     parser.add_argument("--step-s", type=float, default=2.0)
     parser.add_argument("--cap-s", type=float, default=120.0)
-    parser.add_argument("--speedup", type=float, default=20.0)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig12b.md")
+    add_mode_arguments(parser, speedup=20.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig12b.md")
     args = parser.parse_args()
+    resolve_mode(args)
     model = tiny_tokenizer_model()
     began = time.monotonic()
     runs = {
@@ -51,7 +50,7 @@ def main() -> None:
         spec = run_spec(args, args.sigma, "trajectory-level", model)
         spec["rollout"]["tasks"][0]["env_kwargs"] |= {"reset_failure": reset_failure, "step_failure": step_failure}
         spec["rollout"]["redundancy"] = redundancy
-        measured[name] = run(spec, NODES)
+        measured[name] = run(spec, NODES, inprocess=args.inprocess)
         print(f"  step times (simulated s): {[round(s) for s in measured[name].step_s]}", flush=True)
     bound = measured["no failures"].mean_step_s
     plain = measured["failures, no redundancy"].mean_step_s
@@ -71,7 +70,7 @@ def main() -> None:
         f"the Fig. 12a shape (simulated Qwen3-8B on 8 x H800, batch {args.batch_groups} x {args.group_size}, "
         f"{args.turns} turns, env latency lognormal sigma {args.sigma:g}, median reset {args.reset_s} s / step "
         f"{args.step_s} s, cap {args.cap_s} s), RollArt alpha 1; env failures {args.reset_failure:.0%} of resets "
-        f"and {args.step_failure:.0%} of steps; {args.steps} batches per run; speedup {args.speedup:g}"
+        f"and {args.step_failure:.0%} of steps; {args.steps} batches per run; {mode_words(args)}"
     )
     title = "Fig. 12b: redundant env rollouts under env failures (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)

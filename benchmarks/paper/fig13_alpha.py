@@ -14,28 +14,35 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
+from simrun import (
+    PAPER_NODES,
+    ROOT,
+    add_mode_arguments,
+    mode_words,
+    paper_run_spec,
+    resolve_mode,
+    run,
+    tiny_tokenizer_model,
+    train_step_s,
+    write_report,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--alphas", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument(
-        "--speedup", type=float, default=10.0, help="above ~10 the two cores fall behind and simulated time stretches"
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig13.md")
+    add_mode_arguments(parser, speedup=10.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig13.md")
     args = parser.parse_args()
+    resolve_mode(args)
     model = tiny_tokenizer_model()
     began = time.monotonic()
     rows = []
     for alpha in args.alphas:
         print(f"alpha {alpha} ...", flush=True)
-        result = run(
-            paper_run_spec(model, speedup=args.speedup, steps=args.steps, schedule="async", alpha=alpha), PAPER_NODES
-        )
+        spec = paper_run_spec(model, speedup=args.speedup, steps=args.steps, schedule="async", alpha=alpha)
+        result = run(spec, PAPER_NODES, inprocess=args.inprocess)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}", flush=True)
         rows.append((alpha, result))
     base = rows[0][1].mean_step_s
@@ -55,7 +62,7 @@ def main() -> None:
     shape = (
         "`benchmarks/paper/simrun.py` `paper_run_spec`; trajectory-level rollout, async push; "
         f"{args.steps} batches per alpha, step time = mean gap between batches after the first; "
-        f"speedup {args.speedup:g}"
+        f"{mode_words(args)}"
     )
     title = "Fig. 13: step time vs the staleness bound alpha (simulation, the paper's shape)"
     write_report(args.out, title, began=began, shape=shape, body=table)

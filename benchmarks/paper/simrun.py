@@ -10,6 +10,7 @@ multiplied by the speedup to give simulated seconds.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import itertools
 import json
@@ -114,6 +115,30 @@ def run(
             for summary in events(log, "env_host.summary")[-1:]:
                 aborted += summary.get("aborted_stale", 0)
         return Result(steps, trajectories, versions, speedup, aborted)
+
+
+def add_mode_arguments(parser: argparse.ArgumentParser, *, speedup: float, out: Path) -> None:
+    """`--speedup` (multi-process runs), `--inprocess` and `--out` (default `out`, or its
+    `-inprocess` sibling); call `resolve_mode(args)` after parsing."""
+    parser.add_argument(
+        "--speedup", type=float, default=speedup, help="multi-process runs: a host that falls behind stretches time"
+    )
+    parser.add_argument("--inprocess", action="store_true", help="every node in this process, on a virtual clock")
+    parser.add_argument("--out", type=Path, default=None, help=f"the result file (default {out.name})")
+    parser.set_defaults(default_out=out)
+
+
+def resolve_mode(args: argparse.Namespace) -> None:
+    """In-process runs have speedup 1 and write beside the multi-process result, not over it."""
+    if args.inprocess:
+        args.speedup = 1.0
+    if args.out is None:
+        out = args.default_out
+        args.out = out.with_name(f"{out.stem}-inprocess{out.suffix}") if args.inprocess else out
+
+
+def mode_words(args: argparse.Namespace) -> str:
+    return "in-process, virtual clock" if args.inprocess else f"real node processes, speedup {args.speedup:g}"
 
 
 def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) -> Result:

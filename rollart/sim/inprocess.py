@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import secrets
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,30 +117,20 @@ def run_inprocess(
     `log`: where the nodes' JSON log lines go (a stream, or a file path; default stderr);
     `timeout_s`: a bound in simulated seconds."""
     check_inprocess(topology)
+    if isinstance(log, Path):
+        log.parent.mkdir(parents=True, exist_ok=True)
+    previous, root = structlog.get_config(), logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     with contextlib.ExitStack() as stack:
-        _LOG.target = stack.enter_context(log.open("a")) if isinstance(log, Path) else log or sys.stderr
-        stack.callback(setattr, _LOG, "target", sys.stderr)
-        configure_logging(level=log_level, stream=_LOG)  # type: ignore[arg-type]  # write and flush are enough
-        with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
-            return runner.run(_run(topology, timeout_s))
-
-
-class _Redirect:
-    """The stream every node logs to in-process. structlog's loggers keep the stream they first
-    wrote to (`cache_logger_on_first_use`), so a second run in the same process redirects this
-    one instead of handing them a new stream."""
-
-    def __init__(self) -> None:
-        self.target: TextIO = sys.stderr
-
-    def write(self, text: str) -> int:
-        return self.target.write(text)
-
-    def flush(self) -> None:
-        self.target.flush()
-
-
-_LOG = _Redirect()
+        stream = stack.enter_context(log.open("a")) if isinstance(log, Path) else log
+        configure_logging(level=log_level, stream=stream, cache=False)  # the caller's logging comes back after
+        try:
+            with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
+                return runner.run(_run(topology, timeout_s))
+        finally:
+            structlog.configure(**previous)
+            root.handlers[:] = handlers
+            root.setLevel(level)
 
 
 async def _run(topology: Topology, timeout_s: float) -> InProcessRun:

@@ -135,3 +135,25 @@ def test_what_keeps_a_topology_from_running_in_process_is_named(tmp_path: Path) 
         check_inprocess(load_topology(path))
     assert "run.sim.speedup: must be 1" in str(caught.value)
     assert "run.sim.reward: needed in-process" in str(caught.value)
+
+
+def test_rollart_simulate_prints_what_happened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rollart.cli import main
+    from rollart.engines.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", seed=0)
+    extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", "async"))
+    path, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=extra)
+    assert main(["simulate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "batches 4, trajectories 64" in out and "generators busy: gen-compute" in out
+    (tmp_path / "bad").mkdir()
+    bad, _ = write_topology(tmp_path / "bad", NODES, hardware=HARDWARE, extra_run=sim_yaml(model))  # speedup 20
+    assert main(["simulate", str(bad)]) == 2
+    assert "cannot run in-process" in capsys.readouterr().err
+
+
+def test_the_shipped_simulation_topology_is_valid() -> None:
+    from rollart.sim.inprocess import check_inprocess
+
+    check_inprocess(load_topology(Path(__file__).resolve().parents[2] / "configs" / "sim-paper.yaml"))

@@ -45,3 +45,39 @@ def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path
     (run_dir / "checkpoints" / "latest").write_text("step-000080\n")
     assert finished_step(topology) == 80
     assert finished_step(parse_topology(text.replace("steps: 80", "steps: 120"))) is None  # more steps asked for
+
+
+def test_killing_a_node_kills_what_it_started(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from rollart.launcher import kill_group
+
+    pid_file = tmp_path / "child.pid"
+    script = (  # a "node" that starts a long-lived child, as a generator starts vLLM's engine core
+        "import subprocess, sys, time, pathlib\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    node = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    kill_group(node.pid)
+    assert node.wait(timeout=5) < 0
+    for _ in range(100):  # the child is gone too (reaped by init, or a zombie no longer in the group)
+        try:
+            os.kill(child, 0)
+            state = Path(f"/proc/{child}/stat").read_text().split(") ")[1][0]
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"child {child} outlived its node")

@@ -1,0 +1,149 @@
+"""Fig. 14: reward on dedicated local GPUs vs Reward-as-a-Service.
+
+The paper's setup (its section 7.3, R3): 16 H800 per job, 8 training a Qwen3-8B actor on a math
+task (16K context, batch 84), a Qwen2.5-7B reward LLM judging every trajectory.
+
+- **local GPU**: 4 H800 generate (4 engines of 1 GPU), 4 H800 are reserved for the reward model
+  (one judge per GPU, requests queue when all four are busy);
+- **reward service**: all 8 H800 generate; the judge runs on an elastic service that starts a
+  worker per waiting request (a cold start first), up to 16, and releases one idle for 30 s.
+
+Simulation (`rollart/sim/reward.py`: a judge's time is the prefill of the trajectory plus a short
+verdict on one GPU, by the same cost model as the engines), in-process on a virtual clock,
+synchronous schedule (the batch is rolled out, then trained on): rollout time per step is the
+step minus the modelled training step and weight push. Reports rollout time, reward GPU
+utilization (busy / live worker-seconds), and the bound: the rollout time on the same 8 GPUs with
+a reward that costs nothing.
+
+    .venv/bin/python benchmarks/paper/fig14_reward_service.py            # a few minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from simrun import ROOT, Result, run, tiny_tokenizer_model, write_report
+
+from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
+
+NODES = [
+    {"name": "trainer", "role": "trainer"},
+    {"name": "gen", "role": "generator", "hardware": "compute"},
+    {"name": "env-0", "role": "env-host"},
+    {"name": "reward", "role": "reward-gateway"},
+]
+TRAIN_GPUS, LINK_GBPS = 8, 400.0
+SETUPS: dict[str, tuple[int, dict[str, Any]]] = {
+    "local GPU (4 generate + 4 reward)": (4, {"placement": "local", "workers": 4}),
+    "reward service (8 generate)": (
+        8,
+        {"placement": "service", "workers": 16, "cold_start_s": 15.0, "idle_timeout_s": 30.0},
+    ),
+    "bound: 8 generate, reward free": (8, {"placement": "instant"}),
+}
+PAPER = {"local GPU (4 generate + 4 reward)": ("158 s", "6%"), "reward service (8 generate)": ("77 s", "88%")}
+
+
+def run_spec(model: Path, args: argparse.Namespace, generators: int, reward: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "restart": {"policy": "stop-all"},
+        "model": {"path": str(model)},
+        "generator": {"backend": "sim", "max_batch_size": 256},
+        "sim": {
+            "model": "qwen3-8b",
+            "engines": {"compute": {"gpu": "H800", "gpus": 1, "replicas": generators}},
+            "response_length_min_frac": 0.25,
+            "max_steps_per_wake": 32,
+            "trainer": {"gpu": "H800", "gpus": TRAIN_GPUS, "mfu": 0.4, "link_gbps": LINK_GBPS},
+            "reward": {"model": "qwen2.5-7b", "gpu": "H800"} | reward,
+        },
+        "rollout": {
+            "mode": "rollout-only",
+            "schedule": "sync",
+            "tasks": [
+                {
+                    "name": "math",
+                    "env": "sim",
+                    "env_kwargs": {"turns": 1, "obs_tokens": 400, "reset_s": 1.0, "sigma": 1.0},
+                    "profile": "decode-heavy",
+                    "reward": "env-reward",
+                    "max_tokens_per_turn": 16000,
+                    "max_total_tokens": 16384,
+                }
+            ],
+            "group_size": args.group_size,
+            "redundancy": 0,
+            "batch_groups": args.batch_groups,
+            "steps": args.steps,
+            "groups_per_env_host": 2 * args.batch_groups,
+            "generate_timeout_s": 3600,
+            "env_timeout_s": 600,
+            "reward_timeout_s": 600,
+            "group_timeout_s": 7200,
+        },
+    }
+
+
+def rollout_s(result: Result) -> float:
+    """Mean rollout time per step: the gap between batches less the modelled training step and push."""
+    model, gpu = MODELS["qwen3-8b"], GPUS["H800"]
+    tokens: dict[int, int] = {}
+    for t, version in zip(result.trajectories, result.versions, strict=True):
+        tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
+    overhead = [
+        train_step_s(model, gpu, gpus=TRAIN_GPUS, mfu=0.4, tokens=n) + transfer_s(model, gbps=LINK_GBPS)
+        for version, n in sorted(tokens.items())[:-1]  # the batch before each measured gap
+    ]
+    gaps = result.step_s[-len(overhead) :] if overhead else result.step_s
+    return statistics.fmean(gap - cost for gap, cost in zip(gaps, overhead, strict=False))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch-groups", type=int, default=12)
+    parser.add_argument("--group-size", type=int, default=7, help="12 x 7 = the paper's batch of 84")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig14.md")
+    args = parser.parse_args()
+    model = tiny_tokenizer_model()
+    began = time.monotonic()
+    measured = {}
+    for name, (generators, reward) in SETUPS.items():
+        print(f"{name} ...", flush=True)
+        measured[name] = result = run(run_spec(model, args, generators, reward), NODES, inprocess=True)
+        print(f"  steps (simulated s): {[round(s) for s in result.step_s]}; reward util {result.reward_utilization}")
+    local = measured["local GPU (4 generate + 4 reward)"]
+    service = measured["reward service (8 generate)"]
+    bound = rollout_s(measured["bound: 8 generate, reward free"])
+    lines = [
+        "| placement | rollout s per step | reward GPU utilization | paper rollout s | paper utilization |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, result in measured.items():
+        util = f"{result.reward_utilization:.0%}" if result.reward_utilization is not None else "-"
+        paper_s, paper_util = PAPER.get(name, ("-", "-"))
+        lines.append(f"| {name} | {rollout_s(result):.0f} | {util} | {paper_s} | {paper_util} |")
+    ratio = rollout_s(service) / rollout_s(local)
+    summary = (
+        f"rollout with the reward service is {ratio:.2f} of the local-GPU time (target <= 0.5: "
+        f"{'met' if ratio <= 0.5 else 'missed'}; paper 77 / 158 = 0.49); efficiency against the free-reward "
+        f"bound {bound / rollout_s(service):.2f}"
+    )
+    table = "\n".join(lines) + "\n\n" + summary
+    print(table)
+    shape = (
+        f"simulated Qwen3-8B actor, 1-GPU H800 engines; a math task, one turn, 400 prompt tokens, answers "
+        f"of 4-16K tokens; batch {args.batch_groups} x {args.group_size}; Qwen2.5-7B judge writing 16 tokens; "
+        f"{TRAIN_GPUS} H800 training (mfu 0.4), weights pushed over {LINK_GBPS:g} Gb/s; sync schedule; "
+        f"in-process, virtual clock; {args.steps} batches per run"
+    )
+    title = "Fig. 14: reward on local GPUs vs Reward-as-a-Service (simulation)"
+    write_report(args.out, title, began=began, shape=shape, body=table)
+
+
+if __name__ == "__main__":
+    main()

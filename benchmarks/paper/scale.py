@@ -1,0 +1,181 @@
+"""Scale: the production shape at 3,000 simulated GPUs, and how scheduling overhead grows.
+
+Both run in-process on a virtual clock (`rollart.sim.inprocess`): every node is the real daemon,
+sessions run over the in-memory network, so thousands of env-hosts and hundreds of simulated
+engines fit on this machine and what is measured in simulated time does not depend on its speed.
+
+1. **Production shape** (the paper's section 8: train:generate GPUs 1:5, alpha 1, more than 3,000
+   GPUs; its model is a hundreds-of-billions MoE, ours the Qwen3-32B preset): 504 H800 training,
+   1,664 H800 (208 engines of 8) and 832 H20 (104 engines of 8) generating, 2,000 env-hosts, the
+   paper shape's game + math mix, batch 1,024 groups of 8. Reports step time, trainer and generator
+   utilization, and the CPU the simulation took.
+2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 4 groups,
+   grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
+   generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy and SampleBuffer
+   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process.
+   It should stay flat: total cost linear in trajectories.
+
+    .venv/bin/python benchmarks/paper/scale.py                     # both; about 20 minutes on 2 cores
+    .venv/bin/python benchmarks/paper/scale.py --curve 1 10 100    # a shorter curve
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import pstats
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from simrun import ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
+
+SCHEDULING = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rollart/rollout/buffer.py")
+REPLICAS_PER_NODE = 64
+SESSION = {"heartbeat_interval_s": 30.0, "heartbeat_deadline_s": 300.0}
+"""Thousands of sessions: heartbeats every 30 simulated seconds instead of every second."""
+
+
+def nodes_for(env_hosts: int, engines: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Nodes and `sim.engines` for `engines` (hardware kind -> 8-GPU engines), `REPLICAS_PER_NODE` per node.
+
+    Nodes of one kind share one engine shape, so a kind's engines are split into equal nodes."""
+    nodes: list[dict[str, Any]] = [{"name": "trainer", "role": "trainer"}]
+    shapes: dict[str, Any] = {}
+    gpu = {"compute": "H800", "bandwidth": "H20"}
+    for kind, count in engines.items():
+        per_node = math.ceil(count / math.ceil(count / REPLICAS_PER_NODE))
+        shapes[kind] = {"gpu": gpu[kind], "gpus": 8, "replicas": per_node}
+        nodes += [
+            {"name": f"gen-{kind}-{i}", "role": "generator", "hardware": kind}
+            for i in range(math.ceil(count / per_node))
+        ]
+    nodes += [{"name": f"env-{i}", "role": "env-host"} for i in range(env_hosts)]
+    nodes.append({"name": "reward", "role": "reward-gateway"})
+    return nodes, shapes
+
+
+def production(model: Path, steps: int) -> str:
+    env_hosts, batch_groups = 2000, 1024
+    nodes, shapes = nodes_for(env_hosts, {"compute": 208, "bandwidth": 104})
+    spec = paper_run_spec(
+        model,
+        speedup=1,
+        steps=steps,
+        engines=shapes,
+        schedule="async",
+        alpha=1,
+        batch_groups=batch_groups,
+        groups_per_env_host=2,
+    )
+    spec["sim"]["trainer"]["gpus"] = 504
+    spec["session"] = SESSION
+    generators = sum(8 * shapes[n["hardware"]]["replicas"] for n in nodes if n["role"] == "generator")
+    print(f"production: {len(nodes)} nodes, {generators} generating GPUs + 504 training ...", flush=True)
+    began = time.monotonic()
+    result = run(spec, nodes, inprocess=True)
+    train = train_step_s(result, gpus=504)
+    busy = result.generator_busy or {}
+    by_kind = {kind: statistics.fmean(v for k, v in busy.items() if k.startswith(f"gen-{kind}")) for kind in shapes}
+    lines = [
+        "| GPUs (train + generate) | env-hosts | batch | step s | trainer busy | H800 engines busy | H20 engines busy "
+        "| trajectories / step | CPU s per simulated step | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| 504 + {generators} = {504 + generators} | {env_hosts} | {batch_groups} x 8 | {result.mean_step_s:.0f} "
+        f"| {train / result.mean_step_s:.0%} | {by_kind['compute']:.0%} | {by_kind['bandwidth']:.0%} "
+        f"| {len(result.trajectories) / steps:.0f} | {(result.cpu_s or 0) / steps:.0f} "
+        f"| {time.monotonic() - began:.0f} |",
+    ]
+    return "\n".join(lines)
+
+
+def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
+    nodes, shapes = nodes_for(2 * factor, {"compute": factor, "bandwidth": factor})
+    spec = paper_run_spec(
+        model,
+        speedup=1,
+        steps=steps,
+        engines=shapes,
+        schedule="async",
+        alpha=1,
+        batch_groups=4 * factor,
+        groups_per_env_host=4,
+    )
+    spec["session"] = SESSION
+    for task in spec["rollout"]["tasks"]:  # short turns: the scheduling, not token bookkeeping, is measured
+        task["max_tokens_per_turn"] = 64
+        task["env_kwargs"]["obs_tokens"] = 200
+    profiler = cProfile.Profile()
+    began = time.monotonic()
+    profiler.enable()
+    result = run(spec, nodes, inprocess=True)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    scheduling = sum(
+        row[2]  # tottime
+        for (path, _, _), row in stats.stats.items()  # type: ignore[attr-defined]  # pstats keeps this dict
+        if path.endswith(SCHEDULING)
+    )
+    total = sum(row[2] for row in stats.stats.values())  # type: ignore[attr-defined]
+    trajectories = max(1, len(result.trajectories))  # taken into batches: aborted ones are overhead
+    return {
+        "factor": factor,
+        "env_hosts": 2 * factor,
+        "engines": 2 * factor,
+        "generator_nodes": sum(n["role"] == "generator" for n in nodes),
+        "trajectories": trajectories,
+        "scheduling_ms": 1000 * scheduling / trajectories,
+        "total_ms": 1000 * total / trajectories,
+        "step_s": result.mean_step_s,
+        "wall_s": time.monotonic() - began,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--curve", type=int, nargs="*", default=[1, 10, 100, 1000], help="growth factors")
+    parser.add_argument("--curve-steps", type=int, default=3)
+    parser.add_argument("--production-steps", type=int, default=3, help="0 skips the production shape")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "scale.md")
+    args = parser.parse_args()
+    model = tiny_tokenizer_model()
+    began = time.monotonic()
+    body = []
+    if args.production_steps:
+        table = production(model, args.production_steps)
+        print(table, flush=True)
+        body += ["## Production shape", "", table, ""]
+    if args.curve:
+        points = []
+        for factor in args.curve:
+            print(f"curve {factor}x ...", flush=True)
+            points.append(point := curve_point(model, factor, args.curve_steps))
+            print(f"  {point}", flush=True)
+        base = points[0]
+        lines = [
+            "| growth | env-hosts | engines (generator nodes) | trajectories | scheduling CPU ms / trajectory "
+            "| all CPU ms / trajectory | vs 1x (all CPU) | step s | wall s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p in points:
+            lines.append(
+                f"| {p['factor']:g}x | {p['env_hosts']:g} | {p['engines']:g} ({p['generator_nodes']:g}) "
+                f"| {p['trajectories']:g} | {p['scheduling_ms']:.3f} | {p['total_ms']:.2f} "
+                f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} |"
+            )
+        table = "\n".join(lines)
+        print(table)
+        body += ["## Scheduling overhead as the cluster grows", "", table, ""]
+    shape = (
+        "in-process, virtual clock; production: see the first table; curve: a unit of 2 env-hosts, one 8-H800 "
+        "and one 8-H20 engine, batch 4 groups of 8 of the paper shape's game + math mix with 64-token turns "
+        "and 200-token observations, grown by the factor; CPU by cProfile (which slows everything alike)"
+    )
+    title = "Scale: 3,000 simulated GPUs and scheduling overhead (simulation)"
+    write_report(args.out, title, began=began, shape=shape, body="\n".join(body))
+
+
+if __name__ == "__main__":
+    main()
