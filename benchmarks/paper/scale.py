@@ -9,7 +9,7 @@ engines fit on this machine and what is measured in simulated time does not depe
    1,664 H800 (208 engines of 8) and 832 H20 (104 engines of 8) generating, 2,000 env-hosts, the
    paper shape's game + math mix, batch 1,024 groups of 8. Reports step time, trainer and generator
    utilization, and the CPU the simulation took.
-2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 4 groups,
+2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 2 groups,
    grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
    generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy and SampleBuffer
    (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process.
@@ -25,6 +25,7 @@ import argparse
 import cProfile
 import math
 import pstats
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -100,7 +101,7 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
         engines=shapes,
         schedule="async",
         alpha=1,
-        batch_groups=4 * factor,
+        batch_groups=2 * factor,
         groups_per_env_host=4,
     )
     spec["session"] = SESSION
@@ -130,13 +131,14 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
         "total_ms": 1000 * total / trajectories,
         "step_s": result.mean_step_s,
         "wall_s": time.monotonic() - began,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--curve", type=int, nargs="*", default=[1, 10, 100, 1000], help="growth factors")
-    parser.add_argument("--curve-steps", type=int, default=3)
+    parser.add_argument("--curve-steps", type=int, default=2)
     parser.add_argument("--production-steps", type=int, default=3, help="0 skips the production shape")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "scale.md")
     args = parser.parse_args()
@@ -148,6 +150,7 @@ def main() -> None:
         print(table, flush=True)
         body += ["## Production shape", "", table, ""]
     if args.curve:
+        curve_point(model, 1, args.curve_steps)  # warm-up: imports and the tokenizer, paid once per process
         points = []
         for factor in args.curve:
             print(f"curve {factor}x ...", flush=True)
@@ -156,22 +159,24 @@ def main() -> None:
         base = points[0]
         lines = [
             "| growth | env-hosts | engines (generator nodes) | trajectories | scheduling CPU ms / trajectory "
-            "| all CPU ms / trajectory | vs 1x (all CPU) | step s | wall s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| all CPU ms / trajectory | vs 1x (all CPU) | step s | wall s | peak RSS MB |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in points:
             lines.append(
                 f"| {p['factor']:g}x | {p['env_hosts']:g} | {p['engines']:g} ({p['generator_nodes']:g}) "
                 f"| {p['trajectories']:g} | {p['scheduling_ms']:.3f} | {p['total_ms']:.2f} "
-                f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} |"
+                f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} "
+                f"| {p['rss_mb']:.0f} |"
             )
         table = "\n".join(lines)
         print(table)
         body += ["## Scheduling overhead as the cluster grows", "", table, ""]
     shape = (
         "in-process, virtual clock; production: see the first table; curve: a unit of 2 env-hosts, one 8-H800 "
-        "and one 8-H20 engine, batch 4 groups of 8 of the paper shape's game + math mix with 64-token turns "
-        "and 200-token observations, grown by the factor; CPU by cProfile (which slows everything alike)"
+        "and one 8-H20 engine, batch 2 groups of 8 of the paper shape's game + math mix with 64-token turns "
+        "and 200-token observations, grown by the factor, after a warm-up run (imports, tokenizer); CPU by cProfile "
+        "(which slows everything alike), peak RSS of the process after each point"
     )
     title = "Scale: 3,000 simulated GPUs and scheduling overhead (simulation)"
     write_report(args.out, title, began=began, shape=shape, body="\n".join(body))

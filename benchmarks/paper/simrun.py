@@ -171,11 +171,22 @@ def write_report(out: Path, title: str, *, began: float, shape: str, body: str) 
         f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}\n"
         f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
+        f"- code: {code_version()}\n"
         f"- shape: {shape}\n\n{body}\n"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"wrote {out}")
+
+
+def code_version() -> str:
+    """The commit the working tree is at, and whether it had changes."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (" with uncommitted changes" if dirty else "")
 
 
 def events(log: Path, event: str) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ class SimEnv(Env):
             raise EnvFailure(f"sim: {call}() failed (simulated, rate {failure})")
 
     def _observation(self, rng: random.Random) -> str:
-        return "".join(rng.choice("UDLR") for _ in range(self.obs_tokens))
+        return "".join(rng.choices("UDLR", k=self.obs_tokens))
 
     def reset(self, seed: int | None = None) -> tuple[str, Info]:
         self._rng = rng = random.Random(resolve_seed(seed))

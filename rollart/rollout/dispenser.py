@@ -60,28 +60,51 @@ class Dispenser:
         self._next_group = 0
         self._next_seed = spec.seed * 1_000_003
         self._retry: collections.deque[tuple[str, int, int]] = collections.deque()  # (task, seed, attempt)
-        self._changed = asyncio.Event()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        """Grants waiting for room, oldest first."""
         self.granted = self.completed = self.reissued = 0
 
     @property
     def limit(self) -> int:
         return (self.spec.alpha + 1) * self.spec.batch_groups
 
+    def room(self) -> int:
+        """How many groups may be granted now."""
+        if self.done or self.paused or self.held:
+            return 0
+        return max(0, self.limit - len(self.leases) - self.buffered())
+
     def admissible(self) -> bool:
-        return not (self.done or self.paused or self.held) and len(self.leases) + self.buffered() < self.limit
+        return self.room() > 0
 
     def changed(self) -> None:
-        """Something that admission depends on changed (a batch taken, a pause lifted)."""
-        self._changed.set()
+        """Something that admission depends on changed (a batch taken, a pause lifted, a group back):
+        wake the oldest waiting grants, as many as there is room for (or all of them once the run is
+        done, to be told so). Waking every waiter on every change made each change cost O(waiters),
+        quadratic in the cluster once thousands of env-host slots wait."""
+        room = len(self._waiters) if self.done else self.room()
+        while room > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                room -= 1
 
     async def grant(self, env_host: str, version: int, *, wait_s: float) -> GroupTask | None:
         """A group for `env_host`, waiting up to `wait_s` for room; None when there is none."""
         try:
             async with asyncio.timeout(wait_s):
                 while not self.admissible():
-                    self._changed.clear()
-                    await self._changed.wait()
+                    if self.done:  # nothing more will be granted: say so now
+                        return None
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiters.append(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        if not waiter.done():  # timed out or cancelled: leave the line
+                            waiter.cancel()
         except TimeoutError:
+            self.changed()  # a wake-up this grant may have been given passes to the next in line
             return None
         if self._retry:
             task_name, seed, attempt = self._retry.popleft()
@@ -108,7 +131,7 @@ class Dispenser:
         lease = self.leases.pop(group_id, None)
         if lease is not None:
             self.completed += 1
-            self._changed.set()
+            self.changed()
         return lease
 
     def reissue(self, group_id: str, reason: str) -> None:
@@ -119,14 +142,14 @@ class Dispenser:
         self._retry.append((lease.task.task, lease.task.seed, lease.attempt + 1))
         self.reissued += 1
         log.info("dispenser.reissue", group=group_id, reason=reason, env_host=lease.env_host)
-        self._changed.set()
+        self.changed()
 
     def requeue(self, task: str, seed: int, reason: str) -> None:
         """Run a task and seed again that came back but cannot be used (dropped as stale)."""
         self._retry.append((task, seed, 1))
         self.reissued += 1
         log.info("dispenser.requeue", task=task, seed=seed, reason=reason)
-        self._changed.set()
+        self.changed()
 
     def release_env_host(self, env_host: str, reason: str) -> None:
         """Re-issue every group an env-host holds (it restarted, or is gone)."""

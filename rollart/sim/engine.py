@@ -56,8 +56,10 @@ class _Request:
     """Whether it ends with EOS (before max_tokens) rather than by length."""
     rng: random.Random
     done: asyncio.Future[GenerationResult]
-    tokens: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    generated: int = 0
+    """Tokens decoded so far; the ids themselves are drawn when the request ends."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(policy version, tokens decoded under it), in order."""
 
     @property
     def kv_tokens(self) -> int:
@@ -66,7 +68,7 @@ class _Request:
 
     @property
     def context(self) -> int:
-        return self.prompt_tokens + len(self.tokens)
+        return self.prompt_tokens + self.generated
 
 
 @dataclass(eq=False)
@@ -79,6 +81,9 @@ class _Replica:
     timeline: float = 0.0
     """Simulated time at which this replica's current work ends."""
     busy_s: float = 0.0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to wake the replica while it is idle (nothing running, nothing it could take)."""
+    idle: bool = False
 
 
 class SimEngine:
@@ -115,7 +120,8 @@ class SimEngine:
         self._logprob = -math.log(len(token_ids))
         self._waiting: collections.deque[_Request] = collections.deque()
         self._replicas = [_Replica(i) for i in range(replicas)]
-        self._arrived = asyncio.Event()
+        self._running = 0
+        """Requests running on all replicas (kept as a count: replicas read it on every admission)."""
         self._schedulers: list[asyncio.Task[None]] = []
         self._started_at = 0.0
         self.prefill_s = 0.0
@@ -178,7 +184,7 @@ class SimEngine:
                 f"{self.cost.kv_capacity_tokens}"
             )
         self._waiting.append(request)
-        self._arrived.set()
+        self._wake_one()
         try:
             return await asyncio.shield(request.done)
         except asyncio.CancelledError:
@@ -195,8 +201,9 @@ class SimEngine:
             running = replica.running.pop(request_id, None)
             if running is not None:
                 replica.kv_used -= running.kv_tokens
+                self._running -= 1
                 self._finish(running, "abort")
-                self._arrived.set()  # room for a waiting request
+                self._wake_one()  # room for a waiting request
                 return True
         return False
 
@@ -224,20 +231,32 @@ class SimEngine:
     def _finish(self, request: _Request, reason: FinishReason) -> None:
         if request.done.done():
             return
+        tokens = request.rng.choices(self.token_ids, k=request.generated)
+        if reason == "stop" and tokens:
+            tokens[-1] = self.eos_id
         request.done.set_result(
             GenerationResult(
-                token_ids=list(request.tokens),
-                logprobs=[self._logprob] * len(request.tokens),
-                versions=list(request.versions),
+                token_ids=tokens,
+                logprobs=[self._logprob] * len(tokens),
+                versions=[version for version, count in request.versions for _ in range(count)],
                 finish_reason=reason,
                 prompt_tokens=request.prompt_tokens,
             )
         )
 
+    def _wake_one(self) -> None:
+        """A request arrived (or room freed up): wake one idle replica to look at the queue, if any
+        is idle; busy ones look on their own after each step. Waking all of them for every arrival
+        made each arrival cost O(replicas) wake-ups."""
+        for replica in self._replicas:
+            if replica.idle and not replica.wake.is_set():
+                replica.wake.set()
+                return
+
     def _admit(self, replica: _Replica) -> list[_Request]:
         """Move waiting requests into this replica's batch, oldest first, while the batch and the KV
         cache have room, up to its share: the replicas' running counts are kept level."""
-        total = len(self._waiting) + sum(len(r.running) for r in self._replicas)
+        total = len(self._waiting) + self._running
         share = max(1, -(-total // len(self._replicas)))
         admitted = []
         while self._waiting and len(replica.running) < min(self.max_batch_size, share):
@@ -247,6 +266,7 @@ class SimEngine:
             self._waiting.popleft()
             replica.running[head.request_id] = head
             replica.kv_used += head.kv_tokens
+            self._running += 1
             admitted.append(head)
         return admitted
 
@@ -259,8 +279,10 @@ class SimEngine:
     async def _schedule(self, replica: _Replica) -> None:
         while True:
             if not replica.running and not self._waiting:
-                self._arrived.clear()
-                await self._arrived.wait()
+                replica.idle = True
+                replica.wake.clear()
+                await replica.wake.wait()
+                replica.idle = False
                 replica.timeline = max(replica.timeline, self.clock.now())
             admitted = self._admit(replica)
             if admitted:
@@ -278,7 +300,7 @@ class SimEngine:
 
     async def _decode(self, replica: _Replica) -> None:
         """Decode steps for the replica's batch, up to the next request to finish."""
-        left = min(r.target - len(r.tokens) for r in replica.running.values())
+        left = min(r.target - r.generated for r in replica.running.values())
         steps = max(1, min(self.max_steps_per_wake, left))
         batch = list(replica.running.values())
         context = sum(r.context for r in batch)
@@ -287,15 +309,16 @@ class SimEngine:
         for request in batch:
             if request.request_id not in replica.running:  # aborted during the steps
                 continue
-            tokens = request.rng.choices(self.token_ids, k=steps)  # steps never pass any request's target
-            if request.stop and len(request.tokens) + steps == request.target:
-                tokens[-1] = self.eos_id
-            request.tokens += tokens
-            request.versions += [self.version] * steps
+            request.generated += steps  # steps never pass any request's target
+            if request.versions and request.versions[-1][0] == self.version:
+                request.versions[-1] = (self.version, request.versions[-1][1] + steps)
+            else:
+                request.versions.append((self.version, steps))
             self.generated_tokens += steps
-            if len(request.tokens) >= request.target:
+            if request.generated >= request.target:
                 del replica.running[request.request_id]
                 replica.kv_used -= request.kv_tokens
+                self._running -= 1
                 self._finish(request, "stop" if request.stop else "length")
 
 

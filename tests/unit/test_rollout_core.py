@@ -139,6 +139,24 @@ async def test_admission_keeps_in_flight_plus_buffered_within_alpha(alpha: int) 
     assert await dispenser.grant("env-0", 0, wait_s=0.01) is not None
 
 
+async def test_room_wakes_the_oldest_waiting_grants_only_as_many_as_fit() -> None:
+    dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
+    first = await dispenser.grant("env-0", 0, wait_s=0.01)
+    assert first is not None
+    waiting = [asyncio.ensure_future(dispenser.grant(f"env-{i}", 0, wait_s=60)) for i in range(1, 5)]
+    await asyncio.sleep(0)
+    woken_before = sum(w.done() for w in waiting)
+    dispenser.complete(first.group_id)  # room for one: the oldest waiter gets it, the others sleep on
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert woken_before == 0
+    assert [w.done() for w in waiting] == [True, False, False, False]
+    assert waiting[0].result() is not None
+    dispenser.done = True  # the run is over: every waiter is told at once
+    dispenser.changed()
+    assert await asyncio.gather(*waiting[1:]) == [None, None, None]
+
+
 async def test_failed_groups_are_reissued_with_their_seed_and_give_capacity_back() -> None:
     dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
     task = await dispenser.grant("env-0", 0, wait_s=0.01)
