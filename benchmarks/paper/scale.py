@@ -12,8 +12,8 @@ engines fit on this machine and what is measured in simulated time does not depe
 2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 2 groups,
    grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
    generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy and SampleBuffer
-   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process.
-   It should stay flat: total cost linear in trajectories.
+   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process, per
+   trajectory started. It should stay flat: total cost linear in trajectories.
 
     .venv/bin/python benchmarks/paper/scale.py                     # both; about 20 minutes on 2 cores
     .venv/bin/python benchmarks/paper/scale.py --curve 1 10 100    # a shorter curve
@@ -120,7 +120,9 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
         if path.endswith(SCHEDULING)
     )
     total = sum(row[2] for row in stats.stats.values())  # type: ignore[attr-defined]
-    trajectories = max(1, len(result.trajectories))  # taken into batches: aborted ones are overhead
+    # Every trajectory started, not only those batched: with few steps, the work cut off at the end
+    # (up to two batches in flight) would otherwise be charged to the batched ones unevenly.
+    trajectories = max(1, result.started or len(result.trajectories))
     return {
         "factor": factor,
         "env_hosts": 2 * factor,
@@ -158,7 +160,7 @@ def main() -> None:
             print(f"  {point}", flush=True)
         base = points[0]
         lines = [
-            "| growth | env-hosts | engines (generator nodes) | trajectories | scheduling CPU ms / trajectory "
+            "| growth | env-hosts | engines (generator nodes) | trajectories started | scheduling CPU ms / trajectory "
             "| all CPU ms / trajectory | vs 1x (all CPU) | step s | wall s | peak RSS MB |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]

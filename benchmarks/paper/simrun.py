@@ -50,6 +50,8 @@ class Result:
     """In-process runs with a simulated reward: busy / live reward worker-seconds."""
     cpu_s: float | None = None
     """In-process runs: CPU seconds the whole simulation took."""
+    started: int | None = None
+    """In-process runs: trajectories the env-hosts started (batched, aborted, or cut off at the end)."""
 
     @property
     def mean_step_s(self) -> float:
@@ -157,9 +159,11 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) ->
         for group in batch.groups:
             trajectories += [as_record(t) for t in group.trajectories]
             versions += [batch.version] * len(group.trajectories)
-    aborted = sum(node.counts["aborted_stale"] for node in done.nodes.values() if isinstance(node, EnvHostNode))
+    env_hosts = [node for node in done.nodes.values() if isinstance(node, EnvHostNode)]
+    aborted = sum(node.counts["aborted_stale"] for node in env_hosts)
+    started = sum(node.counts["envs_opened"] for node in env_hosts)
     reward = done.reward.utilization if done.reward is not None and done.reward.cold_starts.count else None
-    return Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s)
+    return Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s, started)
 
 
 def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:

@@ -121,6 +121,7 @@ class SimEngine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._replicas = [_Replica(i) for i in range(replicas)]
         self._running = 0
+        self._schedulers_ended = False
         """Requests running on all replicas (kept as a count: replicas read it on every admission)."""
         self._schedulers: list[asyncio.Task[None]] = []
         self._started_at = 0.0
@@ -135,6 +136,7 @@ class SimEngine:
 
     async def start(self) -> None:
         self._started_at = self.clock.now()
+        self._schedulers_ended = False
         for replica in self._replicas:
             replica.timeline = self._started_at
             task = asyncio.create_task(self._schedule(replica), name=f"sim-replica-{replica.index}")
@@ -143,6 +145,7 @@ class SimEngine:
 
     def _scheduler_ended(self, task: asyncio.Task[None]) -> None:
         """A replica's scheduler died (a bug): every request waiting on the engine fails, none hangs."""
+        self._schedulers_ended = True
         if task.cancelled() or task.exception() is None:
             return
         error = EngineClosed(f"a simulated engine replica died: {task.exception()!r}")
@@ -162,7 +165,7 @@ class SimEngine:
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        if not self._schedulers or any(task.done() for task in self._schedulers):
+        if not self._schedulers or self._schedulers_ended:
             raise EngineClosed("the simulated engine is not running")
         if params.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {params.max_tokens}")
