@@ -7,7 +7,7 @@ engines fit on this machine and what is measured in simulated time does not depe
 1. **Production shape** (the paper's section 8: train:generate GPUs 1:5, alpha 1, more than 3,000
    GPUs; its model is a hundreds-of-billions MoE, ours the Qwen3-32B preset): 504 H800 training,
    1,664 H800 (208 engines of 8) and 832 H20 (104 engines of 8) generating, 2,000 env-hosts, the
-   paper shape's game + math mix, batch 1,024 groups of 8. Reports step time, trainer and generator
+   paper shape's game + math mix, batch 512 groups of 8 (4,096 trajectories). Reports step time, trainer and generator
    utilization, and the CPU the simulation took.
 2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 2 groups,
    grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
@@ -59,7 +59,7 @@ def nodes_for(env_hosts: int, engines: dict[str, int]) -> tuple[list[dict[str, A
 
 
 def production(model: Path, steps: int) -> str:
-    env_hosts, batch_groups = 2000, 1024
+    env_hosts, batch_groups = 2000, 512
     nodes, shapes = nodes_for(env_hosts, {"compute": 208, "bandwidth": 104})
     spec = paper_run_spec(
         model,
@@ -76,7 +76,7 @@ def production(model: Path, steps: int) -> str:
     generators = sum(8 * shapes[n["hardware"]]["replicas"] for n in nodes if n["role"] == "generator")
     print(f"production: {len(nodes)} nodes, {generators} generating GPUs + 504 training ...", flush=True)
     began = time.monotonic()
-    result = run(spec, nodes, inprocess=True)
+    result = run(spec, nodes, inprocess=True, keep_groups=False)
     train = train_step_s(result, gpus=504)
     busy = result.generator_busy or {}
     by_kind = {kind: statistics.fmean(v for k, v in busy.items() if k.startswith(f"gen-{kind}")) for kind in shapes}
@@ -86,7 +86,7 @@ def production(model: Path, steps: int) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| 504 + {generators} = {504 + generators} | {env_hosts} | {batch_groups} x 8 | {result.mean_step_s:.0f} "
         f"| {train / result.mean_step_s:.0%} | {by_kind['compute']:.0%} | {by_kind['bandwidth']:.0%} "
-        f"| {len(result.trajectories) / steps:.0f} | {(result.cpu_s or 0) / steps:.0f} "
+        f"| {(result.batched or 0) / steps:.0f} | {(result.cpu_s or 0) / steps:.0f} "
         f"| {time.monotonic() - began:.0f} |",
     ]
     return "\n".join(lines)
@@ -111,7 +111,7 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
     profiler = cProfile.Profile()
     began = time.monotonic()
     profiler.enable()
-    result = run(spec, nodes, inprocess=True)
+    result = run(spec, nodes, inprocess=True, keep_groups=False)
     profiler.disable()
     stats = pstats.Stats(profiler)
     scheduling = sum(
@@ -122,7 +122,7 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
     total = sum(row[2] for row in stats.stats.values())  # type: ignore[attr-defined]
     # Every trajectory started, not only those batched: with few steps, the work cut off at the end
     # (up to two batches in flight) would otherwise be charged to the batched ones unevenly.
-    trajectories = max(1, result.started or len(result.trajectories))
+    trajectories = max(1, result.started or result.batched or 0)
     return {
         "factor": factor,
         "env_hosts": 2 * factor,

@@ -52,6 +52,10 @@ class Result:
     """In-process runs: CPU seconds the whole simulation took."""
     started: int | None = None
     """In-process runs: trajectories the env-hosts started (batched, aborted, or cut off at the end)."""
+    batch_tokens: dict[int, int] | None = None
+    """In-process runs: prompt and response tokens of each batch, by version."""
+    batched: int | None = None
+    """In-process runs: trajectories in the batches taken."""
 
     @property
     def mean_step_s(self) -> float:
@@ -72,12 +76,13 @@ def run(
     timeout_s: float = 1800,
     keep: Path | None = None,
     inprocess: bool = False,
+    keep_groups: bool = True,
 ) -> Result:
     """Run a topology whose `run` section is `run_spec` and whose nodes are `nodes` (ports are added);
     the run directory goes to `keep` when given, else it is deleted. `inprocess`: every node in this
     process on a virtual clock (run_spec's `sim.speedup` must be 1)."""
     if inprocess:
-        return run_inprocess_spec(run_spec, nodes)
+        return run_inprocess_spec(run_spec, nodes, keep_groups=keep_groups)
     with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
         folder = keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -143,8 +148,9 @@ def mode_words(args: argparse.Namespace) -> str:
     return "in-process, virtual clock" if args.inprocess else f"real node processes, speedup {args.speedup:g}"
 
 
-def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) -> Result:
-    """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop."""
+def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *, keep_groups: bool = True) -> Result:
+    """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop.
+    `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
     from rollart.nodes import EnvHostNode
     from rollart.nodes.trainer import as_record
     from rollart.sim.inprocess import run_inprocess
@@ -153,7 +159,8 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) ->
     placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused
     with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
         spec = {"run": {"name": "paper", "run_dir": tmp, "drain_timeout_s": 5} | run_spec, "nodes": placed}
-        done = run_inprocess(parse_topology(yaml.safe_dump(spec, sort_keys=False)), log=Path(tmp) / "nodes.log")
+        topology = parse_topology(yaml.safe_dump(spec, sort_keys=False))
+        done = run_inprocess(topology, log=Path(tmp) / "nodes.log", keep_groups=keep_groups)
     trajectories, versions = [], []
     for batch in done.batches:
         for group in batch.groups:
@@ -163,7 +170,10 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]]) ->
     aborted = sum(node.counts["aborted_stale"] for node in env_hosts)
     started = sum(node.counts["envs_opened"] for node in env_hosts)
     reward = done.reward.utilization if done.reward is not None and done.reward.cold_starts.count else None
-    return Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s, started)
+    result = Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s, started)
+    result.batch_tokens = {batch.version: batch.tokens for batch in done.batches}
+    result.batched = done.trajectories
+    return result
 
 
 def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:
@@ -175,7 +185,7 @@ def write_report(out: Path, title: str, *, began: float, shape: str, body: str) 
         f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}\n"
         f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        f"- code: {code_version()}\n"
+        f"- code: {CODE}\n"
         f"- shape: {shape}\n\n{body}\n"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +201,10 @@ def code_version() -> str:
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (" with uncommitted changes" if dirty else "")
+
+
+CODE = code_version()
+"""The code an experiment runs: read when it starts (an edit made while it runs does not count)."""
 
 
 def events(log: Path, event: str) -> list[dict[str, Any]]:
@@ -286,8 +300,9 @@ def train_step_s(result: Result, gpus: int = 32) -> float:
     from rollart.sim.hardware import GPUS, MODELS
     from rollart.sim.hardware import train_step_s as step_s
 
-    tokens: dict[int, int] = {}
-    for t, version in zip(result.trajectories, result.versions, strict=True):
-        tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
+    tokens: dict[int, int] = dict(result.batch_tokens or {})
+    if not tokens:
+        for t, version in zip(result.trajectories, result.versions, strict=True):
+            tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
     model, gpu = MODELS["qwen3-32b"], GPUS["H800"]
     return sum(step_s(model, gpu, gpus=gpus, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)

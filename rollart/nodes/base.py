@@ -131,7 +131,7 @@ class NodeDaemon:
                 work = tg.create_task(self.work())
                 # In-process there is no /status to show peers in, and thousands of nodes polling
                 # each other would cost more than the simulation itself.
-                watch = tg.create_task(self._watch_peers() if self.network is None else asyncio.sleep(0))
+                watch = tg.create_task(self._watch_peers()) if self.network is None else None
                 log.info(
                     "node.started",
                     port=self.spec.port,
@@ -141,7 +141,8 @@ class NodeDaemon:
                 await self._drain_requested.wait()
                 await self._drain()
                 work.cancel()
-                watch.cancel()
+                if watch is not None:
+                    watch.cancel()
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)

@@ -50,7 +50,11 @@ class Batch:
     taken_at: float
     """Simulated seconds since the start."""
     version: int
+    trajectories: int
+    tokens: int
+    """Prompt and response tokens of its trajectories (what a training step costs)."""
     groups: list[GroupDone]
+    """The groups themselves; empty when the run was asked not to keep them (large shapes)."""
 
 
 @dataclass
@@ -76,7 +80,7 @@ class InProcessRun:
 
     @property
     def trajectories(self) -> int:
-        return sum(len(group.trajectories) for batch in self.batches for group in batch.groups)
+        return sum(batch.trajectories for batch in self.batches)
 
 
 def check_inprocess(topology: Topology) -> None:
@@ -110,12 +114,18 @@ def check_inprocess(topology: Topology) -> None:
 
 
 def run_inprocess(
-    topology: Topology, *, log: TextIO | Path | None = None, log_level: str = "warning", timeout_s: float = 1e7
+    topology: Topology,
+    *,
+    log: TextIO | Path | None = None,
+    log_level: str = "warning",
+    timeout_s: float = 1e7,
+    keep_groups: bool = True,
 ) -> InProcessRun:
     """Run `topology` until its trainer has taken `rollout.steps` batches, then drain every node.
 
     `log`: where the nodes' JSON log lines go (a stream, or a file path; default stderr);
-    `timeout_s`: a bound in simulated seconds."""
+    `timeout_s`: a bound in simulated seconds; `keep_groups`: keep every batch's groups (their
+    token lists take gigabytes at thousands of trajectories a batch), else only counts."""
     check_inprocess(topology)
     if isinstance(log, Path):
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -126,14 +136,14 @@ def run_inprocess(
         configure_logging(level=log_level, stream=stream, cache=False)  # the caller's logging comes back after
         try:
             with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
-                return runner.run(_run(topology, timeout_s))
+                return runner.run(_run(topology, timeout_s, keep_groups))
         finally:
             structlog.configure(**previous)
             root.handlers[:] = handlers
             root.setLevel(level)
 
 
-async def _run(topology: Topology, timeout_s: float) -> InProcessRun:
+async def _run(topology: Topology, timeout_s: float, keep_groups: bool) -> InProcessRun:
     loop = asyncio.get_running_loop()
     started_cpu, started_wall, started = time.process_time(), time.monotonic(), loop.time()
     network = MemoryNetwork(max_frame_bytes=topology.run.session.max_frame_bytes)
@@ -144,7 +154,14 @@ async def _run(topology: Topology, timeout_s: float) -> InProcessRun:
     }
     trainer = next(node for node in nodes.values() if isinstance(node, TrainerNode))
     batches: list[Batch] = []
-    trainer.on_batch = lambda version, groups: batches.append(Batch(loop.time() - started, version, groups))
+
+    def on_batch(version: int, groups: list[GroupDone]) -> None:
+        trajectories = [t for group in groups for t in group.trajectories]
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+        kept = groups if keep_groups else []
+        batches.append(Batch(loop.time() - started, version, len(trajectories), tokens, kept))
+
+    trainer.on_batch = on_batch
     async with asyncio.TaskGroup() as tg:
         for node in nodes.values():
             context = contextvars.copy_context()  # each node's log lines name it, as in its own process
