@@ -24,7 +24,7 @@ import argparse
 import time
 from pathlib import Path
 
-from simrun import ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
+from simrun import ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
 
 from rollart.sim.hardware import GPUS
 
@@ -125,6 +125,9 @@ def main() -> None:
     )
     title = "Fig. 11a: hardware-affinity routing at equal cost (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)
+    speedups = {name: better.mean_step_s / result.mean_step_s for name, result in measured.items()}
+    paper = {"affinity, the paper's mix (64 H800 + 24 H20)": 1.12}
+    save_plot(args.out, title, "speed-up over the better single kind", speedups, paper)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import argparse
 import time
 from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, tiny_tokenizer_model, write_report
+from simrun import PAPER_NODES, ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, write_report
 
 from rollart.sim.hardware import MODELS, transfer_s
 
@@ -69,6 +69,8 @@ def main() -> None:
     )
     title = "Fig. 11b: asynchronous vs synchronous cross-cluster weight sync (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)
+    speedups = {name: sync.mean_step_s / result.mean_step_s for name, result in measured.items()}
+    save_plot(args.out, title, "speed-up over the sync push", speedups, {"async push (Mooncake-like)": 1.10})
 
 
 if __name__ == "__main__":

@@ -30,7 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, Result, add_mode_arguments, mode_words, resolve_mode, run, tiny_tokenizer_model, write_report
+from simrun import (
+    ROOT,
+    Result,
+    add_mode_arguments,
+    mode_words,
+    resolve_mode,
+    run,
+    save_plot,
+    tiny_tokenizer_model,
+    write_report,
+)
 
 PAPER = {1.0: 1.23, 10.0: 2.27}
 TARGET = {1.0: 1.3, 10.0: 2.5}
@@ -165,6 +175,9 @@ def main() -> None:
     )
     title = "Fig. 12a: trajectory-level vs batch-level env handling (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)
+    speedups = {f"sigma {sigma:g}": batch_s / traj_s for sigma, batch_s, traj_s, _, _ in rows}
+    paper = {f"sigma {sigma:g}": PAPER[sigma] for sigma in sigmas}
+    save_plot(args.out, title, "trajectory-level speed-up over batch-level", speedups, paper)
 
 
 if __name__ == "__main__":

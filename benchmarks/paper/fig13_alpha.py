@@ -23,6 +23,7 @@ from simrun import (
     paper_run_spec,
     resolve_mode,
     run,
+    save_plot,
     tiny_tokenizer_model,
     train_step_s,
     write_report,
@@ -66,6 +67,7 @@ def main() -> None:
     )
     title = "Fig. 13: step time vs the staleness bound alpha (simulation, the paper's shape)"
     write_report(args.out, title, began=began, shape=shape, body=table)
+    save_plot(args.out, title, "step s (simulated)", {f"alpha {alpha}": r.mean_step_s for alpha, r in rows})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, Result, run, tiny_tokenizer_model, write_report
+from simrun import ROOT, Result, run, save_plot, tiny_tokenizer_model, write_report
 
 from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
 
@@ -143,6 +143,9 @@ def main() -> None:
     )
     title = "Fig. 14: reward on local GPUs vs Reward-as-a-Service (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)
+    rollout = {name: rollout_s(result) for name, result in measured.items()}
+    paper_s = {"local GPU (4 generate + 4 reward)": 158.0, "reward service (8 generate)": 77.0}
+    save_plot(args.out, title, "rollout s per step (simulated)", rollout, paper_s)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, paper_run_spec, run, tiny_tokenizer_model, train_step_s, write_report
+from simrun import ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
 
 SCHEDULING = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rollart/rollout/buffer.py")
 REPLICAS_PER_NODE = 64
@@ -182,6 +182,9 @@ def main() -> None:
     )
     title = "Scale: 3,000 simulated GPUs and scheduling overhead (simulation)"
     write_report(args.out, title, began=began, shape=shape, body="\n".join(body))
+    if args.curve:
+        per = {f"{p['factor']:g}x": p["total_ms"] for p in points}
+        save_plot(args.out, "All CPU per trajectory as the cluster grows", "CPU ms / trajectory", per)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,31 @@ def write_report(out: Path, title: str, *, began: float, shape: str, body: str) 
     print(f"wrote {out}")
 
 
+def save_plot(
+    out: Path, title: str, ylabel: str, bars: dict[str, float], paper: dict[str, float] | None = None
+) -> None:
+    """A bar chart beside the result file (`out` with .png): ours per configuration, and the
+    paper's number where it gives one (hatched)."""
+    from matplotlib.figure import Figure
+
+    labels = list(bars)
+    figure = Figure(figsize=(max(6.0, 1.6 * len(labels)), 4.0), layout="constrained")
+    ax = figure.add_subplot()
+    width = 0.38 if paper else 0.6
+    xs = range(len(labels))
+    ax.bar([x - (width / 2 if paper else 0) for x in xs], [bars[k] for k in labels], width, label="RollArt (simulated)")
+    if paper:
+        known = [(x, paper[k]) for x, k in zip(xs, labels, strict=True) if k in paper]
+        ax.bar([x + width / 2 for x, _ in known], [v for _, v in known], width, hatch="//", fill=False, label="paper")
+        ax.legend()
+    ax.set_xticks(list(xs), [label.replace(" (", "\n(") for label in labels], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    path = out.with_suffix(".png")
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def code_version() -> str:
     """The commit the working tree is at, and whether it had changes."""
 
