@@ -25,7 +25,6 @@ import argparse
 import cProfile
 import math
 import pstats
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -133,7 +132,6 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
         "total_ms": 1000 * total / trajectories,
         "step_s": result.mean_step_s,
         "wall_s": time.monotonic() - began,
-        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
@@ -146,45 +144,56 @@ def main() -> None:
     args = parser.parse_args()
     model = tiny_tokenizer_model()
     began = time.monotonic()
-    body = []
-    if args.production_steps:
-        table = production(model, args.production_steps)
-        print(table, flush=True)
-        body += ["## Production shape", "", table, ""]
-    if args.curve:
-        curve_point(model, 1, args.curve_steps)  # warm-up: imports and the tokenizer, paid once per process
-        points = []
-        for factor in args.curve:
-            print(f"curve {factor}x ...", flush=True)
-            points.append(point := curve_point(model, factor, args.curve_steps))
-            print(f"  {point}", flush=True)
-        base = points[0]
-        lines = [
-            "| growth | env-hosts | engines (generator nodes) | trajectories started | scheduling CPU ms / trajectory "
-            "| all CPU ms / trajectory | vs 1x (all CPU) | step s | wall s | peak RSS MB |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in points:
-            lines.append(
-                f"| {p['factor']:g}x | {p['env_hosts']:g} | {p['engines']:g} ({p['generator_nodes']:g}) "
-                f"| {p['trajectories']:g} | {p['scheduling_ms']:.3f} | {p['total_ms']:.2f} "
-                f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} "
-                f"| {p['rss_mb']:.0f} |"
-            )
-        table = "\n".join(lines)
-        print(table)
-        body += ["## Scheduling overhead as the cluster grows", "", table, ""]
     shape = (
         "in-process, virtual clock; production: see the first table; curve: a unit of 2 env-hosts, one 8-H800 "
         "and one 8-H20 engine, batch 2 groups of 8 of the paper shape's game + math mix with 64-token turns "
         "and 200-token observations, grown by the factor, after a warm-up run (imports, tokenizer); CPU by cProfile "
-        "(which slows everything alike), peak RSS of the process after each point"
+        "(which slows everything alike)"
     )
     title = "Scale: 3,000 simulated GPUs and scheduling overhead (simulation)"
-    write_report(args.out, title, began=began, shape=shape, body="\n".join(body))
+    production_table = ""
+    if args.production_steps:
+        production_table = production(model, args.production_steps)
+        print(production_table, flush=True)
+    points: list[dict[str, float]] = []
+
+    def report() -> None:
+        """Written after every part, so a run stopped during a long point keeps what it measured."""
+        body = ["## Production shape", "", production_table, ""] if production_table else []
+        if points:
+            body += ["## Scheduling overhead as the cluster grows", "", curve_table(points), ""]
+            not_run = [f"{factor}x" for factor in args.curve if factor not in {p["factor"] for p in points}]
+            if not_run:
+                body.append(f"Not measured yet when this was written: {', '.join(not_run)}.")
+        write_report(args.out, title, began=began, shape=shape, body="\n".join(body))
+
+    report()
     if args.curve:
+        curve_point(model, 1, args.curve_steps)  # warm-up: imports and the tokenizer, paid once per process
+        for factor in args.curve:
+            print(f"curve {factor}x ...", flush=True)
+            points.append(point := curve_point(model, factor, args.curve_steps))
+            print(f"  {point}", flush=True)
+            report()
+        print(curve_table(points))
         per = {f"{p['factor']:g}x": p["total_ms"] for p in points}
         save_plot(args.out, "All CPU per trajectory as the cluster grows", "CPU ms / trajectory", per)
+
+
+def curve_table(points: list[dict[str, float]]) -> str:
+    base = points[0]
+    lines = [
+        "| growth | env-hosts | engines (generator nodes) | trajectories started | scheduling CPU ms / trajectory "
+        "| all CPU ms / trajectory | vs first (all CPU) | step s | wall s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in points:
+        lines.append(
+            f"| {p['factor']:g}x | {p['env_hosts']:g} | {p['engines']:g} ({p['generator_nodes']:g}) "
+            f"| {p['trajectories']:g} | {p['scheduling_ms']:.3f} | {p['total_ms']:.2f} "
+            f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
