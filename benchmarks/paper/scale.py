@@ -57,9 +57,11 @@ def nodes_for(env_hosts: int, engines: dict[str, int]) -> tuple[list[dict[str, A
     return nodes, shapes
 
 
-def production(model: Path, steps: int) -> str:
-    env_hosts, batch_groups = 2000, 512
-    nodes, shapes = nodes_for(env_hosts, {"compute": 208, "bandwidth": 104})
+def scaled(
+    model: Path, steps: int, env_hosts: int, engines: dict[str, int], *, batch_groups: int, groups_per_env_host: int
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """Nodes, engine shapes and the `run` section: the paper's shape with RollArt alpha 1, grown."""
+    nodes, shapes = nodes_for(env_hosts, engines)
     spec = paper_run_spec(
         model,
         speedup=1,
@@ -68,10 +70,18 @@ def production(model: Path, steps: int) -> str:
         schedule="async",
         alpha=1,
         batch_groups=batch_groups,
-        groups_per_env_host=2,
+        groups_per_env_host=groups_per_env_host,
+    )
+    spec["session"] = SESSION
+    return nodes, shapes, spec
+
+
+def production(model: Path, steps: int) -> str:
+    env_hosts, batch_groups = 2000, 512
+    nodes, shapes, spec = scaled(
+        model, steps, env_hosts, {"compute": 208, "bandwidth": 104}, batch_groups=batch_groups, groups_per_env_host=2
     )
     spec["sim"]["trainer"]["gpus"] = 504
-    spec["session"] = SESSION
     generators = sum(8 * shapes[n["hardware"]]["replicas"] for n in nodes if n["role"] == "generator")
     print(f"production: {len(nodes)} nodes, {generators} generating GPUs + 504 training ...", flush=True)
     began = time.monotonic()
@@ -92,18 +102,8 @@ def production(model: Path, steps: int) -> str:
 
 
 def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
-    nodes, shapes = nodes_for(2 * factor, {"compute": factor, "bandwidth": factor})
-    spec = paper_run_spec(
-        model,
-        speedup=1,
-        steps=steps,
-        engines=shapes,
-        schedule="async",
-        alpha=1,
-        batch_groups=2 * factor,
-        groups_per_env_host=4,
-    )
-    spec["session"] = SESSION
+    engines = {"compute": factor, "bandwidth": factor}
+    nodes, _, spec = scaled(model, steps, 2 * factor, engines, batch_groups=2 * factor, groups_per_env_host=4)
     for task in spec["rollout"]["tasks"]:  # short turns: the scheduling, not token bookkeeping, is measured
         task["max_tokens_per_turn"] = 64
         task["env_kwargs"]["obs_tokens"] = 200

@@ -52,14 +52,12 @@ class RewardGatewayNode(NodeDaemon):
                     response=msg.response,
                     answer=msg.answer,
                     env_reward=msg.env_reward,
+                    tokens=msg.tokens,
                 )
                 rollout = self.topology.run.rollout
                 timeout = rollout.reward_timeout_s if rollout is not None else 30.0
                 try:
-                    if isinstance(self.pool, SimRewardPool):
-                        out = await self.pool.score(msg.fn, item, timeout=timeout, tokens=msg.tokens)
-                    else:
-                        out = await self.pool.score(msg.fn, item, timeout=timeout)
+                    out = await self.pool.score(msg.fn, item, timeout=timeout)
                 except (RewardError, ConfigError) as exc:
                     raise RemoteError("bad-request", str(exc)) from exc
                 except RequestTimeout as exc:

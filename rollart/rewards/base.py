@@ -39,6 +39,8 @@ class ScoreInput(msgspec.Struct, frozen=True, kw_only=True):
     """The reference answer, for functions that compare against one."""
     env_reward: float | None = None
     """The environment's own reward for the trajectory, for functions that pass or reshape it."""
+    tokens: int = 0
+    """The trajectory's prompt and response tokens (what a reward model's time follows; 0: unknown)."""
     meta: dict[str, Any] = {}
     """Anything else a function needs (msgpack-encodable values only)."""
 

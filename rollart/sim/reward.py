@@ -4,7 +4,7 @@
 `async with`) when `run.sim.reward` is set. The reward *value* is still the registered function's
 (called inline: the functions simulated tasks use are cheap); what is simulated is the time a
 reward model (`run.sim.reward.model`, by default Qwen2.5-7B) takes to read the trajectory
-(prefill of `Score.tokens`) and write a short verdict (`verdict_tokens` decode steps), on one GPU
+(prefill of `ScoreInput.tokens`) and write a short verdict (`verdict_tokens` decode steps), on one GPU
 per worker, timed by the same `CostModel` as the engines.
 
 Placements (the paper's Fig. 14 compares the first two):
@@ -106,7 +106,7 @@ class SimRewardPool:
             if not job.done.done():
                 job.done.set_exception(RewardError("reward pool is closed"))
 
-    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float, tokens: int = 0) -> ScoreOutput:
+    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float) -> ScoreOutput:
         """The registered function's verdict on `item`, after the simulated judge's time on a worker."""
         if not self._running:
             raise RewardError("reward pool is not started")
@@ -114,7 +114,7 @@ class SimRewardPool:
         if self.spec.placement == "instant":
             self.meters.served += 1
             return output
-        job = _Job(tokens, output, asyncio.get_running_loop().create_future())
+        job = _Job(item.tokens, output, asyncio.get_running_loop().create_future())
         self._queue.append(job)
         self._pump()
         try:

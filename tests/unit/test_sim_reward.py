@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from test_sim_engine import virtual
 
@@ -21,7 +22,8 @@ ITEM = ScoreInput(task="math", prompt="p", response="r", env_reward=1.0)
 async def score_many(pool: SimRewardPool, n: int, tokens: int) -> tuple[float, list[float]]:
     """Simulated seconds until `n` requests sent together are scored, and their rewards."""
     start = pool.clock.now()
-    outs = await asyncio.gather(*(pool.score("env-reward", ITEM, timeout=1e6, tokens=tokens) for _ in range(n)))
+    item = msgspec.structs.replace(ITEM, tokens=tokens)
+    outs = await asyncio.gather(*(pool.score("env-reward", item, timeout=1e6) for _ in range(n)))
     return pool.clock.now() - start, [out.reward for out in outs]
 
 
