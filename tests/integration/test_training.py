@@ -539,7 +539,11 @@ def test_generators_ahead_of_the_checkpoint_get_its_weights_under_a_fresh_versio
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:
     steps = 4
-    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, checkpoint_every=2))
+    # alpha 0: step 4 waits for a whole batch started at version 3, so the moment wanted below (the
+    # generators hold 3, the checkpoint is still 2) lasts a rollout, not a step on a batch buffered
+    # early (with alpha 1 the push of 3 could land after step 4 was already checkpointed: missed).
+    yaml = training_yaml(tiny_model, steps=steps, alpha=0, checkpoint_every=2)
+    cluster = make_cluster(clusters, tmp_path, yaml)
     # Killed after version 3 reached the generators and before step 4's checkpoint: they hold a
     # version newer than the one the trainer resumes at (2), made by weights that are now lost.
     run = resume_run(cluster, steps, lambda held, checkpoint: 1 <= checkpoint < min(held.values()))
