@@ -7,19 +7,26 @@ calls first block for `hang_s` seconds (`time.sleep`, holding the calling thread
 env would), to exercise timeouts.
 
 The failures are drawn from the wrapper's own RNG, seeded from `seed` and the episode seed, so
-a given (seed, episode seed, action sequence) fails at the same calls every time. Each call draws
+a given (seed, episode seed, action sequence) fails at the same calls every time. `seed` defaults
+to a new one for every env made in this process: failures are the machine's, not the task's, so
+the trajectories of a group (one episode seed) fail independently and a group re-run after a
+failure is not doomed to fail again; pass `seed` to repeat them exactly. Each call draws
 the same two numbers (hang, fail) whatever the settings, so changing one rate does not reshuffle
 the other's draws. A failed `step` does not reach the inner env: its state is unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
 
 from rollart.envs.base import Env, EnvFailure, Info, StepResult, not_running, require, resolve_seed
 from rollart.envs.registry import make_env
+
+_instances = itertools.count()
+"""The default `seed`: one per env made in this process."""
 
 
 class FlakyEnv(Env):
@@ -35,7 +42,7 @@ class FlakyEnv(Env):
         step_failure: float = 0.2,
         hang_s: float = 0.0,
         hang_prob: float = 0.1,
-        seed: int = 0,
+        seed: int | None = None,
         **inner_kwargs: Any,
     ) -> None:
         for label, rate in (("reset_failure", reset_failure), ("step_failure", step_failure), ("hang_prob", hang_prob)):
@@ -53,7 +60,7 @@ class FlakyEnv(Env):
         self.step_failure = step_failure
         self.hang_s = hang_s
         self.hang_prob = hang_prob
-        self.seed = seed
+        self.seed = next(_instances) if seed is None else seed
         self._rng: random.Random | None = None
 
     def _maybe_fail(self, rng: random.Random, call: str, rate: float) -> None:

@@ -22,6 +22,7 @@ twice) is a `ConfigError` that says what was wrong and what would work.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -65,10 +66,18 @@ def registered_envs() -> list[str]:
     return sorted(_envs)
 
 
-def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+@functools.lru_cache(maxsize=256)
+def _signature(factory: EnvFactory) -> inspect.Signature | None:
+    """The factory's signature, once per factory (one env is made per trajectory)."""
     try:
-        signature = inspect.signature(factory)
+        return inspect.signature(factory)
     except (TypeError, ValueError):  # builtins and some callables have none; the call will tell
+        return None
+
+
+def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    signature = _signature(factory)
+    if signature is None:
         return
     try:
         signature.bind(*args, **kwargs)

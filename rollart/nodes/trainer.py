@@ -306,7 +306,7 @@ class TrainerNode(NodeDaemon):
                     self.dispenser.reissue(group_id, why)
                 return GroupAck(accepted, why)
             case GroupFailed(group_id=group_id, reason=reason):
-                self.dispenser.reissue(group_id, reason)
+                self.dispenser.reissue(group_id, reason, failed=True)
                 return GroupAck(False, "re-issued")
             case _:
                 return await super().on_role_request(session, msg)

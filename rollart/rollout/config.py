@@ -115,6 +115,13 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """Deadline of one scoring call."""
     group_timeout_s: float = 600.0
     """A group not returned by then is re-issued."""
+    task_wait_s: float = 5.0
+    """How long an idle env-host slot's request for a group waits at the trainer for room (at most
+    30 s) before it asks again. Longer: fewer messages from slots beyond the admission limit (at
+    thousands of env-hosts they are most of the traffic), but an idle env-host drains that much slower."""
+    group_attempts: int = 3
+    """Tries of one task and seed: when a try fails and this many were made, the seed is given up
+    for a fresh one, so a task instance that breaks its env every time does not hold a slot forever."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
@@ -124,7 +131,14 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
         problems: list[tuple[str, str]] = []
-        lows = (("group_size", 1), ("redundancy", 0), ("batch_groups", 1), ("alpha", 0), ("max_uniform_batches", 1))
+        lows = (
+            ("group_size", 1),
+            ("redundancy", 0),
+            ("batch_groups", 1),
+            ("alpha", 0),
+            ("max_uniform_batches", 1),
+            ("group_attempts", 1),
+        )
         for key, low in lows:
             if getattr(self, key) < low:
                 problems.append((key, f"expected an integer >= {low}; got {getattr(self, key)}"))
@@ -135,6 +149,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
         for key in ("generate_timeout_s", "env_timeout_s", "reward_timeout_s", "group_timeout_s", "profile_ratio"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"expected a value > 0; got {getattr(self, key)}"))
+        if not 0 <= self.task_wait_s <= 30:
+            problems.append(("task_wait_s", f"expected a value in [0, 30]; got {self.task_wait_s}"))
         if not self.tasks:
             problems.append(("tasks", "expected at least one task"))
         seen: set[str] = set()

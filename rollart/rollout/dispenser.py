@@ -3,7 +3,9 @@
 It draws tasks by the mix's weights and gives each group a fresh environment seed. A grant is
 a lease: the group is in flight until its env-host returns it (accepted or not), reports it
 failed, or the lease expires; a failed, expired or refused group is re-issued (same task and
-seed, new group id), so dropped work always gives its capacity back.
+seed, new group id), so dropped work always gives its capacity back. A seed whose group has
+failed on its last of `group_attempts` tries is given up (counted in `abandoned`) and the next
+grant draws a fresh one: a task instance that breaks its env every time cannot hold a slot forever.
 
 Admission (AReaL's rule, in groups): new work starts only while
     in flight + buffered < (alpha + 1) * batch_groups,
@@ -62,7 +64,10 @@ class Dispenser:
         self._retry: collections.deque[tuple[str, int, int]] = collections.deque()  # (task, seed, attempt)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         """Grants waiting for room, oldest first."""
-        self.granted = self.completed = self.reissued = 0
+        self.granted = self.completed = self.reissued = self.abandoned = 0
+        """Grants, and how each lease ended: granted = completed + reissued + abandoned + in flight."""
+        self.requeued = 0
+        """Groups completed, then dropped from the buffer as stale and put back in line."""
 
     @property
     def limit(self) -> int:
@@ -134,10 +139,18 @@ class Dispenser:
             self.changed()
         return lease
 
-    def reissue(self, group_id: str, reason: str) -> None:
-        """Put the group's task and seed back in line (failed, refused as stale, or lost)."""
+    def reissue(self, group_id: str, reason: str, *, failed: bool = False) -> None:
+        """Put the group's task and seed back in line (failed, refused as stale, or lost); a `failed`
+        group on its last try gives its seed up instead."""
         lease = self.leases.pop(group_id, None)
         if lease is None:
+            return
+        if failed and lease.attempt + 1 >= self.spec.group_attempts:
+            self.abandoned += 1
+            log.warning(
+                "dispenser.seed_abandoned", group=group_id, task=lease.task.task, seed=lease.task.seed, reason=reason
+            )
+            self.changed()
             return
         self._retry.append((lease.task.task, lease.task.seed, lease.attempt + 1))
         self.reissued += 1
@@ -147,7 +160,7 @@ class Dispenser:
     def requeue(self, task: str, seed: int, reason: str) -> None:
         """Run a task and seed again that came back but cannot be used (dropped as stale)."""
         self._retry.append((task, seed, 1))
-        self.reissued += 1
+        self.requeued += 1
         log.info("dispenser.requeue", task=task, seed=seed, reason=reason)
         self.changed()
 
@@ -176,6 +189,8 @@ class Dispenser:
             "retry": retry,
             "incarnation": self.incarnation,
             "counts": [self.granted, self.completed, self.reissued],
+            "abandoned": self.abandoned,
+            "requeued": self.requeued,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -186,6 +201,8 @@ class Dispenser:
         self._retry = collections.deque((task, seed, attempt) for task, seed, attempt in state["retry"])
         self.incarnation = state["incarnation"] + 1
         self.granted, self.completed, self.reissued = state["counts"]
+        # absent from checkpoints made before they were counted apart
+        self.abandoned, self.requeued = state.get("abandoned", 0), state.get("requeued", 0)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -194,5 +211,7 @@ class Dispenser:
             "granted": self.granted,
             "completed": self.completed,
             "reissued": self.reissued,
+            "abandoned": self.abandoned,
+            "requeued": self.requeued,
             "retry_queue": len(self._retry),
         }

@@ -234,7 +234,8 @@ def test_redundant_trajectories_are_aborted_and_their_envs_closed(tmp_path: Path
     assert cancelled_calls > 0 and sum(g["aborted"] for g in generators) > 0, (cancelled_calls, generators)
     (trainer,) = log_events(run_dir, "trainer", "trainer.summary")
     # every granted group came back (accepted or re-issued) or is still in flight: no capacity leaks
-    assert trainer["granted"] == trainer["completed"] + trainer["reissued"] + trainer["in_flight"]
+    ended = trainer["completed"] + trainer["reissued"] + trainer["abandoned"]
+    assert trainer["granted"] == ended + trainer["in_flight"], trainer
     assert trainer["in_flight"] <= trainer["limit"]
 
 

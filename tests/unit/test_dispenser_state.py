@@ -100,8 +100,10 @@ async def test_group_ids_carry_the_incarnation_and_never_reuse_an_earlier_id() -
 
 async def test_counters_carry_over() -> None:
     original, _, state = await interrupted()
-    counts = {key: original.stats()[key] for key in ("granted", "completed", "reissued")}
-    assert counts == {"granted": 6, "completed": 4, "reissued": 1}
+    original.abandoned, original.requeued = 2, 3  # as if two seeds had been given up, three groups dropped
+    state = roundtrip(original.state_dict([]) | {"retry": state["retry"]})
+    counts = {key: original.stats()[key] for key in ("granted", "completed", "reissued", "abandoned", "requeued")}
+    assert counts == {"granted": 6, "completed": 4, "reissued": 1, "abandoned": 2, "requeued": 3}
     restored = Dispenser(spec(), buffered=lambda: 0)
     restored.load_state(state)
     assert restored.stats() == {"in_flight": 0, "limit": 2002, "retry_queue": 4, **counts}

@@ -333,7 +333,7 @@ def test_import_env_modules_registers_user_envs(tmp_path: Any, monkeypatch: pyte
 
 
 def test_flaky_fails_at_the_configured_rates_deterministically() -> None:
-    env = make_env("flaky", inner="frozen-lake", reset_failure=0.2, step_failure=0.3, hole_prob=0.0)
+    env = make_env("flaky", inner="frozen-lake", reset_failure=0.2, step_failure=0.3, seed=5, hole_prob=0.0)
     reset_failed, step_failed, steps = [], 0, 0
     for seed in range(1000):
         try:
@@ -348,8 +348,18 @@ def test_flaky_fails_at_the_configured_rates_deterministically() -> None:
             step_failed += 1
     assert len(reset_failed) / 1000 == pytest.approx(0.2, abs=0.04)
     assert step_failed / steps == pytest.approx(0.3, abs=0.05)
-    again = make_env("flaky", inner="frozen-lake", reset_failure=0.2, hole_prob=0.0)
+    again = make_env("flaky", inner="frozen-lake", reset_failure=0.2, seed=5, hole_prob=0.0)
     assert [s for s in range(100) if _reset_fails(again, s)] == [s for s in reset_failed if s < 100]
+
+
+def test_flaky_envs_of_one_group_fail_independently() -> None:
+    # Without a `seed`, each env draws its own faults: the trajectories of a group (one episode
+    # seed) do not all fail together, and a group re-run after a failure can succeed.
+    both = sum(
+        all(_reset_fails(make_env("flaky", inner="frozen-lake", reset_failure=0.2), seed) for _ in range(2))
+        for seed in range(1000)
+    )
+    assert both / 1000 == pytest.approx(0.2 * 0.2, abs=0.02)
 
 
 def _reset_fails(env: Env, seed: int) -> bool:

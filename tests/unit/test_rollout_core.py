@@ -171,6 +171,23 @@ async def test_failed_groups_are_reissued_with_their_seed_and_give_capacity_back
     assert third is not None and third.seed == task.seed
 
 
+async def test_a_seed_that_keeps_failing_is_given_up_for_a_fresh_one() -> None:
+    dispenser = Dispenser(spec(alpha=0, batch_groups=1, group_attempts=3), buffered=lambda: 0)
+    first = await dispenser.grant("env-0", 0, wait_s=0.01)
+    assert first is not None
+    tries = [first]
+    for _ in range(2):
+        dispenser.reissue(tries[-1].group_id, "2 of 2 failed", failed=True)
+        tries.append(await dispenser.grant("env-0", 0, wait_s=0.01))  # type: ignore[arg-type]
+    assert {t.seed for t in tries} == {first.seed} and dispenser.abandoned == 0
+    dispenser.reissue(tries[-1].group_id, "2 of 2 failed", failed=True)  # third failed try
+    fresh = await dispenser.grant("env-0", 0, wait_s=0.01)  # the slot it held is free again
+    assert fresh is not None and fresh.seed != first.seed
+    assert dispenser.abandoned == 1 and dispenser.stats()["abandoned"] == 1
+    dispenser.reissue(fresh.group_id, "not returned")  # lost, not failed: its seed runs again
+    assert (await dispenser.grant("env-0", 0, wait_s=0.01)).seed == fresh.seed  # type: ignore[union-attr]
+
+
 async def test_task_mix_follows_the_weights() -> None:
     dispenser = Dispenser(spec(alpha=1000), buffered=lambda: 0)
     names = [(await dispenser.grant("e", 0, wait_s=0.01)).task for _ in range(400)]  # type: ignore[union-attr]
@@ -226,3 +243,11 @@ async def test_turn_barrier_releases_a_turn_when_every_live_trajectory_reached_i
     await asyncio.sleep(0)
     assert not again.done()
     await asyncio.wait_for(asyncio.gather(barrier.wait(), again), 1)
+
+
+def test_rollout_settings_out_of_range_are_named() -> None:
+    problems = dict(spec(group_attempts=0, task_wait_s=31.0).validate())
+    assert problems == {
+        "group_attempts": "expected an integer >= 1; got 0",
+        "task_wait_s": "expected a value in [0, 30]; got 31.0",
+    }

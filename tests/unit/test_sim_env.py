@@ -36,6 +36,32 @@ def test_episodes_have_the_configured_shape_and_repeat_by_seed() -> None:
         env.step("U")
 
 
+def test_a_groups_envs_share_the_episode_but_not_its_latency_or_failures() -> None:
+    # A group's trajectories run one task and seed on envs of their own: the same episode, but
+    # each machine's own timing and faults (else redundancy could not help, and a group that failed
+    # once would fail again on every re-run of its seed).
+    shape = {"turns": [2, 5], "obs_tokens": 9, "reset_s": 1.0, "step_s": 0.5, "sigma": 1.0}
+    first, second = SimEnv(**shape), SimEnv(**shape)
+    a, b = episode(first, 3), episode(second, 3)
+    assert [step[:3] for step in a] == [step[:3] for step in b]  # observations, rewards, ends
+    assert [step[3] for step in a] != [step[3] for step in b]  # latencies
+    assert episode(SimEnv(**shape, noise_seed=first.noise_seed), 3) == a  # repeatable when asked
+
+    both = 0
+    for seed in range(2000):
+        failed = [_reset_fails(SimEnv(reset_failure=0.2), seed) for _ in range(2)]
+        both += all(failed)
+    assert both / 2000 == pytest.approx(0.2 * 0.2, abs=0.015)  # independent, not 0.2 (shared)
+
+
+def _reset_fails(env: SimEnv, seed: int) -> bool:
+    try:
+        env.reset(seed)
+    except EnvFailure:
+        return True
+    return False
+
+
 def test_latency_is_lognormal_around_the_median_and_capped() -> None:
     env = SimEnv(reset_s=2.0, sigma=1.0, cap_s=20.0)
     waits = []
