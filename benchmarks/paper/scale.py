@@ -36,6 +36,9 @@ SCHEDULING = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rolla
 REPLICAS_PER_NODE = 64
 SESSION = {"heartbeat_interval_s": 30.0, "heartbeat_deadline_s": 300.0}
 """Thousands of sessions: heartbeats every 30 simulated seconds instead of every second."""
+TASK_WAIT_S = 30.0
+"""Thousands of env-host slots beyond the admission limit: each asks for a group every 30 simulated
+seconds while there is no room, not every 5 (`rollout.task_wait_s`)."""
 
 
 def nodes_for(env_hosts: int, engines: dict[str, int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -73,6 +76,7 @@ def scaled(
         groups_per_env_host=groups_per_env_host,
     )
     spec["session"] = SESSION
+    spec["rollout"]["task_wait_s"] = TASK_WAIT_S
     return nodes, shapes, spec
 
 

@@ -119,11 +119,13 @@ class EnvHostNode(NodeDaemon):
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
 
-    async def _ask(self, trainer: ClientSession, *, wait_s: float = 5.0) -> GroupTask | NoTask | None:
-        """One group task from the trainer (waiting up to `wait_s` for room), its refusal, or None after
-        a transient failure."""
+    async def _ask(self, trainer: ClientSession, *, wait_s: float | None = None) -> GroupTask | NoTask | None:
+        """One group task from the trainer (waiting up to `wait_s`, by default `rollout.task_wait_s`,
+        for room), its refusal, or None after a transient failure."""
+        assert self.rollout is not None
+        wait_s = self.rollout.task_wait_s if wait_s is None else wait_s
         try:
-            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=wait_s), timeout=20.0)
+            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=wait_s), timeout=wait_s + 15.0)
         except (RequestTimeout, SessionLost, RemoteError) as exc:
             log.warning("env_host.no_task", error=str(exc))
             await asyncio.sleep(RETRY_S)
@@ -157,7 +159,7 @@ class EnvHostNode(NodeDaemon):
             while len(tasks) < self.rollout.groups_per_env_host and not self.draining:
                 # Once the batch has a group, take only what is there now: waiting for room would
                 # wait for this very batch to be trained on.
-                reply = await self._ask(trainer, wait_s=0.0 if tasks else 5.0)
+                reply = await self._ask(trainer, wait_s=0.0 if tasks else None)
                 if isinstance(reply, GroupTask):
                     tasks.append(reply)
                 elif isinstance(reply, NoTask) and (reply.done or tasks):

@@ -23,7 +23,8 @@ class MemoryConnection:
         self.max_frame_bytes = max_frame_bytes
         self.max_bulk_bytes = max_bulk_bytes
         self._frames: collections.deque[bytes | memoryview] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        """The receiver waiting for a frame or the close, if one is."""
         self._closed = asyncio.Event()
         self._error: BaseException | None = None
         self.other: MemoryConnection | None = None
@@ -49,7 +50,7 @@ class MemoryConnection:
             raise FrameTooLarge(f"refusing to send a {len(frame)}-byte frame (limit {other.max_frame_bytes})")
         if not self.silent:
             other._frames.append(bytes(frame))
-            other._arrived.set()
+            other._wake()
 
     async def drain(self) -> None:
         self._check_open()
@@ -61,21 +62,27 @@ class MemoryConnection:
             raise FrameTooLarge(f"bulk frame of {len(payload)} bytes exceeds the limit of {other.max_bulk_bytes}")
         if not self.silent:
             other._frames.append(memoryview(bytearray(payload)))
-            other._arrived.set()
+            other._wake()
         await asyncio.sleep(0)
 
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def _next(self) -> bytes | memoryview:
+        # One future per wait, resolved by a frame or the close: the simulator's hot path (two
+        # tasks and an asyncio.wait per frame cost more than the rest of receiving it).
         while not self._frames:  # frames sent before the peer closed are still delivered
             if self._closed.is_set():
                 raise self._error or ConnectionClosed(f"connection to {self.peer} closed")
-            self._arrived.clear()
-            closed = asyncio.ensure_future(self._closed.wait())
-            arrived = asyncio.ensure_future(self._arrived.wait())
+            if self._waiter is not None:  # as asyncio's StreamReader: one reader at a time
+                raise RuntimeError("another coroutine is already waiting for a frame on this connection")
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait([closed, arrived], return_when=asyncio.FIRST_COMPLETED)
+                await self._waiter
             finally:
-                closed.cancel()
-                arrived.cancel()
+                self._waiter = None
         return self._frames.popleft()
 
     async def recv(self) -> bytes:
@@ -100,6 +107,7 @@ class MemoryConnection:
         if not self._closed.is_set():
             self._error = error
             self._closed.set()
+            self._wake()
 
     def close(self) -> None:
         self._frames.clear()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import logging
 import secrets
 import time
@@ -113,6 +114,10 @@ def check_inprocess(topology: Topology) -> None:
         raise ConfigError(f"{where}: cannot run in-process:\n  " + "\n  ".join(problems))
 
 
+GC_THRESHOLD = (100_000, 20, 10)
+"""The cyclic collector's thresholds while a simulation runs (Python's defaults: 700, 10, 10)."""
+
+
 def run_inprocess(
     topology: Topology,
     *,
@@ -130,14 +135,19 @@ def run_inprocess(
     if isinstance(log, Path):
         log.parent.mkdir(parents=True, exist_ok=True)
     previous, root = structlog.get_config(), logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, thresholds = root.handlers[:], root.level, gc.get_threshold()
     with contextlib.ExitStack() as stack:
         stream = stack.enter_context(log.open("a")) if isinstance(log, Path) else log
         configure_logging(level=log_level, stream=stream, cache=False)  # the caller's logging comes back after
+        # Every node's objects live in this one heap, and most of them as long as the run; at the
+        # default thresholds the cyclic collector re-scanned them so often that it took a third of
+        # the CPU at 600 env-hosts, and a growing share as the shape grew (benchmarks/paper/scale.py).
+        gc.set_threshold(*GC_THRESHOLD)
         try:
             with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
                 return runner.run(_run(topology, timeout_s, keep_groups))
         finally:
+            gc.set_threshold(*thresholds)
             structlog.configure(**previous)
             root.handlers[:] = handlers
             root.setLevel(level)
