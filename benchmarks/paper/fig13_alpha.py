@@ -5,7 +5,10 @@ Simulation mode, real node processes, `simrun.paper_run_spec` (Qwen3-32B, batch 
 push throughout; only alpha changes. alpha 0 lets no generation overlap training; each step of
 alpha lets one more batch be generated ahead, and aborts fewer trajectories as stale. Reports the
 mean step time, the speed-up over alpha 0, the training step (a floor for every alpha: the trainer
-is busy), and trajectories aborted as stale per batch.
+is busy), and the work staleness cost per batch: trajectories aborted as stale while running, and
+groups that finished but went stale in the buffer (dropped, run again). Which of the two a stale
+group lands in depends on timing alone (in-process runs abort more, multi-process runs drop more:
+the multi-process hosts finish more groups before the version arrives), so the total is the number to compare.
 
     .venv/bin/python benchmarks/paper/fig13_alpha.py            # about 8 minutes on 2 cores
 """
@@ -46,17 +49,19 @@ def main() -> None:
         result = run(spec, PAPER_NODES, inprocess=args.inprocess)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}", flush=True)
         rows.append((alpha, result))
-    base = rows[0][1].mean_step_s
+    base, group_size = rows[0][1].mean_step_s, spec["rollout"]["group_size"]
     lines = [
         "| alpha | step s | speed-up vs first | train step s | efficiency (train step / step) "
-        "| aborted stale per batch |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| stale per batch: trajectories aborted running | groups dropped finished | trajectories in all |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for alpha, result in rows:
         train = train_step_s(result)
+        wasted = result.aborted_stale + result.dropped_stale * group_size
         lines.append(
             f"| {alpha} | {result.mean_step_s:.0f} | {base / result.mean_step_s:.2f}x | {train:.0f} "
-            f"| {train / result.mean_step_s:.2f} | {result.aborted_stale / args.steps:.1f} |"
+            f"| {train / result.mean_step_s:.2f} | {result.aborted_stale / args.steps:.1f} "
+            f"| {result.dropped_stale / args.steps:.1f} | {wasted / args.steps:.0f} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -43,7 +43,11 @@ class Result:
     """The policy version (batch index) each trajectory was taken at."""
     speedup: float
     aborted_stale: int = 0
-    """Trajectories the env-hosts aborted because a new version made them too stale."""
+    """Trajectories the env-hosts aborted, while running, because a new version made them too stale."""
+    dropped_stale: int = 0
+    """Groups that finished but went stale in the trainer's buffer before a batch took them (dropped
+    and run again): the other half of the work staleness costs. Which half a stale group lands in
+    depends only on whether it finished before the version that made it stale."""
     generator_busy: dict[str, float] | None = None
     """In-process runs: each generator's busy fraction."""
     reward_utilization: float | None = None
@@ -121,7 +125,8 @@ def run(
         for log in (run_dir / "logs").glob("*.log"):
             for summary in events(log, "env_host.summary")[-1:]:
                 aborted += summary.get("aborted_stale", 0)
-        return Result(steps, trajectories, versions, speedup, aborted)
+        (trainer,) = events(run_dir / "logs" / "trainer.log", "trainer.summary")[-1:]
+        return Result(steps, trajectories, versions, speedup, aborted, trainer["buffer"]["dropped_stale"])
 
 
 def add_mode_arguments(parser: argparse.ArgumentParser, *, speedup: float, out: Path) -> None:
@@ -151,7 +156,7 @@ def mode_words(args: argparse.Namespace) -> str:
 def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *, keep_groups: bool = True) -> Result:
     """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop.
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
-    from rollart.nodes import EnvHostNode
+    from rollart.nodes import EnvHostNode, TrainerNode
     from rollart.nodes.trainer import as_record
     from rollart.sim.inprocess import run_inprocess
     from rollart.topology import parse_topology
@@ -168,9 +173,12 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
             versions += [batch.version] * len(group.trajectories)
     env_hosts = [node for node in done.nodes.values() if isinstance(node, EnvHostNode)]
     aborted = sum(node.counts["aborted_stale"] for node in env_hosts)
+    dropped = sum(node.buffer.dropped_stale for node in done.nodes.values() if isinstance(node, TrainerNode))
     started = sum(node.counts["envs_opened"] for node in env_hosts)
     reward = done.reward.utilization if done.reward is not None and done.reward.cold_starts.count else None
-    result = Result(done.step_s, trajectories, versions, 1.0, aborted, done.generator_busy, reward, done.cpu_s, started)
+    result = Result(
+        done.step_s, trajectories, versions, 1.0, aborted, dropped, done.generator_busy, reward, done.cpu_s, started
+    )
     result.batch_tokens = {batch.version: batch.tokens for batch in done.batches}
     result.batched = done.trajectories
     return result
