@@ -227,12 +227,13 @@ def save_plot(
 
 
 def code_version() -> str:
-    """The commit the working tree is at, and whether it had changes."""
+    """The commit the working tree is at, and whether it had changes (other than to results, which
+    the experiments write as they go)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
     return f"commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (" with uncommitted changes" if dirty else "")
 
 
