@@ -105,6 +105,11 @@ class LLMProxy:
         backoff_cap_s: float = 2.0,
     ) -> None:
         self.generators = generators
+        self.by_class: dict[str, list[GeneratorRef]] = collections.defaultdict(list)
+        for generator in generators:
+            self.by_class[generator.hardware].append(generator)
+        self._started: set[str] = set()
+        """Classes with a generator past its first connection: no start-up wait for them again."""
         self.profiler = profiler
         self.timeout_s = timeout_s
         self.attempts = attempts
@@ -116,12 +121,12 @@ class LLMProxy:
 
     def _pick(self, trajectory_id: str, want: str, excluded: set[str]) -> GeneratorRef | None:
         now = time.monotonic()
-        live = [
-            g
-            for g in self.generators
-            if g.session.state is State.UP and g.avoid_until <= now and g.name not in excluded
-        ]
-        pool = [g for g in live if g.hardware == want] or live
+
+        def usable(g: GeneratorRef) -> bool:
+            return g.session.state is State.UP and g.avoid_until <= now and g.name not in excluded
+
+        # The wanted class first; every generator only when none of it is usable (failover).
+        pool = [g for g in self.by_class.get(want, ()) if usable(g)] or [g for g in self.generators if usable(g)]
         if not pool:
             return None
         least = min(g.in_flight for g in pool)
@@ -132,10 +137,13 @@ class LLMProxy:
 
     async def _first_connection(self, want: str) -> None:
         """Wait (bounded) while every generator of class `want` is still making its first connection."""
-        mine = [g.session.up for g in self.generators if g.hardware == want]
-        if not mine or any(g.session.state is not State.CONNECTING for g in self.generators if g.hardware == want):
+        if want in self._started:  # the common case: checked once per call, so kept O(1)
             return
-        waits = [asyncio.ensure_future(up.wait()) for up in mine]
+        mine = self.by_class.get(want, [])
+        if not mine or any(g.session.state is not State.CONNECTING for g in mine):
+            self._started.add(want)  # a session never goes back to CONNECTING
+            return
+        waits = [asyncio.ensure_future(g.session.up.wait()) for g in mine]
         try:
             await asyncio.wait(waits, timeout=CONNECT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         finally:
