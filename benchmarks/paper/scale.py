@@ -12,9 +12,9 @@ engines fit on this machine and what is measured in simulated time does not depe
 2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 2 groups,
    grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
    generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy and SampleBuffer
-   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile on the process's CPU clock), and
-   all CPU of the process, per trajectory started. It should stay flat: total cost linear in
-   trajectories.
+   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process, per
+   trajectory started. It should stay flat: total cost linear in trajectories. cProfile times by
+   the wall clock (its CPU-clock timer tripled the overhead): run it with the machine to itself.
 
     .venv/bin/python benchmarks/paper/scale.py                     # both; about 20 minutes on 2 cores
     .venv/bin/python benchmarks/paper/scale.py --curve 1 10 100    # a shorter curve
@@ -112,7 +112,7 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
     for task in spec["rollout"]["tasks"]:  # short turns: the scheduling, not token bookkeeping, is measured
         task["max_tokens_per_turn"] = 64
         task["env_kwargs"]["obs_tokens"] = 200
-    profiler = cProfile.Profile(time.process_time)  # CPU, not wall: another job on the host does not count
+    profiler = cProfile.Profile()  # wall-clock timer: run it alone (the CPU clock's timer tripled the overhead)
     began = time.monotonic()
     profiler.enable()
     result = run(spec, nodes, inprocess=True, keep_groups=False)
