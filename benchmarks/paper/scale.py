@@ -18,6 +18,8 @@ engines fit on this machine and what is measured in simulated time does not depe
 
     .venv/bin/python benchmarks/paper/scale.py                     # both; about 20 minutes on 2 cores
     .venv/bin/python benchmarks/paper/scale.py --curve 1 10 100    # a shorter curve
+    .venv/bin/python benchmarks/paper/scale.py --production-steps 0 --no-profile \
+        --out benchmarks/results/paper/scale-unprofiled.md         # the curve's CPU without cProfile
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ def production(model: Path, steps: int) -> str:
     return "\n".join(lines)
 
 
-def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
+def curve_point(model: Path, factor: int, steps: int, *, profile: bool = True) -> dict[str, float]:
+    """One point of the curve; `profile=False`: the run's own CPU time, without cProfile's
+    per-call overhead (which grows the totals where calls per trajectory grow), and no split."""
     engines = {"compute": factor, "bandwidth": factor}
     nodes, _, spec = scaled(model, steps, 2 * factor, engines, batch_groups=2 * factor, groups_per_env_host=4)
     for task in spec["rollout"]["tasks"]:  # short turns: the scheduling, not token bookkeeping, is measured
@@ -114,16 +118,16 @@ def curve_point(model: Path, factor: int, steps: int) -> dict[str, float]:
         task["env_kwargs"]["obs_tokens"] = 200
     profiler = cProfile.Profile()  # wall-clock timer: run it alone (the CPU clock's timer tripled the overhead)
     began = time.monotonic()
-    profiler.enable()
+    if profile:
+        profiler.enable()
     result = run(spec, nodes, inprocess=True, keep_groups=False)
     profiler.disable()
-    stats = pstats.Stats(profiler)
-    scheduling = sum(
-        row[2]  # tottime
-        for (path, _, _), row in stats.stats.items()  # type: ignore[attr-defined]  # pstats keeps this dict
-        if path.endswith(SCHEDULING)
-    )
-    total = sum(row[2] for row in stats.stats.values())  # type: ignore[attr-defined]
+    if profile:
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # pstats keeps this dict
+        scheduling = sum(row[2] for (path, _, _), row in stats.items() if path.endswith(SCHEDULING))  # tottime
+        total = sum(row[2] for row in stats.values())
+    else:
+        scheduling, total = math.nan, result.cpu_s or math.nan
     # Every trajectory started, not only those batched: with few steps, the work cut off at the end
     # (up to two batches in flight) would otherwise be charged to the batched ones unevenly.
     trajectories = max(1, result.started or result.batched or 0)
@@ -145,6 +149,9 @@ def main() -> None:
     parser.add_argument("--curve", type=int, nargs="*", default=[1, 10, 100, 1000], help="growth factors")
     parser.add_argument("--curve-steps", type=int, default=2)
     parser.add_argument("--production-steps", type=int, default=3, help="0 skips the production shape")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="curve: the runs' CPU time without cProfile (no scheduling split)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "scale.md")
     args = parser.parse_args()
     model = tiny_tokenizer_model()
@@ -152,8 +159,12 @@ def main() -> None:
     shape = (
         "in-process, virtual clock; production: see the first table; curve: a unit of 2 env-hosts, one 8-H800 "
         "and one 8-H20 engine, batch 2 groups of 8 of the paper shape's game + math mix with 64-token turns "
-        "and 200-token observations, grown by the factor, after a warm-up run (imports, tokenizer); CPU by cProfile "
-        "(which slows everything alike)"
+        "and 200-token observations, grown by the factor, after a warm-up run (imports, tokenizer); "
+        + (
+            "CPU: the runs' own CPU time, without a profiler (so no scheduling split)"
+            if args.no_profile
+            else "CPU by cProfile (its per-call overhead inflates the totals, most where calls per trajectory grow)"
+        )
     )
     title = "Scale: 3,000 simulated GPUs and scheduling overhead (simulation)"
     production_table = ""
@@ -174,10 +185,10 @@ def main() -> None:
 
     report()
     if args.curve:
-        curve_point(model, 1, args.curve_steps)  # warm-up: imports and the tokenizer, paid once per process
+        curve_point(model, 1, args.curve_steps, profile=False)  # warm-up: imports, the tokenizer; once per process
         for factor in args.curve:
             print(f"curve {factor}x ...", flush=True)
-            points.append(point := curve_point(model, factor, args.curve_steps))
+            points.append(point := curve_point(model, factor, args.curve_steps, profile=not args.no_profile))
             print(f"  {point}", flush=True)
             report()
         print(curve_table(points))
@@ -193,9 +204,10 @@ def curve_table(points: list[dict[str, float]]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in points:
+        scheduling = "-" if math.isnan(p["scheduling_ms"]) else f"{p['scheduling_ms']:.3f}"
         lines.append(
             f"| {p['factor']:g}x | {p['env_hosts']:g} | {p['engines']:g} ({p['generator_nodes']:g}) "
-            f"| {p['trajectories']:g} | {p['scheduling_ms']:.3f} | {p['total_ms']:.2f} "
+            f"| {p['trajectories']:g} | {scheduling} | {p['total_ms']:.2f} "
             f"| {p['total_ms'] / base['total_ms']:.2f} | {p['step_s']:.0f} | {p['wall_s']:.0f} |"
         )
     return "\n".join(lines)
