@@ -472,12 +472,20 @@ def resume_run(cluster: Cluster, steps: int, generators_at: Any) -> dict[str, An
     cluster.wait_healthy()
     cluster.wait_status("trainer", lambda s: s["rollout"]["batches"] >= 2, 180, "two steps trained")
 
+    looked: list[tuple[float, int, dict[str, int]]] = []
+
     def ready() -> tuple[int, dict[str, int]] | None:
         checkpoint = latest_checkpoint(cluster.run_dir)
         held = {name: receiver_version(cluster.status(name)) for name in GENERATORS}
+        looked.append((round(time.monotonic() - started, 1), checkpoint, held))
         return (checkpoint, held) if generators_at(held, checkpoint) else None
 
-    checkpoint, held = freeze_when(cluster, "trainer", ready, timeout=60)
+    started = time.monotonic()
+    try:
+        checkpoint, held = freeze_when(cluster, "trainer", ready, timeout=60)
+    except AssertionError as e:
+        changes = [seen for i, seen in enumerate(looked) if i == 0 or seen[1:] != looked[i - 1][1:]]
+        raise AssertionError(f"{e}; (s, checkpoint, generators' versions) as they changed: {changes}") from None
     cluster.kill("trainer")
     before = cluster.metrics()
     cluster.start("trainer", log_as="trainer-resumed")
@@ -538,14 +546,15 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(
 def test_generators_ahead_of_the_checkpoint_get_its_weights_under_a_fresh_version(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:
-    steps = 4
-    # alpha 0: step 4 waits for a whole batch started at version 3, so the moment wanted below (the
-    # generators hold 3, the checkpoint is still 2) lasts a rollout, not a step on a batch buffered
-    # early (with alpha 1 the push of 3 could land after step 4 was already checkpointed: missed).
-    yaml = training_yaml(tiny_model, steps=steps, alpha=0, checkpoint_every=2)
+    steps = 6
+    # alpha 0: each step waits for a whole batch started at its version, so the moment wanted below
+    # (the generators hold 4 or 5, the checkpoint is still 3) lasts two rollouts and two steps. The
+    # freeze loop lets the trainer run 0.3 s at a time; with a checkpoint every 2 steps the moment was
+    # one rollout, which a fast machine finished within one such slice (missed in CI).
+    yaml = training_yaml(tiny_model, steps=steps, alpha=0, checkpoint_every=3)
     cluster = make_cluster(clusters, tmp_path, yaml)
-    # Killed after version 3 reached the generators and before step 4's checkpoint: they hold a
-    # version newer than the one the trainer resumes at (2), made by weights that are now lost.
+    # Killed after version 4 reached the generators and before step 6's checkpoint: they hold a
+    # version newer than the one the trainer resumes at (3), made by weights that are now lost.
     run = resume_run(cluster, steps, lambda held, checkpoint: 1 <= checkpoint < min(held.values()))
     k = run["checkpoint"]
     (resumed,) = cluster.events("trainer", "learner.resumed")
