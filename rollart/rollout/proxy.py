@@ -8,7 +8,10 @@ The route for one call, in order:
    sessions are all still connecting, as at start-up, is waited for up to `CONNECT_WAIT_S` first);
 3. **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is
    cached there) unless that one is much busier than the least busy;
-4. **least loaded**: otherwise the generator with the fewest calls in flight from this env-host.
+4. **least loaded**: otherwise the generator with the fewest calls in flight from this env-host,
+   or, in a class of more than `EXACT_POOL` generators, the less loaded of two drawn at random
+   (the "power of two choices": a pick costs the same however large the cluster, and the load stays
+   nearly as even as with a full scan).
 
 A call that times out, or whose generator's session drops, is re-issued on another generator
 after a full-jitter backoff; a generator that failed is avoided for a short cool-down.
@@ -20,6 +23,7 @@ import asyncio
 import collections
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -38,6 +42,8 @@ COOL_DOWN_S = 2.0
 CONNECT_WAIT_S = 30.0
 """How long a call waits for a hardware class whose sessions have never come up before failing over."""
 MIN_SAMPLES = 4
+EXACT_POOL = 8
+"""Up to this many generators in a pool, a pick scans them all for the least loaded; beyond, it draws two."""
 
 
 class GenerationFailed(RollartError):
@@ -105,6 +111,7 @@ class LLMProxy:
         backoff_cap_s: float = 2.0,
     ) -> None:
         self.generators = generators
+        self.by_name = {generator.name: generator for generator in generators}
         self.by_class: dict[str, list[GeneratorRef]] = collections.defaultdict(list)
         for generator in generators:
             self.by_class[generator.hardware].append(generator)
@@ -126,14 +133,21 @@ class LLMProxy:
             return g.session.state is State.UP and g.avoid_until <= now and g.name not in excluded
 
         # The wanted class first; every generator only when none of it is usable (failover).
-        pool = [g for g in self.by_class.get(want, ()) if usable(g)] or [g for g in self.generators if usable(g)]
-        if not pool:
-            return None
-        least = min(g.in_flight for g in pool)
-        sticky = next((g for g in pool if g.name == self.sticky.get(trajectory_id)), None)
-        if sticky is not None and sticky.in_flight <= least + STICKY_SLACK:
+        failover = False
+        best = _least_loaded(self.by_class.get(want, []), usable)
+        if best is None:
+            failover, best = True, _least_loaded(self.generators, usable)
+            if best is None:
+                return None
+        sticky = self.by_name.get(self.sticky.get(trajectory_id, ""))
+        if (
+            sticky is not None
+            and (failover or sticky.hardware == want)
+            and usable(sticky)
+            and sticky.in_flight <= best.in_flight + STICKY_SLACK
+        ):
             return sticky
-        return random.choice([g for g in pool if g.in_flight == least])
+        return best
 
     async def _first_connection(self, want: str) -> None:
         """Wait (bounded) while every generator of class `want` is still making its first connection."""
@@ -224,6 +238,21 @@ class LLMProxy:
             "reissued": self.reissued,
             "cancelled": self.cancelled,
         }
+
+
+def _least_loaded(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], bool]) -> GeneratorRef | None:
+    """The usable generator of `pool` with the fewest calls in flight (ties broken at random); in a
+    pool larger than `EXACT_POOL`, the less loaded of two drawn at random, scanning only if neither
+    of them is usable."""
+    if len(pool) > EXACT_POOL:
+        drawn = [g for g in random.sample(pool, 2) if usable(g)]
+        if drawn:
+            return min(drawn, key=lambda g: g.in_flight)
+    candidates = [g for g in pool if usable(g)]
+    if not candidates:
+        return None
+    least = min(g.in_flight for g in candidates)
+    return random.choice([g for g in candidates if g.in_flight == least])
 
 
 class _Down(RollartError):
