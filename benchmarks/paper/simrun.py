@@ -56,6 +56,9 @@ class Result:
     """In-process runs: CPU seconds the whole simulation took."""
     started: int | None = None
     """In-process runs: trajectories the env-hosts started (batched, aborted, or cut off at the end)."""
+    turns: int | None = None
+    """In-process runs: generation calls the env-hosts' proxies had served (turns of every trajectory
+    started, finished or not)."""
     batch_tokens: dict[int, int] | None = None
     """In-process runs: prompt and response tokens of each batch, by version."""
     batched: int | None = None
@@ -180,6 +183,7 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
         done.step_s, trajectories, versions, 1.0, aborted, dropped, done.generator_busy, reward, done.cpu_s, started
     )
     result.batch_tokens = {batch.version: batch.tokens for batch in done.batches}
+    result.turns = sum(sum(g.calls.values()) for node in env_hosts for g in node.proxy.generators)
     result.batched = done.trajectories
     return result
 
