@@ -5,12 +5,17 @@
     rollart check TOPOLOGY                validate a topology file and print its nodes
     rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
+    rollart slurm TOPOLOGY [--out FILE] [--partition ROLE=NAME] [--time LIMIT]
+                                          write an sbatch script: a het job, one component per role
+    rollart status|pause|resume|drain --topology FILE [--node NAME]
+                                          every node's admin API, as a table (rollart/admin_cli.py)
 
 `run` on a topology whose generators use vLLM (the default backend) sets up `.venv-vllm` with
 `bin/setup-vllm` when vLLM is missing here, and runs again there.
 
-Exit codes: 0 success; 1 a node failed (the run says which); 2 bad configuration or usage (for
-`report`: a run directory without metrics.jsonl).
+Exit codes: 0 success; 1 a node failed (the run says which), or did not answer (admin commands);
+2 bad configuration or usage (for `report`: a run directory without metrics.jsonl); 3 an admin
+command was refused (wrong or missing token).
 """
 
 from __future__ import annotations
@@ -47,6 +52,25 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="plots and a summary table of a training run")
     report.add_argument("run_dir", help="the run directory (metrics.jsonl, timeline.jsonl, utilization.jsonl)")
     report.add_argument("--out", default=None, help="folder to write the report to (default: RUN_DIR/report)")
+    slurm = commands.add_parser("slurm", help="write an sbatch script for the topology (docs/operating.md)")
+    slurm.add_argument("topology", help="the topology YAML file, on a disk the cluster's nodes share")
+    slurm.add_argument("--out", default=None, help="where to write the script (default: RUN_DIR/job.sbatch)")
+    slurm.add_argument(
+        "--partition", action="append", default=[], metavar="ROLE=NAME", help="a role group's partition (repeatable)"
+    )
+    slurm.add_argument("--time", default=None, help="the job's time limit (sbatch --time)")
+    slurm_run = commands.add_parser("slurm-run", help="inside the job: the supervisor (reads the script's table)")
+    slurm_run.add_argument("--topology", required=True)
+    for action, what in (
+        ("status", "every node's state, version, queues, busy fraction and last error, as a table"),
+        ("pause", "stop admitting new work (nodes finish what is in flight)"),
+        ("resume", "admit new work again"),
+        ("drain", "finish in-flight work and stop"),
+    ):
+        admin = commands.add_parser(action, help=what)
+        admin.add_argument("--topology", required=True, help="the topology YAML file")
+        admin.add_argument("--node", default=None, help="only this node (default: every node)")
+        admin.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each node")
     return parser
 
 
@@ -64,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.command == "slurm":
+        return _slurm(topology, Path(args.topology), args.out, args.partition, args.time)
+    if args.command == "slurm-run":
+        from rollart.slurm import run_job
+
+        return run_job(Path(args.topology).resolve(), sys.stdin.read())
+    if args.command in ("status", "pause", "resume", "drain"):
+        from rollart import admin_cli
+
+        return admin_cli.run(topology, args.command, args.node, timeout_s=args.timeout)
     if args.command == "simulate":
         return _simulate(topology)
     if args.command == "check":
@@ -115,6 +149,26 @@ def _simulate(topology: Topology) -> int:
     if done.reward is not None and done.reward.cold_starts.count:
         print(f"reward workers: utilization {done.reward.utilization:.0%}, peak {done.reward.peak_workers}")
     print(f"this machine: {done.wall_s:.1f} s, {done.cpu_s:.1f} CPU s")
+    return 0
+
+
+def _slurm(topology: Topology, path: Path, out: str | None, partition: list[str], time_limit: str | None) -> int:
+    from rollart.slurm import sbatch_script
+
+    try:
+        pairs = [item.split("=", 1) for item in partition]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ConfigError(f"--partition: expected ROLE=NAME; got {partition}")
+        script = sbatch_script(topology, path.resolve(), partitions=dict(pairs), time_limit=time_limit)
+    except ConfigError as exc:
+        print(f"rollart: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    topology.run_dir().mkdir(parents=True, exist_ok=True)  # Slurm fails a job whose output folder is missing
+    target = Path(out) if out is not None else topology.run_dir() / "job.sbatch"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(script)
+    target.chmod(0o755)
+    print(f"wrote {target}: submit it with `sbatch {target}`")
     return 0
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import aiohttp
 
@@ -80,6 +80,31 @@ def check_ports_free(topology: Topology) -> None:
                         f"{topology.source}: nodes[{index}].{key}: port {port} on {host} is not free "
                         f"({exc.strerror}); is another run still going?"
                     ) from None
+
+
+@dataclass
+class Verdict:
+    """What a node's restart policy says after its process failed (ended non-zero)."""
+
+    action: Literal["restart", "stop-all", "leave"]
+    why: str
+    delay: float = 0.0
+
+
+def after_failure(policy: RestartPolicy, restarts: collections.deque[float], now: float) -> Verdict:
+    """Apply `policy` to a failed node whose earlier restarts happened at `restarts` (monotonic
+    times, pruned here to the policy's window); the caller appends the restart's time when it
+    restarts. Shared by the local launcher and the Slurm job's supervisor (rollart/slurm.py)."""
+    if policy.policy == "stop-all":
+        return Verdict("stop-all", "restart policy stop-all: stopping the run")
+    if policy.policy == "never":
+        return Verdict("leave", "restart policy never: leaving it down")
+    while restarts and now - restarts[0] > policy.window_s:
+        restarts.popleft()
+    if len(restarts) >= policy.max_restarts:
+        return Verdict("stop-all", f"already restarted {len(restarts)} times within {policy.window_s:g} s")
+    delay = min(policy.backoff_cap_s, policy.backoff_base_s * 2 ** len(restarts))
+    return Verdict("restart", f"restarting it in {delay:.1f} s (restart policy on-failure)", delay)
 
 
 def finished_step(topology: Topology) -> int | None:
@@ -257,25 +282,18 @@ class Launcher:
                 node.state = "exited"
                 self._say(f"{what}: it drained on request and is not restarted")
                 return
-            policy = node.policy
-            if policy.policy == "stop-all":
+            verdict = after_failure(node.policy, node.restarts, time.monotonic())
+            if verdict.action == "stop-all":
                 node.state = "failed"
-                self.fail(f"{what}; restart policy stop-all: stopping the run")
+                self.fail(f"{what}; {verdict.why}")
                 return
-            if policy.policy == "never":
+            if verdict.action == "leave":
                 node.state = "dead"
-                self._say(f"{what}; restart policy never: leaving it down")
+                self._say(f"{what}; {verdict.why}")
                 return
-            now = time.monotonic()
-            while node.restarts and now - node.restarts[0] > policy.window_s:
-                node.restarts.popleft()
-            if len(node.restarts) >= policy.max_restarts:
-                node.state = "failed"
-                self.fail(f"{what}; already restarted {len(node.restarts)} times within {policy.window_s:g} s")
-                return
-            delay = min(policy.backoff_cap_s, policy.backoff_base_s * 2 ** len(node.restarts))
+            delay = verdict.delay
             node.state = f"restarting in {delay:.1f}s"
-            self._say(f"{what}; restarting it in {delay:.1f} s (restart policy on-failure)")
+            self._say(f"{what}; {verdict.why}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay)
             if self._stop.is_set():

@@ -9,6 +9,7 @@ and its role, then runs the role's daemon on uvloop until it is drained (SIGTERM
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import threading
@@ -27,12 +28,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollart-node", description="Run one node of a RollArt topology.")
     parser.add_argument("--topology", required=True, help="the topology YAML file")
     parser.add_argument("--node", required=True, help="the name of the node to run, as in the topology")
+    parser.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="a trainer drains and exits 0 once its last step is checkpointed (how a Slurm job ends; "
+        "other roles ignore it)",
+    )
     return parser.parse_args(argv)
 
 
-async def run_node(topology: Topology, name: str) -> None:
+async def run_node(topology: Topology, name: str, *, exit_when_done: bool = False) -> None:
     """Build the node's daemon and run it until drained."""
-    from rollart.nodes import DAEMONS
+    from rollart.nodes import DAEMONS, TrainerNode
 
     spec = topology.node(name)
     secret = topology.read_secret()
@@ -42,6 +49,18 @@ async def run_node(topology: Topology, name: str) -> None:
         structlog.get_logger("rollart.node").warning("node.no_admin_token", detail=str(exc))
         token = None
     daemon = DAEMONS[spec.role](topology, spec, secret=secret, admin_token=token)
+    if exit_when_done and isinstance(daemon, TrainerNode):
+
+        async def drain_when_done() -> None:
+            await daemon.finished.wait()
+            daemon.request_drain("the run is done (--exit-when-done)")
+
+        watch = asyncio.ensure_future(drain_when_done())
+        try:
+            await daemon.run()
+        finally:
+            watch.cancel()
+        return
     await daemon.run()
 
 
@@ -66,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     log = structlog.get_logger("rollart.node")
     code = 0
     try:
-        uvloop.run(run_node(topology, spec.name))
+        uvloop.run(run_node(topology, spec.name, exit_when_done=args.exit_when_done))
     except Exception as exc:  # the process is ending: log every cause, exit non-zero
         causes = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
         for cause in causes:

@@ -227,8 +227,21 @@ class NodeDaemon:
         """One short line on what the role has done, for the launcher's live status."""
         return ""
 
+    def policy_version(self) -> int | None:
+        """The policy version the node works at, for `/status` (None: the role has none)."""
+        return None
+
+    def busy_fraction(self) -> float | None:
+        """How busy the role's main resource is, 0-1, for `/status` (None: not measured)."""
+        return None
+
     def role_gauges(self) -> dict[str, tuple[str, float]]:
         """The role's own metrics: name -> (help, value), exported as gauges."""
+        return {}
+
+    def role_counters(self) -> dict[str, tuple[str, float]]:
+        """The role's own counts since the process started: name -> (help, value), exported as
+        counters (`NAME_total`)."""
         return {}
 
     # -- session handler ------------------------------------------------------------------------
@@ -290,6 +303,8 @@ class NodeDaemon:
             "paused": self.paused,
             "draining": self.draining,
             "in_flight": self.in_flight(),
+            "version": self.policy_version(),
+            "busy": None if (busy := self.busy_fraction()) is None else round(busy, 4),
             "queues": self.queue_depths(),
             "last_error": self.last_error,
             "progress": self.progress(),

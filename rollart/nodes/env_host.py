@@ -284,11 +284,39 @@ class EnvHostNode(NodeDaemon):
     def queue_depths(self) -> dict[str, int]:
         return {"trajectories": len(self.running)}
 
+    def role_counters(self) -> dict[str, tuple[str, float]]:
+        return {f"rollart_env_host_{key}": (doc, self.counts[key]) for key, doc in ENV_HOST_COUNTS.items()}
+
+    def policy_version(self) -> int | None:
+        return self.version if self.rollout is not None else None
+
+    def busy_fraction(self) -> float | None:
+        """Trajectory slots in use now (each group slot runs up to G + R trajectories)."""
+        if self.rollout is None:
+            return None
+        slots = self.rollout.groups_per_env_host * (self.rollout.group_size + self.rollout.redundancy)
+        return min(1.0, len(self.running) / slots)
+
     def status(self) -> dict[str, Any]:
         status = super().status()
         if self.rollout is not None:
             status["rollout"] = {"version": self.version, **self.counts, "routing": self.proxy.describe()}
         return status
+
+
+ENV_HOST_COUNTS = {
+    "groups_done": "Groups run to the end (G trajectories reached)",
+    "groups_failed": "Groups that could not reach G trajectories",
+    "groups_accepted": "Groups the trainer took into its buffer",
+    "groups_refused": "Groups the trainer refused (stale)",
+    "groups_undelivered": "Groups that could not be handed in",
+    "trajectories_done": "Trajectories finished",
+    "trajectories_failed": "Trajectories that failed (environment or generation)",
+    "aborted_stale": "Trajectories aborted while running: a new version made them too stale",
+    "cancelled_extras": "Redundant trajectories cancelled once their group had G",
+    "env_failures": "Environment resets or steps that raised or timed out",
+}
+"""The env-host's counts exported as metrics (`rollart_env_host_<key>_total`)."""
 
 
 @functools.cache  # one per process: the in-process simulation runs thousands of env-hosts

@@ -193,6 +193,25 @@ class GeneratorNode(NodeDaemon):
             return "engine starting" if self.topology.run.rollout is not None else ""
         return f"served {self.served}, busy {self.engine.load().busy_fraction:.0%}"
 
+    def role_counters(self) -> dict[str, tuple[str, float]]:
+        weights = self.receiver.stats()
+        counters: dict[str, tuple[str, float]] = {
+            "rollart_generator_requests_served": ("Generation requests answered", self.served),
+            "rollart_generator_requests_aborted": ("Generation requests cancelled by their env-host", self.aborted),
+            "rollart_generator_weight_versions_applied": ("Weight versions received and applied", weights.applied),
+            "rollart_generator_weight_bytes_received": ("Weight bytes received", weights.bytes_received),
+        }
+        if self.engine is not None:
+            counters["rollart_generator_tokens_generated"] = ("Tokens generated", self.engine.load().generated_tokens)
+        return counters
+
+    def policy_version(self) -> int | None:
+        return None if self.engine is None else self.engine.load().version
+
+    def busy_fraction(self) -> float | None:
+        """Time generating since the engine started."""
+        return None if self.engine is None else self.engine.load().busy_fraction
+
     def queue_depths(self) -> dict[str, int]:
         if self.engine is None:
             return {}

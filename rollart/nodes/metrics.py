@@ -58,8 +58,14 @@ class NodeCollector(Collector):
         for name, depth in d.queue_depths().items():
             queues.add_metric([name], depth)
         yield queues
+        if (version := d.policy_version()) is not None:
+            yield GaugeMetricFamily("rollart_node_policy_version", "Policy version the node works at", value=version)
+        if (busy := d.busy_fraction()) is not None:
+            yield GaugeMetricFamily("rollart_node_busy_ratio", "How busy the role's main resource is, 0-1", value=busy)
         for name, (doc, value) in d.role_gauges().items():
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, (doc, value) in d.role_counters().items():
+            yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(
             "rollart_handshake_refusals", "Incoming connections refused at the handshake", value=d.server.refusals
         )

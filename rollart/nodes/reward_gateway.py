@@ -73,6 +73,10 @@ class RewardGatewayNode(NodeDaemon):
     def queue_depths(self) -> dict[str, int]:
         return {"reward_queue": self.pool.stats().queue_depth}
 
+    def busy_fraction(self) -> float | None:
+        """Busy worker-seconds per live worker-second."""
+        return self.pool.stats().utilization
+
     def role_gauges(self) -> dict[str, tuple[str, float]]:
         stats = self.pool.stats()
         return {

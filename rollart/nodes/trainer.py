@@ -49,6 +49,29 @@ SYNC_PUSH_TIMEOUT_S = 600.0
 """The synchronous baseline waits this long for every generator to load a version, then goes on."""
 FINAL_PUSH_S = 30.0
 """At the end of a run, how long the trainer waits for generators to load the last version."""
+TRAINER_STEP_GAUGES = {
+    "reward_mean": "Mean reward of the last step's batch",
+    "success_rate": "Success rate of the last step's batch",
+    "loss": "Loss of the last step",
+    "train_s": "Seconds the last training step took",
+    "traj_per_s": "Trajectories per second over the last step",
+    "stall_s": "Seconds the last step waited for its batch",
+    "staleness_max": "Largest version lag of a token in the last batch",
+    "staleness_mean": "Mean version lag of the tokens in the last batch",
+}
+"""Numbers of the last step's metrics line exported as `rollart_trainer_last_<key>` gauges."""
+TRAINER_GROUP_COUNTS = {
+    "granted": "Groups granted to env-hosts",
+    "completed": "Groups handed in",
+    "reissued": "Groups run again (failed, lost or expired)",
+    "abandoned": "Seeds given up after failing every try",
+    "requeued": "Finished groups dropped stale from the buffer and run again",
+    "buffer_accepted": "Groups the buffer accepted",
+    "buffer_refused_stale": "Groups refused as too stale",
+    "buffer_dropped_stale": "Buffered groups dropped as a new version made them too stale",
+    "buffer_taken": "Groups taken into batches",
+}
+"""The dispenser's and buffer's counts exported as `rollart_trainer_groups_<key>_total`."""
 
 
 class TrainerNode(NodeDaemon):
@@ -58,6 +81,8 @@ class TrainerNode(NodeDaemon):
         super().__init__(*args, **kwargs)
         self.version = 0
         self.batches = 0
+        self.trained_s = 0.0
+        """Seconds spent in training steps (for `/status` busy)."""
         self.done = False
         self.finished = asyncio.Event()
         """Set with `done`: the last batch is taken."""
@@ -135,8 +160,8 @@ class TrainerNode(NodeDaemon):
         assert self.rollout is not None
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
         while self.rollout.steps is None or self.batches < self.rollout.steps:
-            await self.unpaused.wait()
             batch = await self.buffer.take()
+            await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             if self.learner is not None:
                 await self._train(batch)
@@ -210,6 +235,7 @@ class TrainerNode(NodeDaemon):
         self.dispenser.changed()
         async with self._step_lock:
             stats = await self.learner.train(batch, version=self.version)
+            self.trained_s += stats["train_s"]
             self.batches += 1
             await self.bump_version()
             # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
@@ -348,6 +374,33 @@ class TrainerNode(NodeDaemon):
             f"step {self.batches}/{steps} | {tasks} (20-step avg) | stale {line.get('staleness_mean', 0.0):.2f} | "
             f"{line['traj_per_s']:.1f} traj/s | busy {busy}"
         )
+
+    def role_gauges(self) -> dict[str, tuple[str, float]]:
+        last = self.learner.last_stats if self.learner is not None else {}
+        gauges: dict[str, tuple[str, float]] = {
+            "rollart_trainer_steps": ("Steps trained (batches taken in rollout-only mode)", self.batches)
+        }
+        for key, doc in TRAINER_STEP_GAUGES.items():
+            if isinstance(last.get(key), int | float):
+                gauges[f"rollart_trainer_last_{key}"] = (doc, last[key])
+        return gauges
+
+    def role_counters(self) -> dict[str, tuple[str, float]]:
+        if self.rollout is None:
+            return {}
+        counts = self.dispenser.stats() | {f"buffer_{k}": v for k, v in self.buffer.stats().items()}
+        counters: dict[str, tuple[str, float]] = {
+            f"rollart_trainer_groups_{key}": (doc, counts[key]) for key, doc in TRAINER_GROUP_COUNTS.items()
+        }
+        counters["rollart_trainer_train_seconds"] = ("Seconds spent in training steps", self.trained_s)
+        return counters
+
+    def policy_version(self) -> int | None:
+        return self.version if self.rollout is not None else None
+
+    def busy_fraction(self) -> float | None:
+        """Time in training steps since the node started (None when it does not train)."""
+        return None if self.learner is None else min(1.0, self.trained_s / max(self.uptime_s(), 1e-9))
 
     def queue_depths(self) -> dict[str, int]:
         if self.rollout is None:

@@ -21,7 +21,9 @@ log = structlog.get_logger("rollart.rollout.group")
 async def run_group(task: GroupTask, run_one: Callable[[str], Awaitable[Trajectory]]) -> GroupDone | GroupFailed:
     """Run `group_size + redundancy` trajectories and keep the first `group_size` to finish."""
     need = task.group_size
-    pending = {asyncio.ensure_future(run_one(f"{task.group_id}.{i}")) for i in range(task.group_size + task.redundancy)}
+    tids = [f"{task.group_id}.{i}" for i in range(task.group_size + task.redundancy)]
+    ids = {asyncio.ensure_future(run_one(tid)): tid for tid in tids}
+    pending = set(ids)
     done: list[Trajectory] = []
     failures: list[str] = []
     try:
@@ -32,7 +34,9 @@ async def run_group(task: GroupTask, run_one: Callable[[str], Awaitable[Trajecto
                     failures.append("aborted")
                 elif (exc := future.exception()) is not None:
                     failures.append(f"{type(exc).__name__}: {exc}")
-                    log.warning("group.trajectory_failed", group=task.group_id, error=failures[-1])
+                    log.warning(
+                        "group.trajectory_failed", group=task.group_id, trajectory=ids[future], error=failures[-1]
+                    )
                 else:
                     done.append(future.result())
     finally:
