@@ -1,0 +1,383 @@
+"""Slurm: `rollart slurm TOPOLOGY` writes an sbatch script; the script's supervisor runs the job.
+
+The script asks for a **heterogeneous job**, one component per role group present (trainers,
+generators, env-hosts, the reward gateway), each with its own partition, CPUs, GPUs and memory,
+as disaggregated clusters schedule them. Its body hands the script's own table (node name ->
+component, CPUs, GPUs) to `rollart slurm-run`, the job's supervisor, which:
+
+1. **resolves hosts** from Slurm's allocation: each component's nodes are laid over its hosts as
+   Slurm placed its tasks (`SLURM_TASKS_PER_NODE_HET_GROUP_<g>`), each host's address read with
+   `scontrol show node`; the topology with those hosts is written beside the original
+   (`.NAME.slurm-JOBID.yaml`), so nodes find each other without hand-edited addresses;
+2. starts every node as **its own job step** (`srun --het-group=G --nodelist=HOST --ntasks=1
+   --exact ... bin/rollart-node`): Slurm never restarts a task, so a step that fails is started
+   again by the supervisor under the node's restart policy (on-failure: backoff within the
+   window; stop-all: every node is drained and the job fails naming the node; never: left down);
+3. ends the job when the trainer has checkpointed its last step (it runs with `--exit-when-done`):
+   the other nodes are drained with SIGTERM; and on `scancel` (SIGTERM to the batch step) drains
+   every node, restarting none: what the buffer and the last checkpoint hold is kept
+   (docs/training.md), and a new job resumes from it.
+
+Each node logs to `RUN_DIR/logs/NODE.log`; the supervisor's own lines go to the job's output.
+Slurm's `KillWait` must exceed the topology's `drain_timeout_s` for drains to finish before SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from rollart.launcher import after_failure, describe_exit
+from rollart.protocol.errors import ConfigError
+from rollart.topology import NodeSpec, Role, Topology, load_topology
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+ROLE_ORDER = (Role.TRAINER, Role.GENERATOR, Role.ENV_HOST, Role.REWARD_GATEWAY)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one node runs: its het-job component, the CPUs and GPUs of its step."""
+
+    name: str
+    group: int
+    cpus: int
+    gpus: int
+
+
+def components(topology: Topology) -> list[list[NodeSpec]]:
+    """The topology's nodes grouped by role, in a fixed role order: one het-job component each."""
+    by_role = [topology.nodes_with_role(role) for role in ROLE_ORDER]
+    return [nodes for nodes in by_role if nodes]
+
+
+def placements(topology: Topology) -> list[Placement]:
+    return [
+        Placement(node.name, g, max(1, math.ceil(node.resources.cpus)), node.resources.gpus)
+        for g, nodes in enumerate(components(topology))
+        for node in nodes
+    ]
+
+
+def sbatch_script(
+    topology: Topology,
+    topology_path: Path,
+    *,
+    partitions: dict[str, str] | None = None,
+    time_limit: str | None = None,
+    root: Path = ROOT,
+) -> str:
+    """The sbatch script for `topology` (read from `topology_path` on the cluster's shared disk)."""
+    partitions = partitions or {}
+    unknown = set(partitions) - {role.value for role in Role}
+    if unknown:
+        raise ConfigError(f"--partition: unknown role {sorted(unknown)}; roles: {', '.join(r.value for r in Role)}")
+    run_dir = (Path.cwd() / topology.run_dir()).resolve()
+    lines = [
+        "#!/bin/bash",
+        f"# RollArt job for {topology_path} (written by `rollart slurm`): one het-job component per role group.",
+        f"#SBATCH --job-name=rollart-{topology.run.name}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --chdir={Path.cwd()}",  # where the topology's relative paths (run_dir) were meant from
+    ]
+    if time_limit:
+        lines.append(f"#SBATCH --time={time_limit}")
+    for g, nodes in enumerate(components(topology)):
+        role = nodes[0].role.value
+        if g:
+            lines.append("#SBATCH hetjob")
+        cpus = max(max(1, math.ceil(n.resources.cpus)) for n in nodes)
+        lines.append(f"# component {g}: {role} ({len(nodes)} node{'s' * (len(nodes) > 1)})")
+        lines.append(f"#SBATCH --ntasks={len(nodes)} --cpus-per-task={cpus}")
+        if gpus := max(n.resources.gpus for n in nodes):
+            lines.append(f"#SBATCH --gpus-per-task={gpus}")
+        memory = [n.resources.memory_gb for n in nodes if n.resources.memory_gb is not None]
+        if memory:
+            lines.append(f"#SBATCH --mem-per-cpu={math.ceil(max(memory) * 1024 / cpus)}M")
+        if role in partitions:
+            lines.append(f"#SBATCH --partition={partitions[role]}")
+    table = "\n".join(f"{p.name:<24} {p.group:<6} {p.cpus:<5} {p.gpus}" for p in placements(topology))
+    lines += [
+        "",
+        "# The supervisor (rollart/slurm.py) resolves each node's host from the allocation, starts each",
+        "# node as its own step, restarts it under its restart policy, and drains all on scancel.",
+        "# Node -> component, as this script's own table:",
+        f"exec {shlex.quote(str(root / 'bin' / 'rollart'))} slurm-run "
+        f"--topology {shlex.quote(str(topology_path))} <<'TABLE'",
+        f"# {'node':<22} {'group':<6} {'cpus':<5} gpus",
+        table,
+        "TABLE",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def read_table(text: str) -> list[Placement]:
+    """The script's table back (comment lines skipped)."""
+    rows = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, group, cpus, gpus = line.split()
+            rows.append(Placement(name, int(group), int(cpus), int(gpus)))
+    return rows
+
+
+# -- resolving hosts from the allocation ---------------------------------------------------------
+
+
+def expand_counts(spec: str) -> list[int]:
+    """`SLURM_TASKS_PER_NODE` ("2(x3),1") as one count per host ([2, 2, 2, 1])."""
+    counts = []
+    for part in spec.split(","):
+        if m := re.fullmatch(r"(\d+)\(x(\d+)\)", part):
+            counts += [int(m.group(1))] * int(m.group(2))
+        else:
+            counts.append(int(part))
+    return counts
+
+
+def _scontrol(*args: str) -> str:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+
+
+def hostnames(nodelist: str) -> list[str]:
+    return _scontrol("show", "hostnames", nodelist).split()
+
+
+def node_address(host: str) -> str:
+    """A Slurm node's address (`NodeAddr`), which other nodes connect to."""
+    m = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", "-o", host))
+    return m.group(1) if m else host
+
+
+def group_env(env: dict[str, str], key: str, group: int, groups: int) -> str:
+    """A Slurm variable of one het-job component (plain name when the job has one component)."""
+    name = f"{key}_HET_GROUP_{group}" if groups > 1 else key
+    if name not in env:
+        raise ConfigError(f"{name} is not set: run this inside the job that `rollart slurm` wrote (sbatch)")
+    return env[name]
+
+
+def resolve_hosts(table: list[Placement], env: dict[str, str]) -> dict[str, str]:
+    """Each node's Slurm host: a component's nodes laid over its hosts as Slurm placed its tasks."""
+    groups = max(p.group for p in table) + 1
+    hosts: dict[str, str] = {}
+    for g in range(groups):
+        names = [p.name for p in table if p.group == g]
+        slots = [
+            host
+            for host, count in zip(
+                hostnames(group_env(env, "SLURM_JOB_NODELIST", g, groups)),
+                expand_counts(group_env(env, "SLURM_TASKS_PER_NODE", g, groups)),
+                strict=False,
+            )
+            for _ in range(count)
+        ]
+        if len(slots) < len(names):
+            raise ConfigError(f"component {g} has {len(slots)} task slots for {len(names)} nodes: {names}")
+        hosts.update(zip(names, slots, strict=False))
+    return hosts
+
+
+def write_resolved(topology_path: Path, addresses: dict[str, str], job_id: str) -> Path:
+    """The topology with each node's host set to its address, beside the original (relative paths
+    in it keep working); checked by loading it, so a clash (two nodes on one port of one host) is
+    a clear error before anything starts."""
+    raw = yaml.safe_load(topology_path.read_text())
+    for node in raw["nodes"]:
+        node["host"] = addresses[node["name"]]
+    out = topology_path.with_name(f".{topology_path.stem}.slurm-{job_id}.yaml")
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    load_topology(out)
+    return out
+
+
+# -- the job's supervisor ------------------------------------------------------------------------
+
+
+def component_job_ids(env: dict[str, str], groups: int) -> list[str]:
+    """The job id of each het-job component (its steps are `ID.STEP`)."""
+    if groups == 1:
+        return [env.get("SLURM_JOB_ID", "")]
+    return [group_env(env, "SLURM_JOB_ID", g, groups) for g in range(groups)]
+
+
+async def job_steps(job_ids: list[str]) -> dict[str, str]:
+    """Step name (the node's, from `srun --job-name`) -> step id, of the running steps of these jobs."""
+    squeue = await asyncio.create_subprocess_exec(
+        "squeue",
+        "--steps",
+        "--noheader",
+        "--format=%i|%j",
+        f"--jobs={','.join(job_ids)}",
+        stdout=subprocess.PIPE,
+    )
+    out, _ = await squeue.communicate()
+    return {name: step for line in out.decode().splitlines() for step, _, name in [line.strip().partition("|")]}
+
+
+@dataclass
+class Step:
+    """One node's job step, as the supervisor runs it."""
+
+    spec: NodeSpec
+    place: Placement
+    host: str
+    proc: asyncio.subprocess.Process | None = None
+    restarts: collections.deque[float] = field(default_factory=collections.deque)
+    ended: int | None = None
+
+
+class Supervisor:
+    """Runs every node of the job as its own step and applies its restart policy."""
+
+    def __init__(
+        self, topology: Topology, resolved: Path, steps: list[Step], groups: int, out: TextIO = sys.stdout
+    ) -> None:
+        self.topology, self.resolved, self.steps, self.groups, self.out = topology, resolved, steps, groups, out
+        self.logs = topology.run_dir() / "logs"
+        self.stopping: str | None = None
+        self.failure: str | None = None
+        self.job_ids: list[str] = []
+        """The job ids of the het job's components, whose steps are the nodes."""
+        self._stop = asyncio.Event()
+        self._drains: set[asyncio.Future[None]] = set()
+
+    def say(self, line: str) -> None:
+        print(f"[rollart slurm {time.strftime('%H:%M:%S')}] {line}", file=self.out, flush=True)
+
+    def command(self, step: Step) -> list[str]:
+        p = step.place
+        srun = ["srun"] + ([f"--het-group={p.group}"] if self.groups > 1 else [])
+        srun += [
+            f"--nodelist={step.host}",
+            "--nodes=1",
+            "--ntasks=1",
+            "--exact",
+            f"--cpus-per-task={p.cpus}",
+            f"--job-name={p.name}",
+            f"--output={self.logs / (p.name + '.log')}",
+            "--open-mode=append",
+            "--kill-on-bad-exit=1",
+        ]
+        if p.gpus:
+            srun.append(f"--gpus-per-task={p.gpus}")
+        node = [str(ROOT / "bin" / "rollart-node"), "--topology", str(self.resolved), "--node", p.name]
+        return srun + node + (["--exit-when-done"] if step.spec.role == Role.TRAINER else [])
+
+    async def run(self) -> int:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # scancel: Slurm sends SIGTERM to every step's node itself (KillWait before SIGKILL).
+            loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} (scancel)", False)
+        for step in self.steps:
+            self.say(f"{step.spec.name} ({step.spec.role.value}) on {step.host}, component {step.place.group}")
+        await asyncio.gather(*(self._supervise(step) for step in self.steps))
+        for drain in list(self._drains):
+            await drain
+        if self.failure:
+            print(f"rollart slurm: {self.failure}", file=sys.stderr, flush=True)
+            self.say(f"job failed: {self.failure}")
+            return EXIT_FAILED
+        self.say(f"job done: {self.stopping or 'every node exited'}")
+        return EXIT_OK
+
+    def stop(self, why: str, signal_steps: bool = True) -> None:
+        """Drain every node and restart none: SIGTERM to each running step's node through
+        `scancel --signal=TERM JOB.STEP` (a SIGTERM to srun itself would make it kill its task),
+        unless Slurm is doing so already (`signal_steps=False`: the job is being cancelled)."""
+        if self.stopping is not None:
+            return
+        self.stopping = why
+        self._stop.set()
+        self.say(f"stopping: {why}; draining every node")
+        if not signal_steps:
+            return
+        running = {step.spec.name for step in self.steps if step.proc is not None and step.proc.returncode is None}
+        self._drains.add(task := asyncio.ensure_future(self._signal_steps(running)))
+        task.add_done_callback(self._drains.discard)
+
+    async def _signal_steps(self, names: set[str]) -> None:
+        ids = await job_steps(self.job_ids)
+        for name in sorted(names):
+            if name not in ids:
+                self.say(f"no job step found for {name} (it has ended, or not started yet)")
+                continue
+            done = await asyncio.create_subprocess_exec("scancel", "--signal=TERM", ids[name])
+            if await done.wait() != 0:
+                self.say(f"scancel --signal=TERM {ids[name]} ({name}) failed")
+
+    async def _supervise(self, step: Step) -> None:
+        name = step.spec.name
+        while not self._stop.is_set():
+            step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
+            code = step.ended = await step.proc.wait()
+            # srun exits 128 + N when its task was killed by signal N.
+            log = self.logs / f"{name}.log"
+            what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
+            if self._stop.is_set():
+                self.say(f"{what} while stopping")
+                return
+            if code == 0:
+                self.say(f"{what}")
+                if step.spec.role == Role.TRAINER:
+                    self.stop(f"{name} finished the run")
+                return
+            if code == 2:  # bad configuration: starting it again would fail the same way
+                self.failure = f"{what}: a configuration error; see its log"
+                self.stop(self.failure)
+                return
+            verdict = after_failure(self.topology.restart_policy(step.spec), step.restarts, time.monotonic())
+            if verdict.action == "stop-all":
+                self.failure = f"{what}; {verdict.why}"
+                self.stop(self.failure)
+                return
+            self.say(f"{what}; {verdict.why}")
+            if verdict.action == "leave":
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), verdict.delay)
+            step.restarts.append(time.monotonic())
+
+
+def run_job(topology_path: Path, table_text: str, env: dict[str, str] | None = None) -> int:
+    """`rollart slurm-run`: inside the job, resolve the hosts and supervise every node."""
+    env = dict(os.environ) if env is None else env
+    try:
+        topology = load_topology(topology_path)
+        table = read_table(table_text)
+        names = {p.name for p in table}
+        if names != {n.name for n in topology.nodes}:
+            raise ConfigError(
+                f"the script's table names {sorted(names)}, the topology {[n.name for n in topology.nodes]}"
+            )
+        hosts = resolve_hosts(table, env)
+        addresses = {name: node_address(host) for name, host in hosts.items()}
+        resolved = write_resolved(topology_path, addresses, env.get("SLURM_JOB_ID", "local"))
+        topology = load_topology(resolved)
+    except (ConfigError, subprocess.CalledProcessError, OSError) as exc:
+        print(f"rollart slurm-run: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    groups = max(p.group for p in table) + 1
+    steps = [Step(topology.node(p.name), p, hosts[p.name]) for p in table]
+    supervisor = Supervisor(topology, resolved, steps, groups)
+    supervisor.job_ids = component_job_ids(env, groups)
+    import uvloop
+
+    return uvloop.run(supervisor.run())
