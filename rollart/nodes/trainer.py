@@ -316,7 +316,7 @@ class TrainerNode(NodeDaemon):
                 if self._env_host_sessions.setdefault(env_host, session.id) != session.id:
                     self.dispenser.release_env_host(env_host, "the env-host restarted")
                     self._env_host_sessions[env_host] = session.id
-                task = await self.dispenser.grant(env_host, self.version, wait_s=min(wait_s, 30.0))
+                task = await self.dispenser.grant(env_host, lambda: self.version, wait_s=min(wait_s, 30.0))
                 if task is not None:
                     return task
                 if self.done:

@@ -94,8 +94,10 @@ class Dispenser:
                 waiter.set_result(None)
                 room -= 1
 
-    async def grant(self, env_host: str, version: int, *, wait_s: float) -> GroupTask | None:
-        """A group for `env_host`, waiting up to `wait_s` for room; None when there is none."""
+    async def grant(self, env_host: str, version: int | Callable[[], int], *, wait_s: float) -> GroupTask | None:
+        """A group for `env_host`, waiting up to `wait_s` for room; None when there is none. The
+        task carries `version` (called once room is found, when it is a function: a batch taken
+        while the grant waited may have moved the policy on)."""
         try:
             async with asyncio.timeout(wait_s):
                 while not self.admissible():
@@ -125,7 +127,7 @@ class Dispenser:
             seed=seed,
             group_size=self.spec.group_size,
             redundancy=self.spec.redundancy,
-            version=version,
+            version=version() if callable(version) else version,
         )
         self.leases[task.group_id] = Lease(task, env_host, self.clock(), attempt)
         self.granted += 1

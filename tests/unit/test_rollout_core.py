@@ -157,6 +157,19 @@ async def test_room_wakes_the_oldest_waiting_grants_only_as_many_as_fit() -> Non
     assert await asyncio.gather(*waiting[1:]) == [None, None, None]
 
 
+async def test_a_grant_that_waited_for_room_carries_the_version_of_when_it_was_granted() -> None:
+    dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
+    first = await dispenser.grant("env-0", 3, wait_s=0.01)
+    assert first is not None and first.version == 3
+    policy = [3]
+    waiting = asyncio.ensure_future(dispenser.grant("env-1", lambda: policy[0], wait_s=60))
+    await asyncio.sleep(0)
+    policy[0] = 4  # the batch was taken and trained on while the grant waited
+    dispenser.complete(first.group_id)
+    task = await waiting
+    assert task is not None and task.version == 4
+
+
 async def test_failed_groups_are_reissued_with_their_seed_and_give_capacity_back() -> None:
     dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
     task = await dispenser.grant("env-0", 0, wait_s=0.01)
