@@ -27,6 +27,10 @@ _LEN = struct.Struct(">I")
 _BULK_LEN = struct.Struct(">Q")
 BULK_MARK = 0xFFFFFFFF
 _RECV_CHUNK = 256 * 1024
+INITIAL_RECV_BUFFER = 4 * 1024
+"""A connection starts with this much receive buffer and grows to `_RECV_CHUNK` the first time it
+fills: a connection that never gets past the handshake (a stranger, a scanner, a thousand dropped
+connects) costs 4 KiB, not 256."""
 _BULK_CHUNK = 1024 * 1024
 _MAX_QUEUED_FRAMES = 4096  # stop reading from the socket past this many undelivered frames
 # Write coalesced frames at once past this many bytes: a sender that queues thousands of frames
@@ -43,6 +47,9 @@ class Connection(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+    max_frame_bytes: int
+    """Frames above this size are refused (received) or raise (sent)."""
 
     def send(self, frame: bytes) -> None:
         """Queue one message frame; it is written without waiting."""
@@ -88,7 +95,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
-        self._buf = bytearray(_RECV_CHUNK)
+        self._buf = bytearray(INITIAL_RECV_BUFFER)
         self._view = memoryview(self._buf)
         self._start = 0  # first unparsed byte
         self._end = 0  # end of received bytes
@@ -146,6 +153,8 @@ class TcpConnection(asyncio.BufferedProtocol):
                 self._bulk = None
             return
         self._end += nbytes
+        if self._end == len(self._buf) and len(self._buf) < _RECV_CHUNK:
+            self._make_room(_RECV_CHUNK)  # the peer filled the initial buffer: a busy connection
         if self._error is not None:
             return
         try:

@@ -24,6 +24,9 @@ from rollart.protocol.session import Handler, Session, State
 
 log = structlog.get_logger("rollart.protocol.server")
 
+HANDSHAKE_MAX_FRAME_BYTES = 16 * 1024
+"""The largest frame a connection may send before its handshake succeeds (a Hello is ~200 bytes)."""
+
 
 BulkHandler = Callable[[Connection, Identity], Awaitable[None]]
 
@@ -98,6 +101,11 @@ class SessionServer:
         return self.epoch, False, 0
 
     async def _handle(self, conn: Connection) -> None:
+        limit = conn.max_frame_bytes
+        # Until the peer has proved it knows the secret, a frame header cannot make this node
+        # reserve more than a handshake needs (a stranger announcing 16 MiB frames on many
+        # connections would otherwise cost 16 MiB each).
+        conn.max_frame_bytes = min(limit, HANDSHAKE_MAX_FRAME_BYTES)
         try:
             hello = await server_handshake(
                 conn,
@@ -113,6 +121,7 @@ class SessionServer:
         except ConnectionClosed:
             conn.close()
             return
+        conn.max_frame_bytes = limit
         peer = Identity(hello.node, hello.role)
         try:
             if hello.purpose == "bulk":

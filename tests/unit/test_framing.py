@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
 from rollart.protocol.framing import BULK_MARK, TcpConnection, open_tcp, serve_tcp
 
-RECV_BUFFER = 256 * 1024  # TcpConnection's initial receive buffer
+RECV_BUFFER = 256 * 1024  # TcpConnection's receive buffer once a peer has filled the initial one
+INITIAL_RECV_BUFFER = 4 * 1024
 
 
 class FakeTransport:
@@ -191,7 +192,16 @@ async def test_oversized_header_is_refused_when_its_four_bytes_arrive() -> None:
     assert transport.paused  # stops reading the body
     with pytest.raises(FrameTooLarge, match=f"frame of {limit + 1} bytes exceeds the limit of {limit}"):
         await conn.recv()
-    assert len(conn._buf) == RECV_BUFFER  # the body was never allocated
+    assert len(conn._buf) == INITIAL_RECV_BUFFER  # the body was never allocated
+
+
+async def test_a_connection_starts_small_and_grows_once_a_peer_fills_it() -> None:
+    conn, _ = connected()
+    assert len(conn._buf) == INITIAL_RECV_BUFFER  # a connection that never gets going costs 4 KiB
+    frames = [payload(1000, i) for i in range(20)]  # 20 KiB of small frames, more than fits
+    feed(conn, b"".join(frame(f) for f in frames))
+    assert [await conn.recv() for _ in frames] == frames
+    assert len(conn._buf) >= RECV_BUFFER  # filled once: the usual receive buffer from then on
 
 
 async def test_header_at_the_limit_is_accepted() -> None:
@@ -218,7 +228,7 @@ async def test_oversized_bulk_header_is_refused_before_the_sink_is_asked() -> No
     with pytest.raises(FrameTooLarge, match="bulk frame of 2147483648 bytes exceeds the limit of 1048576"):
         await conn.recv_bulk()
     assert asked == []
-    assert len(conn._buf) == RECV_BUFFER
+    assert len(conn._buf) == INITIAL_RECV_BUFFER
 
 
 async def test_frames_queued_past_the_limit_pause_reading_until_consumed() -> None:
