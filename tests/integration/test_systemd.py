@@ -64,14 +64,22 @@ def test_the_unit_template_verifies_with_no_output_at_all(tmp_path: Path) -> Non
 
 @pytest.fixture(scope="module")
 def system_venv() -> Path:
-    """A venv of the system Python with the project installed, made by bin/rollart-node's set-up."""
+    """A venv of the system Python with the project installed, made by bin/rollart-node's own set-up
+    as docs/operating.md says: with the checkout seen at /opt/rollart (in a private mount namespace),
+    so the venv and its editable install name /opt/rollart wherever this checkout lives (a checkout
+    under /tmp would be hidden from the unit by PrivateTmp)."""
+    needs_root_and("unshare")
     if not SYSTEM_PYTHON.exists():
         pytest.skip(f"needs {SYSTEM_PYTHON} (>= 3.11): the unit's ProtectHome hides a Python under /root")
     venv = ROOT / ".cache" / "systemd-venv"
-    env = {**os.environ, "PYTHON": str(SYSTEM_PYTHON), "ROLLART_VENV": str(venv)}
-    done = subprocess.run(
-        [str(ROOT / "bin" / "rollart-node"), "--help"], env=env, capture_output=True, text=True, check=False
+    venv.mkdir(parents=True, exist_ok=True)
+    (ROOT / ".venv").mkdir(exist_ok=True)  # the mount point /opt/rollart/.venv
+    script = (
+        "set -e; mount --make-rprivate /; mount -t tmpfs tmpfs /opt; mkdir /opt/rollart; "
+        f"mount --bind {ROOT} /opt/rollart; mount --bind {venv} /opt/rollart/.venv; "
+        f"PYTHON={SYSTEM_PYTHON} exec /opt/rollart/bin/rollart-node --help"
     )
+    done = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, check=False)
     if done.returncode == 2 and "needs Python >= 3.11" in done.stderr:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]
