@@ -240,7 +240,6 @@ class Step:
     host: str
     proc: asyncio.subprocess.Process | None = None
     restarts: collections.deque[float] = field(default_factory=collections.deque)
-    ended: int | None = None
 
 
 class Supervisor:
@@ -327,7 +326,7 @@ class Supervisor:
         name = step.spec.name
         while not self._stop.is_set():
             step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
-            code = step.ended = await step.proc.wait()
+            code = await step.proc.wait()
             # srun exits 128 + N when its task was killed by signal N.
             log = self.logs / f"{name}.log"
             what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
