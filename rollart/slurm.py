@@ -5,10 +5,11 @@ generators, env-hosts, the reward gateway), each with its own partition, CPUs, G
 as disaggregated clusters schedule them. Its body hands the script's own table (node name ->
 component, CPUs, GPUs) to `rollart slurm-run`, the job's supervisor, which:
 
-1. **resolves hosts** from Slurm's allocation: each component's nodes are laid over its hosts as
-   Slurm placed its tasks (`SLURM_TASKS_PER_NODE_HET_GROUP_<g>`), each host's address read with
-   `scontrol show node`; the topology with those hosts is written beside the original
-   (`.NAME.slurm-JOBID.yaml`), so nodes find each other without hand-edited addresses;
+1. **resolves hosts and ports** from Slurm's allocation: each component's nodes are laid over its
+   hosts as Slurm placed its tasks (`SLURM_TASKS_PER_NODE_HET_GROUP_<g>`), each host's address read
+   with `scontrol show node`, and nodes placed on one host with the same port get the next free
+   one; the topology so resolved is written beside the original (`.NAME.slurm-JOBID.yaml`), so
+   nodes find each other without hand-edited addresses;
 2. starts every node as **its own job step** (`srun --het-group=G --nodelist=HOST --ntasks=1
    --exact ... bin/rollart-node`): Slurm never restarts a task, so a step that fails is started
    again by the supervisor under the node's restart policy (on-failure: backoff within the
@@ -194,17 +195,28 @@ def resolve_hosts(table: list[Placement], env: dict[str, str]) -> dict[str, str]
     return hosts
 
 
-def write_resolved(topology_path: Path, addresses: dict[str, str], job_id: str) -> Path:
+def write_resolved(topology_path: Path, addresses: dict[str, str], job_id: str) -> tuple[Path, list[str]]:
     """The topology with each node's host set to its address, beside the original (relative paths
-    in it keep working); checked by loading it, so a clash (two nodes on one port of one host) is
-    a clear error before anything starts."""
+    in it keep working), and the port moves that made it valid: nodes Slurm placed on one host that
+    the topology gave the same port (or admin port) get the next free one, in the topology's order.
+    Checked by loading it, so anything else wrong is a clear error before a node starts."""
     raw = yaml.safe_load(topology_path.read_text())
+    used: dict[str, set[int]] = collections.defaultdict(set)
+    moves = []
     for node in raw["nodes"]:
-        node["host"] = addresses[node["name"]]
+        host = node["host"] = addresses[node["name"]]
+        for key in ("port", "admin_port"):
+            port = node[key]
+            while port in used[host]:
+                port += 1
+            if port != node[key]:
+                moves.append(f"{node['name']}: {key} {node[key]} -> {port} (taken on {host})")
+                node[key] = port
+            used[host].add(port)
     out = topology_path.with_name(f".{topology_path.stem}.slurm-{job_id}.yaml")
     out.write_text(yaml.safe_dump(raw, sort_keys=False))
     load_topology(out)
-    return out
+    return out, moves
 
 
 # -- the job's supervisor ------------------------------------------------------------------------
@@ -368,7 +380,7 @@ def run_job(topology_path: Path, table_text: str, env: dict[str, str] | None = N
             )
         hosts = resolve_hosts(table, env)
         addresses = {name: node_address(host) for name, host in hosts.items()}
-        resolved = write_resolved(topology_path, addresses, env.get("SLURM_JOB_ID", "local"))
+        resolved, moves = write_resolved(topology_path, addresses, env.get("SLURM_JOB_ID", "local"))
         topology = load_topology(resolved)
     except (ConfigError, subprocess.CalledProcessError, OSError) as exc:
         print(f"rollart slurm-run: {exc}", file=sys.stderr)
@@ -377,6 +389,8 @@ def run_job(topology_path: Path, table_text: str, env: dict[str, str] | None = N
     steps = [Step(topology.node(p.name), p, hosts[p.name]) for p in table]
     supervisor = Supervisor(topology, resolved, steps, groups)
     supervisor.job_ids = component_job_ids(env, groups)
+    for move in moves:
+        supervisor.say(f"port moved: {move}")
     import uvloop
 
     return uvloop.run(supervisor.run())

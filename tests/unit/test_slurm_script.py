@@ -86,14 +86,21 @@ def test_the_resolved_topology_sits_beside_the_original_with_the_allocations_hos
     path = tmp_path / "demo.yaml"
     path.write_text(TOPOLOGY)
     names = [n.name for n in parse_topology(TOPOLOGY).nodes]
-    resolved = slurm.write_resolved(path, {name: f"10.0.0.{i}" for i, name in enumerate(names)}, "42")
-    assert resolved == tmp_path / ".demo.slurm-42.yaml"
+    resolved, moves = slurm.write_resolved(path, {name: f"10.0.0.{i}" for i, name in enumerate(names)}, "42")
+    assert resolved == tmp_path / ".demo.slurm-42.yaml" and moves == []
     assert [n.host for n in parse_topology(resolved.read_text()).nodes] == [f"10.0.0.{i}" for i in range(6)]
-    # Two nodes on one host with one port: the clash is named before anything starts.
-    clash = TOPOLOGY.replace("port: 7002", "port: 7001")
-    path.write_text(clash)
-    with pytest.raises(ConfigError, match="port 7001"):
-        slurm.write_resolved(path, dict.fromkeys(names, "10.0.0.1"), "43")
+
+
+def test_nodes_placed_on_one_host_with_one_port_get_the_next_free_one(tmp_path: Path) -> None:
+    # A cluster topology may give every generator port 7100 (they usually land on different hosts).
+    path = tmp_path / "demo.yaml"
+    path.write_text(TOPOLOGY.replace("port: 7002,", "port: 7100,").replace("port: 7003,", "port: 7100,"))
+    hosts = {"trainer": "10.0.0.1", "gen-a": "10.0.0.2", "gen-b": "10.0.0.2", "env-0": "10.0.0.3"}
+    hosts |= {"env-1": "10.0.0.3", "reward": "10.0.0.3"}
+    resolved, moves = slurm.write_resolved(path, hosts, "43")
+    ports = {n.name: (n.port, n.admin_port) for n in parse_topology(resolved.read_text()).nodes}
+    assert ports["gen-a"] == (7100, 8002) and ports["gen-b"] == (7101, 8003)
+    assert moves == ["gen-b: port 7100 -> 7101 (taken on 10.0.0.2)"]
 
 
 def test_restart_policy_verdicts_shared_by_the_launcher_and_the_job() -> None:
