@@ -13,6 +13,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rollart.protocol import ClientSession, Identity, SessionConfig, tcp_connector
+from rollart.protocol.messages import APP
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -106,3 +109,16 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
 def healthy(admin_port: int) -> bool:
     status, body = http("GET", admin_port, "/healthz")
     return status == 200 and body.get("ok") is True
+
+
+def node_client(port: int, peer: str, *, secret: bytes = b"test-secret") -> ClientSession:
+    """A session to a node on loopback, as an env-host would open it (the secret node_env gives)."""
+    cfg = SessionConfig()
+    return ClientSession(
+        lambda: tcp_connector("127.0.0.1", port, cfg),
+        secret=secret,
+        local=Identity("env-0", "env-host"),
+        channel=APP,
+        cfg=cfg,
+        peer_name=peer,
+    )

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rollart.protocol import ClientSession, Identity, SessionConfig, tcp_connector
 from rollart.protocol.auth import NONCE_BYTES, _mac
 from rollart.protocol.config import PROTOCOL_VERSION
-from rollart.protocol.messages import APP, CONTROL, HANDSHAKE, Challenge, Echo, Hello, Proof, Refuse
-from tests.support import healthy, http, start_node, wait_for, write_topology
+from rollart.protocol.messages import CONTROL, HANDSHAKE, Challenge, Echo, Hello, Proof, Refuse
+from tests.support import healthy, http, node_client, start_node, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -148,15 +147,7 @@ async def test_a_stranger_gets_nothing_and_the_node_stays_up(tmp_path: Path) -> 
         counted = [line for line in text.splitlines() if line.startswith("rollart_handshake_refusals_total")]
         refused = float(counted[0].split()[-1])
         assert code == 200 and refused >= 111, refused  # the 11 above and a round of big-frame headers
-        cfg = SessionConfig()
-        client = ClientSession(
-            lambda: tcp_connector("127.0.0.1", port, cfg),
-            secret=SECRET,
-            local=Identity("env-0", "env-host"),
-            channel=APP,
-            cfg=cfg,
-            peer_name="reward",
-        )
+        client = node_client(port, "reward")
         async with asyncio.timeout(20), asyncio.TaskGroup() as tg:
             tg.create_task(client.run())
             assert await client.request(Echo(9, b"good client"), timeout=10) == Echo(9, b"good client")

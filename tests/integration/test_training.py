@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.integration.cluster import GENERATORS, NODES, SECRET, Cluster, make_cluster, training_yaml
-from tests.support import wait_for
+from tests.support import node_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -153,8 +153,8 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:
     from rollart.engines.tiny_model import load_model_and_tokenizer
-    from rollart.protocol import ClientSession, Identity, SessionConfig, tcp_connector
-    from rollart.protocol.messages import APP, Generate, Generated
+    from rollart.protocol import Identity, SessionConfig
+    from rollart.protocol.messages import Generate, Generated
     from rollart.weights import WeightPublisher
 
     cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=1), nodes={"gen-0": "generator"})
@@ -162,14 +162,7 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     await asyncio.to_thread(cluster.wait_status, "gen-0", lambda s: s["engine"]["ready"], 90, "the engine ready")
     port = cluster.ports["gen-0"][0]
     cfg = SessionConfig()
-    client = ClientSession(
-        lambda: tcp_connector("127.0.0.1", port, cfg),
-        secret=SECRET,
-        local=Identity("env-0", "env-host"),
-        channel=APP,
-        cfg=cfg,
-        peer_name="gen-0",
-    )
+    client = node_client(port, "gen-0")
     publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, cfg, transport="tcp")
     publisher.add_target("gen-0", "127.0.0.1", port)
     model, tokenizer = await asyncio.to_thread(load_model_and_tokenizer, tiny_model)
