@@ -361,6 +361,12 @@ AppMsg = ControlMsg | RolloutMsg | RewardMsg
 
 T = TypeVar("T")
 
+DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
+"""What `Channel.decode_native` raises on bad input. msgspec recurses once per level of msgpack
+nesting, even to skip an element no field takes, and raises `RecursionError` past Python's limit:
+a 2 KiB frame of nested arrays would otherwise escape every handler that catches decode errors
+(one such frame from a stranger, in its handshake, would stop a node)."""
+
 
 class Channel(Generic[T]):
     """One tagged union of messages with its encoder and typed decoder.
@@ -377,16 +383,18 @@ class Channel(Generic[T]):
         # Bound methods, not wrappers: these run once per message on both ends of every session.
         self.encode: Callable[[T], bytes] = msgspec.msgpack.Encoder().encode
         self.decode_native: Callable[[bytes | memoryview], T] = self._decoder.decode
-        """Decode raising msgspec's own errors; hot paths catch them and call `explain`."""
+        """Decode raising msgspec's own errors (`DECODE_ERRORS`); hot paths catch them and call `explain`."""
 
     def decode(self, data: bytes | memoryview) -> T:
         try:
             return self._decoder.decode(data)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             raise self.explain(exc) from None
 
-    def explain(self, exc: msgspec.DecodeError) -> MessageDecodeError:
-        """The error to raise for msgspec's `exc`: it names the channel and what was wrong."""
+    def explain(self, exc: msgspec.DecodeError | RecursionError) -> MessageDecodeError:
+        """The error to raise for `exc` (one of `DECODE_ERRORS`): it names the channel and what was wrong."""
+        if isinstance(exc, RecursionError):
+            return MessageDecodeError(f"{self.name} channel: malformed msgpack: nested too deeply")
         text = str(exc)
         if not isinstance(exc, msgspec.ValidationError):
             return MessageDecodeError(f"{self.name} channel: malformed msgpack: {text}")

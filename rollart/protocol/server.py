@@ -82,7 +82,14 @@ class SessionServer:
         if self._tg is None or self._closing:
             conn.close()
             return
-        self._tg.create_task(self._handle(conn))
+        # Until the peer has proved it knows the secret, a frame header cannot make this node
+        # reserve more than a handshake needs (a stranger announcing 16 MiB frames on many
+        # connections would otherwise cost 16 MiB each). Set here, not in the task: the loop may
+        # read the peer's first bytes before the task first runs (seen under load: 100 such
+        # connections held 561 MiB).
+        limit = conn.max_frame_bytes
+        conn.max_frame_bytes = min(limit, HANDSHAKE_MAX_FRAME_BYTES)
+        self._tg.create_task(self._handle(conn, limit))
 
     def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
         if self._closing:
@@ -100,12 +107,8 @@ class SessionServer:
         self._tg.create_task(session.run())
         return self.epoch, False, 0
 
-    async def _handle(self, conn: Connection) -> None:
-        limit = conn.max_frame_bytes
-        # Until the peer has proved it knows the secret, a frame header cannot make this node
-        # reserve more than a handshake needs (a stranger announcing 16 MiB frames on many
-        # connections would otherwise cost 16 MiB each).
-        conn.max_frame_bytes = min(limit, HANDSHAKE_MAX_FRAME_BYTES)
+    async def _handle(self, conn: Connection, limit: int) -> None:
+        """Authenticate `conn`, then serve it with its frame limit back at `limit`."""
         try:
             hello = await server_handshake(
                 conn,
@@ -119,6 +122,13 @@ class SessionServer:
             conn.close()
             return
         except ConnectionClosed:
+            conn.close()
+            return
+        except Exception:
+            # Fault isolation before authentication too: whatever a stranger's bytes make the
+            # handshake raise ends that connection, never the server (and is logged as the bug it is).
+            self.refusals += 1
+            log.exception("server.handshake_failed", peer=conn.peer)
             conn.close()
             return
         conn.max_frame_bytes = limit

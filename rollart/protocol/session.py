@@ -51,7 +51,17 @@ from rollart.protocol.errors import (
     SessionLost,
 )
 from rollart.protocol.framing import Connection, TcpConnection
-from rollart.protocol.messages import REMOTE_FAILURE, SESSION, Ack, Bye, Channel, Kind, Msg, RemoteFailure
+from rollart.protocol.messages import (
+    DECODE_ERRORS,
+    REMOTE_FAILURE,
+    SESSION,
+    Ack,
+    Bye,
+    Channel,
+    Kind,
+    Msg,
+    RemoteFailure,
+)
 
 log = structlog.get_logger("rollart.protocol.session")
 
@@ -279,7 +289,7 @@ class Session:
                         case Bye(reason=reason):
                             self._on_bye(reason)
                             return f"peer said bye: {reason}"
-            except msgspec.DecodeError as exc:
+            except DECODE_ERRORS as exc:
                 raise SESSION.explain(exc) from None
             finally:  # what arrived before a bad frame or a Bye is still handled
                 if ack >= 0:
@@ -321,7 +331,7 @@ class Session:
     async def _handle_event(self, msg: Msg) -> None:
         try:
             event = self.channel.decode_native(msg.body)
-        except msgspec.DecodeError as exc:
+        except DECODE_ERRORS as exc:
             self.stats.decode_errors += 1
             log.error("session.bad_event", session=self.id, peer=self._peer_name, error=str(self.channel.explain(exc)))
             return

@@ -13,6 +13,7 @@ gets a bucket of its own. `VersionAssembly` collects one version's buckets on th
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Mapping
@@ -160,7 +161,11 @@ def unpack_bucket(
         if dtype is None:
             raise WeightFormatError(f"{where}: tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
         itemsize = dtype.itemsize
-        if any(d < 0 for d in entry.shape) or math.prod(entry.shape) * itemsize != entry.nbytes:
+        # torch multiplies a shape's dimensions in 64 bits, left to right, even past a 0: dimensions
+        # that multiply past that (msgpack carries up to 2**64 - 1 each) pass the size check
+        # through a 0 dimension, then make `view` raise TypeError or RuntimeError.
+        dims_fit = all(d >= 0 for d in entry.shape) and math.prod(d for d in entry.shape if d) < 2**63
+        if not dims_fit or math.prod(entry.shape) * itemsize != entry.nbytes:
             raise WeightFormatError(
                 f"{where}: tensor {entry.name!r} of shape {entry.shape} and dtype {entry.dtype} "
                 f"cannot have {entry.nbytes} bytes"
@@ -202,13 +207,17 @@ class VersionAssembly:
         self._buckets[manifest.index] = tensors
         self.nbytes += manifest.nbytes
 
-    def missing(self) -> list[int]:
-        return [i for i in range(self.count) if i not in self._buckets]
+    def missing(self, limit: int = 10) -> list[int]:
+        """The first `limit` indexes not in yet. Never all of them: `count` is whatever the peer
+        announced (up to 2**64 - 1), so a scan must stop after what arrived plus `limit`."""
+        return list(itertools.islice((i for i in range(self.count) if i not in self._buckets), limit))
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version, in bucket order; `MissingBucket` if some bucket never came."""
-        if missing := self.missing():
-            raise MissingBucket(f"version {self.version}: buckets {missing} of {self.count} never arrived")
+        if (absent := self.count - len(self._buckets)) > 0:
+            first = self.missing()
+            more = f" and {absent - len(first)} more" if absent > len(first) else ""
+            raise MissingBucket(f"version {self.version}: buckets {first}{more} of {self.count} never arrived")
         weights: dict[str, torch.Tensor] = {}
         for index in range(self.count):
             for name, tensor in self._buckets[index].items():

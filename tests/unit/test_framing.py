@@ -1,5 +1,6 @@
 """Tests of the TCP framing: `TcpConnection` fed bytes the way the event loop feeds a
-`BufferedProtocol`, with a hand-written fake transport; then one real loopback connection."""
+`BufferedProtocol`, with a hand-written fake transport, including any bytes at all (fuzzed against
+a reference parser); then one real loopback connection."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
-from rollart.protocol.framing import BULK_MARK, TcpConnection, open_tcp, serve_tcp
+from rollart.protocol.framing import BULK_MARK, TcpConnection, _Bulk, open_tcp, serve_tcp
+from tests.strategies import FUZZ_EXAMPLES
 
 RECV_BUFFER = 256 * 1024  # TcpConnection's receive buffer once a peer has filled the initial one
 INITIAL_RECV_BUFFER = 4 * 1024
@@ -174,6 +176,70 @@ async def test_message_frame_where_a_bulk_frame_is_expected_is_a_protocol_error(
         await conn.recv_bulk()
     with pytest.raises(ProtocolError, match="expected a message frame"):
         await conn.recv()
+
+
+# -- any bytes at all ----------------------------------------------------------------------------
+
+
+def reference_frames(wire: bytes, max_frame: int, max_bulk: int) -> tuple[list[tuple[str, bytes]], type | None]:
+    """What the module docstring's wire format says `wire` holds: the complete frames in order, and
+    the error a header breaks it with (None: the bytes end, maybe inside a frame)."""
+    frames: list[tuple[str, bytes]] = []
+    pos = 0
+    while len(wire) - pos >= 4:
+        (length,) = struct.unpack_from(">I", wire, pos)
+        if length == BULK_MARK:
+            if len(wire) - pos < 12:
+                break
+            (length,) = struct.unpack_from(">Q", wire, pos + 4)
+            kind, start, limit = "bulk", pos + 12, max_bulk
+        else:
+            kind, start, limit = "msg", pos + 4, max_frame
+        if length > limit:
+            return frames, FrameTooLarge
+        if len(wire) - start < length:
+            break
+        frames.append((kind, wire[start : start + length]))
+        pos = start + length
+    return frames, None
+
+
+# Valid frames, headers of any size (most of them over the limits), and noise, run together.
+wire_parts = st.one_of(
+    st.binary(max_size=48).map(frame),
+    st.binary(max_size=48).map(bulk_frame),
+    st.integers(0, 2**32 - 1).map(lambda n: struct.pack(">I", n)),
+    st.integers(0, 2**64 - 1).map(lambda n: struct.pack(">IQ", BULK_MARK, n)),
+    st.integers(0, 96).map(lambda n: struct.pack(">I", n)),
+    st.binary(min_size=1, max_size=12),
+)
+
+
+@settings(max_examples=3 * FUZZ_EXAMPLES, deadline=None)
+@given(
+    wire=st.lists(wire_parts, max_size=10).map(b"".join),
+    chunks=st.lists(st.integers(1, 64), min_size=1, max_size=6),
+    max_frame=st.integers(0, 80),
+    max_bulk=st.integers(0, 80),
+)
+async def test_fuzz_any_bytes_give_the_frames_they_hold_or_a_framing_error(
+    wire: bytes, chunks: list[int], max_frame: int, max_bulk: int
+) -> None:
+    conn, transport = connected(max_frame_bytes=max_frame, max_bulk_bytes=max_bulk)
+    feed(conn, wire, chunks)  # the protocol callbacks never raise: errors wait for the reader
+    conn.connection_lost(None)
+    expected, error = reference_frames(wire, max_frame, max_bulk)
+    event(f"refused: {error is not None}")
+    if error is not None:
+        assert transport.paused  # it stopped reading at the bad header
+        with pytest.raises(error):  # and what came before it is dropped with the connection
+            await conn._next()
+        return
+    for kind, data in expected:
+        got = await conn._next()
+        assert (kind, bytes(got.view) if isinstance(got, _Bulk) else got) == (kind, data)
+    with pytest.raises(ConnectionClosed):
+        await conn._next()
 
 
 # -- limits ------------------------------------------------------------------------------------

@@ -1,29 +1,41 @@
 """Tests of the message channels: every message round-trips, and every kind of bad input fails with
-a `MessageDecodeError` that names the channel and what was wrong."""
+a `MessageDecodeError` that names the channel and what was wrong; then every channel fuzzed (any
+message, mutated encodings, msgpack of any shape, random bytes) with nothing else escaping."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollart.protocol import messages
 from rollart.protocol.errors import MessageDecodeError
 from rollart.protocol.messages import (
+    APP,
     BLOB,
     CONTROL,
+    DECODE_ERRORS,
     HANDSHAKE,
+    REMOTE_FAILURE,
     SESSION,
     Ack,
     BlobHeader,
     Bye,
+    Channel,
     Echo,
     Kind,
     Msg,
     NodeStatus,
     Notice,
+    Proof,
+    RemoteFailure,
+    Scored,
     StatusRequest,
 )
+from tests.strategies import FUZZ_EXAMPLES, check_decode, messages_of, msgpack_trees, mutations, tagged_trees
 
 # msgpack integers are 64-bit; the wire fields that carry counters are unsigned in practice.
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
@@ -126,16 +138,75 @@ def test_empty_input_is_refused() -> None:
     assert "truncated" in _decode_error(HANDSHAKE, b"")
 
 
+# -- fuzzing: nothing but a MessageDecodeError escapes a channel --------------------------------
+
+CHANNELS: list[Channel[Any]] = [value for value in vars(messages).values() if isinstance(value, Channel)]
+"""Every channel of the protocol, found in the module so a new one is fuzzed too (the weights
+channel is fuzzed in test_weights.py)."""
+by_name = pytest.mark.parametrize("channel", CHANNELS, ids=[channel.name for channel in CHANNELS])
+
+
+def test_every_protocol_channel_is_fuzzed() -> None:
+    assert {channel.name for channel in CHANNELS} >= {"handshake", "session", "control", "app", "blob"}
+
+
+@by_name
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_fuzz_any_message_round_trips_and_its_mutations_decode_or_are_refused(
+    channel: Channel[Any], data: st.DataObject
+) -> None:
+    encoded = channel.encode(data.draw(messages_of(channel), label="message"))
+    assert check_decode(channel, encoded) is not None
+    check_decode(channel, data.draw(mutations(encoded), label="mutated"))
+
+
+@by_name
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_fuzz_msgpack_of_any_shape_decodes_or_is_refused(channel: Channel[Any], data: st.DataObject) -> None:
+    value = data.draw(st.one_of(msgpack_trees, tagged_trees(channel)), label="value")
+    check_decode(channel, msgspec.msgpack.encode(value))
+
+
+@settings(max_examples=3 * FUZZ_EXAMPLES, deadline=None)
 @given(st.binary(max_size=64))
 def test_random_bytes_decode_or_raise_message_decode_error(data: bytes) -> None:
-    for channel, name in [(CONTROL, "control"), (SESSION, "session"), (HANDSHAKE, "handshake")]:
-        try:
-            msg = channel.decode(data)
-        except MessageDecodeError as exc:
-            assert str(exc).startswith(f"{name} channel: ")
-        else:
-            # Random bytes that happen to be a valid message must mean exactly that message
-            # (compared as bytes: a decoded NaN is not equal to itself).
-            assert isinstance(msg, channel.types)
-            again = channel.encode(msg)
-            assert channel.encode(channel.decode(again)) == again
+    for channel in CHANNELS:
+        check_decode(channel, data)
+
+
+DEEP = b"\x91" * 5000 + b"\xc0"
+"""msgpack nested 5,000 deep (2 KiB): deeper than msgspec can follow within Python's recursion limit."""
+
+
+def with_trailing(encoded: bytes, extra: bytes) -> bytes:
+    """An array-like message with one more element than its struct has (ignored, but still parsed)."""
+    if 0x90 <= encoded[0] < 0x9F:
+        return bytes([encoded[0] + 1]) + encoded[1:] + extra
+    assert encoded[0] == 0xDC  # array 16
+    return b"\xdc" + (int.from_bytes(encoded[1:3], "big") + 1).to_bytes(2, "big") + encoded[3:] + extra
+
+
+@pytest.mark.parametrize(
+    ("channel", "data"),
+    [
+        (HANDSHAKE, with_trailing(HANDSHAKE.encode(Proof(b"mac")), DEEP)),  # what a stranger can send first
+        (SESSION, with_trailing(SESSION.encode(Ack(1)), DEEP)),
+        (SESSION, SESSION.encode(Msg(1, 0, Kind.EVENT, body=msgspec.Raw(DEEP)))),  # skipped as a raw body
+        (CONTROL, with_trailing(CONTROL.encode(Echo(1)), DEEP)),
+        (APP, with_trailing(APP.encode(Scored(1.0, {"k": 1})), DEEP)),
+        (REMOTE_FAILURE, with_trailing(REMOTE_FAILURE.encode(RemoteFailure("code", "message")), DEEP)),
+        (BLOB, with_trailing(BLOB.encode(BlobHeader("w", 1)), DEEP)),
+    ],
+    ids=["handshake", "session", "session-body", "control", "app", "remote-failure", "blob"],
+)
+def test_nesting_deeper_than_the_recursion_limit_is_a_decode_error(channel: Channel[Any], data: bytes) -> None:
+    # Found by fuzzing: msgspec raises RecursionError, which escaped `decode` and every hot path
+    # that catches decode errors; one such frame in a handshake stopped a node.
+    with pytest.raises(MessageDecodeError, match=f"^{channel.name} channel: malformed msgpack: nested too deeply"):
+        channel.decode(data)
+    with pytest.raises(RecursionError) as info:  # the hot paths' native decode, then `explain`
+        channel.decode_native(data)
+    assert isinstance(info.value, DECODE_ERRORS)  # what they catch
+    assert str(channel.explain(info.value)) == f"{channel.name} channel: malformed msgpack: nested too deeply"
