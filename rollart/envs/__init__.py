@@ -1,4 +1,4 @@
-"""Environments for LLM agents: the GEM-compatible API, built-in tasks, adapters, and the runner.
+"""Environments for LLM agents: the GEM-compatible API, built-in tasks, adapters, and the runners.
 
 Importing this package registers the built-ins:
 
@@ -12,8 +12,10 @@ Importing this package registers the built-ins:
 | `sim` | as configured | a task's shape alone (turns, prompt length, success, latency, failures): simulation |
 | `gem:<id>`, `gym:<id>` | (see adapters) | GEM and Gymnasium envs, if those are installed |
 
-Pure code over plain data: nothing here knows the network, the nodes, the engines, or torch.
-See `docs/envs.md`.
+Envs run in the env-host (`EnvRunner`) or in env worker processes under resource limits
+(`EnvWorkerPool`, `WorkerEnvRunner`); `EnvOpener` puts each task's envs where the isolation
+setting says. Pure code over plain data: nothing here knows the network, the nodes, the engines,
+or torch. See `docs/envs.md`.
 """
 
 from rollart.envs.adapters import GemEnv, GymnasiumTextEnv
@@ -31,6 +33,10 @@ from rollart.envs.base import (
 from rollart.envs.copy_reverse import CopyReverseEnv, position_match
 from rollart.envs.flaky import FlakyEnv
 from rollart.envs.frozen_lake import FrozenLakeEnv
+from rollart.envs.isolation import WorkerLimits, child_environ
+from rollart.envs.opener import EnvOpener, EnvTraits, Isolation, Placement, is_builtin
+from rollart.envs.pool import EnvWorkerPool
+from rollart.envs.process_runner import WorkerEnvRunner
 from rollart.envs.registry import (
     EnvFactory,
     import_env_modules,
@@ -39,7 +45,7 @@ from rollart.envs.registry import (
     register_env_family,
     registered_envs,
 )
-from rollart.envs.runner import EnvRunner
+from rollart.envs.runner import EnvHandle, EnvRunner
 from rollart.envs.sim import SimEnv
 from rollart.envs.slow import SlowEnv
 from rollart.envs.sokoban import SokobanEnv
@@ -60,18 +66,28 @@ __all__ = [
     "Env",
     "EnvFactory",
     "EnvFailure",
+    "EnvHandle",
+    "EnvOpener",
     "EnvRunner",
+    "EnvTraits",
+    "EnvWorkerPool",
     "FlakyEnv",
     "FrozenLakeEnv",
     "GemEnv",
     "GymnasiumTextEnv",
     "Info",
+    "Isolation",
+    "Placement",
     "Profile",
     "SimEnv",
     "SlowEnv",
     "SokobanEnv",
     "StepResult",
+    "WorkerEnvRunner",
+    "WorkerLimits",
+    "child_environ",
     "import_env_modules",
+    "is_builtin",
     "last_boxed",
     "make_env",
     "parse_choice",

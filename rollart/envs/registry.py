@@ -66,6 +66,11 @@ def registered_envs() -> list[str]:
     return sorted(_envs)
 
 
+def registered_factories() -> dict[str, EnvFactory]:
+    """Every registered factory by name, families as `prefix:` (a copy: compare before and after imports)."""
+    return {**_envs, **{f"{prefix}:": factory for prefix, factory in _families.items()}}
+
+
 @functools.lru_cache(maxsize=256)
 def _signature(factory: EnvFactory) -> inspect.Signature | None:
     """The factory's signature, once per factory (one env is made per trajectory)."""

@@ -22,9 +22,10 @@ thread finishes on its own, and a later `close()` queues behind it).
 
 A call that times out leaves the runner *broken*: every later `reset`/`step` raises at once, and
 `close()` only lets go of the thread. A hung thread cannot be killed in Python: it keeps running
-(and keeps its thread) until the env's code returns, and interpreter exit waits for it. Env
-worker processes with resource limits, which can be killed, are a later step; until then, a
-timeout bounds how long a trajectory waits, not how long the env runs.
+(and keeps its thread) until the env's code returns, and interpreter exit waits for it. Here a
+timeout bounds how long a trajectory waits, not how long the env runs; an env in an env worker
+process (`WorkerEnvRunner`, `rollart.envs.pool`), with the same interface, is killed with its
+process, under resource limits. `EnvHandle` is the interface both have.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rollart.envs.base import Env, EnvFailure, Info, StepResult
 from rollart.sim.clock import SimClock
@@ -49,6 +50,25 @@ def _contain(fn: Callable[..., T], *args: Any) -> T:
         raise
     except BaseException as exc:
         raise RuntimeError(f"{type(exc).__name__} raised inside the env: {exc}") from exc
+
+
+class EnvHandle(Protocol):
+    """An env as a trajectory drives it: `EnvRunner` (in the env-host) or `WorkerEnvRunner` (in an
+    env worker process). Only `EnvFailure` and `CancelledError` come out of its calls."""
+
+    name: str
+
+    @property
+    def max_turns(self) -> int: ...
+
+    @property
+    def system_prompt(self) -> str: ...
+
+    async def reset(self, seed: int | None = None) -> tuple[str, Info]: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+    async def close(self) -> None: ...
 
 
 CLOSE_GRACE_S = 0.2
@@ -80,6 +100,14 @@ class EnvRunner:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def max_turns(self) -> int:
+        return self.env.max_turns
+
+    @property
+    def system_prompt(self) -> str:
+        return self.env.system_prompt
 
     async def reset(self, seed: int | None = None) -> tuple[str, Info]:
         """`env.reset(seed)` in the worker thread."""

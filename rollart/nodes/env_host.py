@@ -5,6 +5,10 @@ G + R trajectories (`rollout.group`, `rollout.trajectory`), sends the first G ba
 again. Generation calls go through the `LLMProxy` (hardware affinity, stickiness, failover);
 scores come from the reward gateway. When the trainer announces a new policy version, every
 trajectory started before `version - alpha` is aborted here at once.
+
+Envs run where `run.rollout.env_workers` puts them (`rollart.envs.opener`): user envs in env
+worker processes, without the node's secrets and under resource limits; RollArt's own in
+threads. The workers are stopped when the env-host's work ends (drain, or the run is over).
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import os
 from typing import Any
 
 import structlog
 
-from rollart.envs import EnvFailure, import_env_modules, make_env
+from rollart.envs import EnvFailure, EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import ClientSession, Session
 from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout, RollartError, SessionLost
@@ -62,8 +67,8 @@ class EnvHostNode(NodeDaemon):
         self.clock = SimClock(self.topology.run.sim.speedup)
         """Where simulated env latency passes (`sim` envs); real envs take real time."""
         self._slots: list[asyncio.Task[None]] = []
-        self._blocking: dict[str, bool] = {}
-        """Per task, whether its environment blocks (made in a thread) or runs on the loop (`sim`)."""
+        self.envs = self._env_opener()
+        """Opens each task's envs where `run.rollout.env_workers` puts them; owns the env worker pool."""
         generators = [
             GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
             for peer in self.topology.nodes_with_role(Role.GENERATOR)
@@ -73,6 +78,17 @@ class EnvHostNode(NodeDaemon):
         self.proxy = LLMProxy(
             generators, self.profiler, timeout_s=self.rollout.generate_timeout_s if self.rollout else 60
         )
+
+    def _env_opener(self) -> EnvOpener:
+        run = self.topology.run
+        if self.rollout is None:  # the node only answers status: it opens no env
+            return EnvOpener("auto", env_modules=run.env_modules, clock=self.clock)
+        spec = self.rollout.env_workers
+        # The node's own credentials never reach env code, whatever their variables are called.
+        environ = child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=spec.pass_env)
+        limits = WorkerLimits(cpu_time_s=spec.cpu_time_s, memory_mb=spec.memory_mb, open_files=spec.open_files)
+        pool = EnvWorkerPool(processes=spec.processes, env_modules=run.env_modules, limits=limits, environ=environ)
+        return EnvOpener(spec.isolation, env_modules=run.env_modules, pool=pool, clock=self.clock)
 
     def over(self) -> bool:
         """Whether the trainer said the run is done (read through a call: it changes across awaits)."""
@@ -87,28 +103,27 @@ class EnvHostNode(NodeDaemon):
         if self.rollout is None:
             await super().work()
             return
-        import_env_modules(self.topology.run.env_modules)
-        for task in self.rollout.tasks:
-            env = make_env(task.env, **task.env_kwargs)
-            self._blocking[task.name] = env.blocking
-            if task.profile is None:  # the environment's own profile is the starting guess
-                self.profiler.initial[task.name] = env.profile
-            if task.max_turns is not None and task.max_turns > env.max_turns:
-                log.warning(  # the environment truncates its episodes first
-                    "env_host.max_turns_capped",
-                    task=task.name,
-                    task_max_turns=task.max_turns,
-                    env_max_turns=env.max_turns,
-                    hint="raise max_turns in the task's env_kwargs",
-                )
-            env.close()
-        path = self.topology.run.model.path
-        if self.network is None:
-            self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, path))
-        else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
-            self.renderer = ChatRenderer(_load_tokenizer(path))
-        trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
         try:
+            traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in self.rollout.tasks})
+            for task in self.rollout.tasks:
+                env = traits[task.name]
+                if task.profile is None:  # the environment's own profile is the starting guess
+                    self.profiler.initial[task.name] = env.profile
+                if task.max_turns is not None and task.max_turns > env.max_turns:
+                    log.warning(  # the environment truncates its episodes first
+                        "env_host.max_turns_capped",
+                        task=task.name,
+                        task_max_turns=task.max_turns,
+                        env_max_turns=env.max_turns,
+                        hint="raise max_turns in the task's env_kwargs",
+                    )
+            log.info("env_host.envs_placed", placement=self.envs.status()["placement"])
+            path = self.topology.run.model.path
+            if self.network is None:
+                self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, path))
+            else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
+                self.renderer = ChatRenderer(_load_tokenizer(path))
+            trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
             async with asyncio.TaskGroup() as tg:
                 if self.rollout.env_stepping == "batch":
                     self._slots = [tg.create_task(self._batch_rounds(trainer, reward))]
@@ -117,6 +132,7 @@ class EnvHostNode(NodeDaemon):
                     self._slots = [tg.create_task(self._slot(trainer, reward)) for _ in slots]
             await super().work()
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
+            await self.envs.close()  # no env worker outlives the env-host's work
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
 
     async def _ask(self, trainer: ClientSession, *, wait_s: float | None = None) -> GroupTask | NoTask | None:
@@ -219,10 +235,12 @@ class EnvHostNode(NodeDaemon):
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
         alpha = self.rollout.alpha if self.rollout.mode == "train" else None
         try:
-            if self._blocking.get(task.name, True):
-                env = await asyncio.to_thread(make_env, task.env, **task.env_kwargs)
-            else:
-                env = make_env(task.env, **task.env_kwargs)
+            env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
+        except EnvFailure:  # it could not be built in its worker (the cause is named)
+            self.live.pop(trajectory_id, None)
+            self.counts["env_failures"] += 1
+            self.counts["trajectories_failed"] += 1
+            raise
         except BaseException:
             self.live.pop(trajectory_id, None)
             raise
@@ -238,7 +256,6 @@ class EnvHostNode(NodeDaemon):
                 on_start=started,
                 barrier=barrier,
                 min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
-                clock=self.clock,
             )
         except EnvFailure:
             self.counts["env_failures"] += 1
@@ -301,6 +318,7 @@ class EnvHostNode(NodeDaemon):
         status = super().status()
         if self.rollout is not None:
             status["rollout"] = {"version": self.version, **self.counts, "routing": self.proxy.describe()}
+            status["envs"] = self.envs.status()
         return status
 
 

@@ -10,7 +10,8 @@ log-prob and weight version. With the task's `context: last` every turn starts a
 latest observation, and the history marks where each turn's prompt begins (`Trajectory.segments`),
 so the trainer trains the turns as separate sequences. A trajectory stops when the environment
 ends it, at the task's turn limit, or when the context would pass its token budget. Every environment call runs off
-the event loop with a deadline (`EnvRunner`); an environment that fails fails this trajectory only.
+the event loop with a deadline, in a thread (`EnvRunner`) or an env worker process (`WorkerEnvRunner`), as the
+env-host opened it; an environment that fails fails this trajectory only.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from rollart.envs import Env, EnvRunner
+from rollart.envs import EnvHandle
 from rollart.protocol.errors import RollartError
 from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.proxy import LLMProxy
-from rollart.sim.clock import SimClock
 
 
 class Tokenizer(Protocol):
@@ -188,7 +188,7 @@ class _Conversation:
 async def run_trajectory(
     job: TrajectoryJob,
     *,
-    env: Env,
+    env: EnvHandle,
     renderer: ChatRenderer,
     proxy: LLMProxy,
     score: Scorer,
@@ -196,14 +196,13 @@ async def run_trajectory(
     on_start: Callable[[int], None] = lambda version: None,
     barrier: TurnBarrier | None = None,
     min_version: Callable[[], int] = lambda: 0,
-    clock: SimClock | None = None,
 ) -> Trajectory:
-    """Run one episode and return it scored. Raises `EnvFailure`, `GenerationFailed`, ...
+    """Run one episode in `env` (opened for this trajectory; closed here however it ends) and
+    return it scored. Raises `EnvFailure`, `GenerationFailed`, ...
 
-    `min_version` gives the oldest weight version a generator may use (the staleness bound); `clock`
-    is where simulated env latency is waited out (`Env.wait_s`)."""
+    `min_version` gives the oldest weight version a generator may use (the staleness bound)."""
     task = job.task
-    runner = EnvRunner(env, name=task.env, timeout_s=job.env_timeout_s, clock=clock)
+    runner = env
     if barrier is not None:
         barrier.join()
     started_at = time.time()

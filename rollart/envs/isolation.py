@@ -1,0 +1,76 @@
+"""What an env worker process is given and how its end is told: its environment, its limits, its exit.
+
+The environment a worker starts with is the env-host's without the node's credentials
+(`child_environ`); its limits are `WorkerLimits`, set by the worker itself with
+`resource.setrlimit`; `exit_cause` turns its exit status into words that name the limit it hit.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+_SECRET_WORDS = ("SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE")
+"""A variable whose name contains one of these is taken for a credential..."""
+_SECRET_PARTS = frozenset({"TOKEN", "KEY", "APIKEY", "AUTH", "PAT"})
+"""... and so is one with one of these as a `_`-separated part (`HF_TOKEN`, not `TOKENIZERS_PARALLELISM`)."""
+
+
+def looks_secret(name: str) -> bool:
+    """Whether an environment variable's name says it holds a credential (or RollArt's own settings)."""
+    upper = name.upper()
+    return (
+        upper.startswith("ROLLART_")
+        or any(word in upper for word in _SECRET_WORDS)
+        or not _SECRET_PARTS.isdisjoint(upper.split("_"))
+    )
+
+
+def child_environ(environ: Mapping[str, str], *, drop: Iterable[str] = (), keep: Iterable[str] = ()) -> dict[str, str]:
+    """The environment env workers start with: `environ` without the node's secrets.
+
+    Dropped: every name in `drop` (an env-host passes `run.secret_env` and `run.admin_token_env`;
+    nothing brings those back), every `ROLLART_*` variable, and every name that `looks_secret`
+    (`AWS_SECRET_ACCESS_KEY`, `HF_TOKEN`, `OPENAI_API_KEY`, `SSH_AUTH_SOCK`, ...) unless it is in
+    `keep` (`run.rollout.env_workers.pass_env`, for an env that needs its own service's key).
+    `MALLOC_ARENA_MAX=2` is added unless set: glibc otherwise reserves 64 MiB of address space for
+    each thread that allocates, and the memory limit counts address space.
+    """
+    dropped = set(drop)
+    kept = set(keep) - dropped
+    env = {k: v for k, v in environ.items() if k not in dropped and (k in kept or not looks_secret(k))}
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    return env
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """Resource limits of each env worker process, for the whole process (all the envs it hosts)."""
+
+    cpu_time_s: int = 60
+    """CPU seconds over the worker's life (RLIMIT_CPU: SIGXCPU, then SIGKILL 5 s later)."""
+    memory_mb: int = 4096
+    """Address space in MiB (RLIMIT_AS): the interpreter, the env modules, every env and its 4 MiB thread stack."""
+    open_files: int = 1024
+    """Open file descriptors (RLIMIT_NOFILE), the worker's own few included."""
+
+
+def exit_cause(code: int | None, limits: WorkerLimits) -> str:
+    """How a worker ended, in words, naming the limit its signal points to; `code` as `Popen.returncode`."""
+    if code is None:
+        return "it did not exit after SIGKILL"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"killed by signal {-code}"
+    hints = {
+        signal.SIGXCPU: f"cpu_time_s {limits.cpu_time_s} exceeded",
+        signal.SIGKILL: "the cpu_time_s hard limit, the kernel's OOM killer, or another process",
+        signal.SIGSEGV: "a crash in native code",
+        signal.SIGBUS: "a crash in native code",
+        signal.SIGABRT: "an abort in native code",
+    }
+    return f"killed by {sig.name}" + (f" ({hints[sig]})" if sig in hints else "")

@@ -1,0 +1,132 @@
+"""What an env-host and its env worker processes say to each other (`rollart.envs.pool`, `.worker`).
+
+One socket pair per worker; each message is a 4-byte big-endian length, then a msgpack-encoded
+struct of the tagged unions below (array-like: a list, its tag first). Every call carries a
+call id, unique in the pool, that its reply repeats; `env` is the id the pool gave the env.
+
+    pool -> worker   Make(call, env, name, kwargs)          build `make_env(name, **kwargs)` there
+                     Reset(call, env, seed) / Step(call, env, action) / Close(call, env)
+    worker -> pool   Ready(pid, user_envs)                  once the env modules are imported
+                     StartFailed(reason)                    instead, and the worker exits
+                     Made / ResetDone / StepDone / Closed   a call's result
+                     Failed(call, error)                    the call raised; `error` says what
+
+Replies come from code the env-host does not trust, so they are msgpack decoded into these
+types, never pickled, and a frame longer than `MAX_REPLY_BYTES` ends the worker. Every reply
+carries `cpu_s`, the worker's CPU seconds so far, which the pool uses to retire workers before
+their CPU limit (see the pool's docstring).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+HEADER = struct.Struct(">I")
+"""The length prefix of every frame."""
+
+MAX_REPLY_BYTES = 64 * 2**20
+"""The longest reply the pool reads from a worker; a longer one is a broken (or hostile) worker."""
+
+_TAGGED = {"array_like": True, "gc": False, "omit_defaults": True, "frozen": True}
+
+
+class Make(msgspec.Struct, tag="make", **_TAGGED):
+    call: int
+    env: int
+    name: str
+    kwargs: dict[str, Any] = {}
+
+
+class Reset(msgspec.Struct, tag="reset", **_TAGGED):
+    call: int
+    env: int
+    seed: int | None = None
+
+
+class Step(msgspec.Struct, tag="step", **_TAGGED):
+    call: int
+    env: int
+    action: str
+
+
+class Close(msgspec.Struct, tag="close", **_TAGGED):
+    call: int
+    env: int
+
+
+Request = Make | Reset | Step | Close
+
+
+class Ready(msgspec.Struct, tag="ready", **_TAGGED):
+    pid: int
+    user_envs: list[str] = []
+    """Env names and family prefixes (`gem:`) that the env modules registered or replaced."""
+
+
+class StartFailed(msgspec.Struct, tag="start-failed", **_TAGGED):
+    reason: str
+
+
+class Made(msgspec.Struct, tag="made", **_TAGGED):
+    call: int
+    profile: str
+    max_turns: int
+    system_prompt: str
+    cpu_s: float = 0.0
+
+
+class ResetDone(msgspec.Struct, tag="reset-done", **_TAGGED):
+    call: int
+    obs: str
+    info: dict[str, Any]
+    wait_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+class StepDone(msgspec.Struct, tag="step-done", **_TAGGED):
+    call: int
+    obs: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+    wait_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+class Closed(msgspec.Struct, tag="closed", **_TAGGED):
+    call: int
+    cpu_s: float = 0.0
+
+
+class Failed(msgspec.Struct, tag="failed", **_TAGGED):
+    call: int
+    error: str
+    """`{exception type}: {message}`, with the limit it hit when it was one."""
+    cpu_s: float = 0.0
+
+
+Reply = Ready | StartFailed | Made | ResetDone | StepDone | Closed | Failed
+CallReply = Made | ResetDone | StepDone | Closed | Failed
+
+
+def frame(payload: bytes) -> bytes:
+    return HEADER.pack(len(payload)) + payload
+
+
+def _plain(value: Any) -> Any:
+    """What msgpack cannot carry in an info dict: numpy scalars and arrays as Python numbers and
+    lists, anything else as its `str` (the info is for logs and rewards, not for round trips)."""
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    return str(value)
+
+
+request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
+reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -1,0 +1,71 @@
+"""Envs for the env worker tests: a user's module, imported by the workers through `env_modules`.
+
+`make_env("test-worker", on_step=...)` plays two-step episodes and misbehaves on its first step
+the way `on_step` says: "ok" (it does not), "raise", "hang", "exit" (`os._exit(3)`), "segfault"
+(reads address 0), "spin" (burns CPU for ever), "burn" (burns CPU until its process has used
+1.2 s), "allocate" (1 GiB), "open-files" (100 files, kept open).
+Its reset's info carries its pid; with `show_environ=True` its observation is a JSON list of what
+the process can see of its environment: `os.environ`'s names and `/proc/self/environ`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import time
+from typing import Any
+
+from rollart.envs import Env, Info, StepResult, register_env
+
+
+class WorkerTestEnv(Env):
+    profile = "decode-heavy"
+    max_turns = 2
+    system_prompt = "test"
+
+    def __init__(self, *, on_step: str = "ok", show_environ: bool = False) -> None:
+        self.on_step = on_step
+        self.show_environ = show_environ
+        self.turns = 0
+        self.kept: list[Any] = []
+
+    def reset(self, seed: int | None = None) -> tuple[str, Info]:
+        self.turns = 0
+        obs = "go"
+        if self.show_environ:
+            with open("/proc/self/environ", "rb") as f:
+                raw = f.read().decode(errors="replace")
+            obs = json.dumps({"os_environ": sorted(os.environ), "proc_environ": raw})
+        return obs, {"pid": os.getpid(), "seed": seed}
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        if self.turns == 1:
+            self._misbehave()
+        done = self.turns >= self.max_turns
+        return f"you said {action}", 1.0, done, False, {"pid": os.getpid(), "answer": action}
+
+    def _misbehave(self) -> None:
+        match self.on_step:
+            case "raise":
+                raise ValueError("boom")
+            case "hang":
+                time.sleep(3600)
+            case "exit":
+                os._exit(3)
+            case "segfault":
+                ctypes.string_at(0)  # reads address 0: SIGSEGV in this very thread
+            case "spin":
+                while True:
+                    pass
+            case "burn":
+                while time.process_time() < 1.2:
+                    pass
+            case "allocate":
+                self.kept.append(bytearray(2**30))
+            case "open-files":
+                self.kept += [open(os.devnull) for _ in range(100)]  # noqa: SIM115 - kept open on purpose
+
+
+register_env("test-worker", WorkerTestEnv)
