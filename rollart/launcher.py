@@ -70,7 +70,8 @@ def kill_group(pid: int) -> None:
 def check_ports_free(topology: Topology) -> None:
     """Fail early, with the node and key named, when a port of the topology is already taken."""
     for index, node in enumerate(topology.nodes):
-        for key, host, port in (("port", node.host, node.port), ("admin_port", node.admin_host, node.admin_port)):
+        session = ("listen_port" if node.listen_port else "port", node.host, node.bind_port)
+        for key, host, port in (session, ("admin_port", node.admin_host, node.admin_port)):
             with socket.socket() as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the nodes bind
                 try:
@@ -281,6 +282,10 @@ class Launcher:
             if code == 0:
                 node.state = "exited"
                 self._say(f"{what}: it drained on request and is not restarted")
+                return
+            if code == EXIT_CONFIG:
+                node.state = "failed"
+                self.fail(f"{what}: a configuration error, which a restart would not fix")
                 return
             verdict = after_failure(node.policy, node.restarts, time.monotonic())
             if verdict.action == "stop-all":

@@ -48,6 +48,10 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
     except ConfigError as exc:
         structlog.get_logger("rollart.node").warning("node.no_admin_token", detail=str(exc))
         token = None
+    # Read once, then gone from the environment: no process the node starts (reward workers, env
+    # workers, vLLM's engine) inherits them.
+    for variable in (topology.run.secret_env, topology.run.admin_token_env):
+        os.environ.pop(variable, None)
     daemon = DAEMONS[spec.role](topology, spec, secret=secret, admin_token=token)
     if exit_when_done and isinstance(daemon, TrainerNode):
 
@@ -90,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         causes = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
         for cause in causes:
             log.error("node.failed", error=f"{type(cause).__name__}: {cause}", exc_info=cause)
-        code = 1
+        # A configuration problem found only when the node starts (a user module that does not
+        # import) fails the same way on every restart: say so with the exit status, so launchers
+        # and systemd (RestartPreventExitStatus=2) stop instead of restarting it.
+        code = EXIT_CONFIG if all(isinstance(cause, ConfigError) for cause in causes) else 1
     _leave_stuck_threads(log, code)
     return code
 

@@ -80,7 +80,10 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     host: str = "127.0.0.1"
     """Where its session port listens and where peers connect to it."""
     port: int
-    """Session port (1-65535)."""
+    """Session port (1-65535), where peers connect to it."""
+    listen_port: int | None = None
+    """The port its session listener binds when peers reach it through a forwarder (a NAT rule, a
+    port forward, a proxy) at `port`; None: `port` itself."""
     admin_host: str = "127.0.0.1"
     """Where the admin HTTP endpoint binds; loopback unless the topology says otherwise."""
     admin_port: int
@@ -91,6 +94,11 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     """What the node needs from its machine."""
     restart: RestartPolicy | None = None
     """This node's restart policy; None: use run.restart."""
+
+    @property
+    def bind_port(self) -> int:
+        """The port its session listener binds."""
+        return self.port if self.listen_port is None else self.listen_port
 
 
 class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -128,6 +136,9 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """How the trainer trains and pushes weights (rollout mode `train`)."""
     env_modules: list[str] = []
     """Python modules imported by env-hosts before they start, to register your own environments."""
+    reward_modules: list[str] = []
+    """Python modules imported by the reward gateway before it starts, to register your own reward
+    functions (`rollart.rewards.register_reward`)."""
     sim: SimSpec = SimSpec()
     """Simulation mode: the simulated model and engines (`generator.backend: sim`) and the clock."""
 
@@ -328,7 +339,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
             problems.append((f"{at}.name", problem))
         if (first := first_with_name.setdefault(node.name, i)) != i:
             problems.append((f"{at}.name", f"duplicate node name {node.name!r} (also at nodes[{first}])"))
-        for key, host in (("port", node.host), ("admin_port", node.admin_host)):
+        for key, host in (("listen_port" if node.listen_port else "port", node.host), ("admin_port", node.admin_host)):
             port = getattr(node, key)
             if not 1 <= port <= 65535:
                 problems.append((f"{at}.{key}", f"expected an integer from 1 to 65535; got {port}"))

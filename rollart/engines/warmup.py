@@ -120,23 +120,39 @@ def random_policy_baseline(
 ) -> dict[str, float] | None:
     """Success rate and mean env reward of the uniformly random valid policy on `task`, over `episodes`
     episodes or as many as `max_seconds` allow (a slow env must not hold up training; the count is in
-    the result); None when the env has no `sample_action`. (The reward is the environment's own; a
-    task scored by another reward function may differ.)"""
+    the result); None when the env has no `sample_action`, or no episode could be played. An episode
+    whose env raises is left out and counted in `failed`: a flaky env must not stop the trainer. (The
+    reward is the environment's own; a task scored by another reward function may differ.)"""
     rng = random.Random(seed)
-    successes, total, played = 0, 0.0, 0
+    successes, total, played, failed = 0, 0.0, 0, 0
     deadline = time.monotonic() + max_seconds
-    while played < episodes and (played == 0 or time.monotonic() < deadline):
+    while played + failed < episodes and (played + failed == 0 or time.monotonic() < deadline):
         env = make_env(task.env, **task.env_kwargs)
-        env.reset(rng.randrange(2**31))
-        info: dict[str, Any] = {}
-        for _ in range(task.max_turns or env.max_turns):
-            reply = env.sample_action(rng)
-            if reply is None:
-                return None
-            _, reward, terminated, truncated, info = env.step(reply)
-            total += reward
-            if terminated or truncated:
-                break
+        try:
+            env.reset(rng.randrange(2**31))
+            info: dict[str, Any] = {}
+            rewards = 0.0
+            for _ in range(task.max_turns or env.max_turns):
+                reply = env.sample_action(rng)
+                if reply is None:
+                    return None
+                _, reward, terminated, truncated, info = env.step(reply)
+                rewards += reward
+                if terminated or truncated:
+                    break
+        except Exception:  # the env's own failure: this episode does not count
+            failed += 1
+            continue
+        finally:
+            env.close()
+        total += rewards
         successes += bool(info.get("success", False))
         played += 1
-    return {"success_rate": successes / played, "reward_mean": total / played, "episodes": float(played)}
+    if played == 0:
+        return None
+    return {
+        "success_rate": successes / played,
+        "reward_mean": total / played,
+        "episodes": float(played),
+        "failed": float(failed),
+    }

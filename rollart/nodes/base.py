@@ -122,7 +122,7 @@ class NodeDaemon:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.server.serve())
                 if self.network is None:
-                    await self.server.listen_tcp(self.spec.host, self.spec.port)
+                    await self.server.listen_tcp(self.spec.host, self.spec.bind_port)
                     await self.admin.start()
                 else:
                     self.network.listen(self.spec.name, self.server.accept)
@@ -134,7 +134,7 @@ class NodeDaemon:
                 watch = tg.create_task(self._watch_peers()) if self.network is None else None
                 log.info(
                     "node.started",
-                    port=self.spec.port,
+                    port=self.spec.bind_port,
                     admin=f"{self.spec.admin_host}:{self.spec.admin_port}",
                     peers=list(self.clients),
                 )
@@ -298,6 +298,7 @@ class NodeDaemon:
             "role": self.role.value,
             "hardware": self.spec.hardware,
             "pid": os.getpid(),
+            "asyncio_tasks": len(asyncio.all_tasks()),
             "state": self.state(),
             "uptime_s": round(self.uptime_s(), 3),
             "paused": self.paused,

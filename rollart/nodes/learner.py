@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from rollart.protocol.errors import RollartError
+from rollart.protocol.errors import ConfigError, RollartError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
 from rollart.topology import Role
 from rollart.weights import WeightPublisher
@@ -111,7 +111,11 @@ class Learner:
         assert rollout is not None
         baseline = {}
         for task in rollout.tasks:
-            measured = random_policy_baseline(task, seed=rollout.seed)
+            try:
+                measured = random_policy_baseline(task, seed=rollout.seed)
+            except ConfigError as exc:  # a user's env: registered by run.env_modules on env-hosts only
+                log.info("learner.no_baseline", task=task.name, reason=str(exc))
+                continue
             if measured is not None:
                 baseline[task.name] = measured
                 log.info("learner.baseline", task=task.name, policy="uniformly random valid actions", **measured)
@@ -249,16 +253,23 @@ class Learner:
         self.last_step_at = now
         self.last_stats = line
         self.metrics.write([line])
-        self.timeline.write(self._timeline(step, trajectories))
+        self.timeline.write(self._timeline(step, version - 1, trajectories))
         return line
 
-    def _timeline(self, step: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
+    def _timeline(self, step: int, taken_at: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
+        """One line per trained trajectory: what the run report draws, and what a fault-injection
+        run's checks need (which group and seed it ran, the version it started at and the version
+        its batch was taken at, `taken_at`)."""
         t0 = self.epoch_start
         for t in trajectories:
             yield {
                 "trajectory_id": t.trajectory_id,
+                "group_id": t.group_id,
                 "task": t.task,
+                "seed": t.seed,
                 "step": step,
+                "started_at_version": t.started_at_version,
+                "taken_at_version": taken_at,
                 "generators": sorted(set(t.generators)),
                 "started_at": round(t.started_at - t0, 4),
                 "finished_at": round(t.finished_at - t0, 4),

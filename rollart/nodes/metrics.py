@@ -8,6 +8,7 @@ The names and labels are listed in docs/metrics.md.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from typing import TYPE_CHECKING
@@ -54,6 +55,8 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily("rollart_node_paused", "1 while the node is paused", value=float(d.paused))
         yield GaugeMetricFamily("rollart_node_draining", "1 while the node is draining", value=float(d.draining))
         yield GaugeMetricFamily("rollart_node_in_flight_requests", "Requests being served", value=d.in_flight())
+        tasks = len(asyncio.all_tasks())
+        yield GaugeMetricFamily("rollart_node_asyncio_tasks", "Tasks alive on the node's event loop", value=tasks)
         queues = GaugeMetricFamily("rollart_node_queue_depth", "Items waiting in the role's queues", labels=["queue"])
         for name, depth in d.queue_depths().items():
             queues.add_metric([name], depth)

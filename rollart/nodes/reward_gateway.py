@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from rollart.nodes.base import NodeDaemon
+from rollart.plugins import import_modules
 from rollart.protocol import Session
 from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout
 from rollart.protocol.messages import Score, Scored
@@ -31,6 +32,7 @@ class RewardGatewayNode(NodeDaemon):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         spec, sim = self.topology.run.reward_pool, self.topology.run.sim
+        import_modules("run.reward_modules", self.topology.run.reward_modules)
         self.pool: RewardPool | SimRewardPool
         if sim.reward is not None:
             self.pool = SimRewardPool(sim.reward, SimClock(sim.speedup))

@@ -68,6 +68,8 @@ class Dispenser:
         """Grants, and how each lease ended: granted = completed + reissued + abandoned + in flight."""
         self.requeued = 0
         """Groups completed, then dropped from the buffer as stale and put back in line."""
+        self.abandoned_seeds: list[int] = []
+        """The seeds given up, so a run's records account for every seed drawn."""
 
     @property
     def limit(self) -> int:
@@ -149,6 +151,7 @@ class Dispenser:
             return
         if failed and lease.attempt + 1 >= self.spec.group_attempts:
             self.abandoned += 1
+            self.abandoned_seeds.append(lease.task.seed)
             log.warning(
                 "dispenser.seed_abandoned", group=group_id, task=lease.task.task, seed=lease.task.seed, reason=reason
             )
@@ -192,6 +195,7 @@ class Dispenser:
             "incarnation": self.incarnation,
             "counts": [self.granted, self.completed, self.reissued],
             "abandoned": self.abandoned,
+            "abandoned_seeds": self.abandoned_seeds,
             "requeued": self.requeued,
         }
 
@@ -205,6 +209,7 @@ class Dispenser:
         self.granted, self.completed, self.reissued = state["counts"]
         # absent from checkpoints made before they were counted apart
         self.abandoned, self.requeued = state.get("abandoned", 0), state.get("requeued", 0)
+        self.abandoned_seeds = list(state.get("abandoned_seeds", []))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -93,3 +93,19 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert f"nodes[0].admin_port: port {ports['gen-0'][1]} on 127.0.0.1 is not free" in out
+
+
+def test_a_node_with_a_configuration_error_stops_the_run_instead_of_restarting(tmp_path: Path) -> None:
+    # The reward gateway imports its reward modules when it starts: a module that does not exist
+    # fails it the same way every time, so it exits 2 and the launcher stops the run.
+    topology, _ = write_topology(tmp_path, {"reward": "reward-gateway"}, extra_run="  reward_modules: [no_such_mod]\n")
+    proc = launch(topology)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "node reward exited with code 2" in out, out
+    assert "a configuration error, which a restart would not fix" in out and "restarting" not in out
+    log = (tmp_path / "run" / "logs" / "reward.log").read_text()
+    assert "run.reward_modules: cannot import module 'no_such_mod'" in log

@@ -119,3 +119,18 @@ async def test_rerun_groups_still_wait_for_admission() -> None:
     assert await restored.grant("env-0", 5, wait_s=0.01) is None
     restored.complete(first[0].group_id)
     assert (await grants(restored, 1))[0].group_id == "i1.g9-r1"
+
+
+async def test_every_seed_drawn_is_accounted_for_across_a_restart() -> None:
+    # What tests/chaos/harness.py checks after a run: a seed drawn is trained, owed, or given up.
+    dispenser = Dispenser(spec(group_attempts=1), buffered=lambda: 0)
+    first, second, third = await grants(dispenser, 3)
+    dispenser.reissue(first.group_id, "every trajectory failed", failed=True)  # its only try: given up
+    dispenser.complete(second.group_id)  # handed in (to be trained)
+    restored = Dispenser(spec(group_attempts=1), buffered=lambda: 0)
+    restored.load_state(roundtrip(dispenser.state_dict([])))
+    assert restored.abandoned_seeds == [first.seed]
+    state = restored.state_dict([])
+    owed = {seed for _, seed, _ in state["retry"]}
+    assert owed == {third.seed}  # in flight at the checkpoint: run again
+    assert set(range(spec().seed * 1_000_003 + 1, state["next_seed"] + 1)) == {first.seed, second.seed, third.seed}

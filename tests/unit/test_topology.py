@@ -319,3 +319,11 @@ def test_sim_mode_problems_name_their_paths() -> None:
         "t.yaml: run.sim.engines.compute.gpus: expected an integer >= 1; got 0",
         "t.yaml: nodes[1].hardware: run.sim.engines has no engine for 'cpu'",
     ]
+
+
+def test_a_listen_port_is_bound_and_checked_in_place_of_the_port_peers_dial() -> None:
+    behind = _node("g", "generator", 7101, 7201, listen_port=7301)
+    node = parse_topology(_yaml([_node("a", "trainer", 7100, 7200), behind])).nodes[1]
+    assert (node.port, node.bind_port) == (7101, 7301)
+    clash = _yaml([_node("a", "trainer", 7100, 7200), _node("g", "generator", 7101, 7201, listen_port=7200)])
+    assert "nodes[1].listen_port: port 7200 on 127.0.0.1 is already used by nodes[0].admin_port" in _error(clash)

@@ -379,3 +379,14 @@ def test_format_warmup_teaches_the_letter_format(tmp_path: Path) -> None:
     assert marker["format_warmup"] == summary
     assert (summary["steps"], summary["episodes_per_step"], summary["tasks"]) == (40, 4, ["lake"])
     assert summary["final_loss"] < 2.0  # near log(4) = 1.39: a uniform guess among the four letters
+
+
+def test_the_baseline_leaves_out_episodes_whose_env_fails() -> None:
+    # The trainer measures it when it starts: an env that raises must not take the trainer down.
+    inner = {"layout": "SFFF/FHFH/FFFH/HFFG", "actions": "letters", "compact": True}
+    task = TaskSpec(name="lake", env="flaky", env_kwargs={"inner": "frozen-lake", **inner, "seed": 3}, max_turns=8)
+    measured = random_policy_baseline(task, episodes=200, seed=0)
+    assert measured is not None
+    assert measured["failed"] > 20 and measured["episodes"] + measured["failed"] == 200
+    always = TaskSpec(name="lake", env="flaky", env_kwargs={"inner": "frozen-lake", "reset_failure": 1.0})
+    assert random_policy_baseline(always, episodes=5) is None
