@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support import free_ports
@@ -11,3 +13,11 @@ from tests.support import free_ports
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago (bound to port 0, then released)."""
     return free_ports(1)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (tests/unit/test_tiny_model.py), built once per test module."""
+    from rollart.engines.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.integration.cluster import Cluster
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollart.engines.tiny_model import ensure_tiny_model
-
-    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
 @pytest.fixture

@@ -1,0 +1,29 @@
+"""Faults injected into a real training run (tests/chaos/harness.py): every kind, one after another
+in one run, with flaky environments and crashing reward workers throughout. The run must reach its
+step count with nothing lost or trained twice, alpha kept, versions increasing, every fault
+recovered from and every node healthy at the end. Slow: about four minutes here. The table of
+each kind on its own is benchmarks/chaos.py's."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.harness import CONTINUOUS, FAULTS, ChaosRun, Scenario
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_a_training_run_survives_every_kind_of_fault(tmp_path: Path, tiny_model: Path) -> None:
+    scenario = Scenario("mixed", FAULTS, steps=60, gap_s=(1.0, 4.0))
+    outcome = asyncio.run(ChaosRun(scenario, tmp_path, tiny_model).run())
+    report = (
+        "\n".join(f"{i.kind} on {i.target}: recovery {i.recovery_s}" for i in outcome.injections)
+        + f"\ncontinuous: {dict(outcome.continuous)}; run folder {tmp_path}"
+    )
+    assert outcome.ok, f"{outcome.explain()}\n{report}"
+    assert {i.kind for i in outcome.injections} == set(FAULTS) - set(CONTINUOUS), report
+    assert outcome.continuous["env-faults"] > 0 and outcome.continuous["reward-crash"] > 0, report
+    assert outcome.lost == 0 and outcome.duplicated == 0, report
