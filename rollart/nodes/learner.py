@@ -37,6 +37,7 @@ LATEST = "latest"
 MOVING_AVERAGE = 20
 """Steps in the moving averages of success and reward shown in progress and the report."""
 STATE_FILE = "trainer.pt"
+INCARNATION_FILE = "incarnation"
 
 
 class JsonlLog:
@@ -120,6 +121,19 @@ class Learner:
                 baseline[task.name] = measured
                 log.info("learner.baseline", task=task.name, policy="uniformly random valid actions", **measured)
         return baseline
+
+    def claim_incarnation(self) -> int:
+        """How many trainer processes of this run started before this one (RUN_DIR/checkpoints/
+        incarnation, counted up at each start). Group ids carry it: a trainer that dies before its
+        first checkpoint, or twice after the same one, would otherwise hand out the ids its last
+        life did, and take a group still coming home from that life for a different one."""
+        path = self.checkpoints / INCARNATION_FILE
+        started = int(path.read_text()) + 1 if path.exists() else 0
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(f"{started}\n")
+        scratch.replace(path)
+        return started
 
     def latest_checkpoint(self) -> Path | None:
         pointer = self.checkpoints / LATEST
@@ -258,11 +272,15 @@ class Learner:
 
     def _timeline(self, step: int, taken_at: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
         """One line per trained trajectory: what the run report draws, and what a fault-injection
-        run's checks need (which group and seed it ran, the version it started at and the version
-        its batch was taken at, `taken_at`)."""
+        run's checks need (which group and seed it ran, the version it started at, the version its
+        batch was taken at, `taken_at`, and the trainer's incarnation: a trainer resumed from a
+        checkpoint trains the later steps again, and the last incarnation's lines are the ones the
+        model descends from)."""
         t0 = self.epoch_start
+        incarnation = self.node.dispenser.incarnation
         for t in trajectories:
             yield {
+                "incarnation": incarnation,
                 "trajectory_id": t.trajectory_id,
                 "group_id": t.group_id,
                 "task": t.task,

@@ -124,6 +124,8 @@ class TrainerNode(NodeDaemon):
                 held = await self.learner.connect_generators()
                 if state is not None:
                     self._resume(state)
+                claimed = await asyncio.to_thread(self.learner.claim_incarnation)
+                self.dispenser.incarnation = max(self.dispenser.incarnation, claimed)
                 await self._bring_generators_in_line(held)
                 self.dispenser.held = False
                 self.dispenser.changed()

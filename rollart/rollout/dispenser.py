@@ -55,8 +55,9 @@ class Dispenser:
         """Held by the trainer (the synchronous baseline, while it trains and pushes weights)."""
         self.done = False
         self.incarnation = 0
-        """How many times the trainer resumed from a checkpoint: part of group ids after a restart, so
-        a group still in flight from before the restart can never be taken for a new one."""
+        """Which life of the trainer this is (one more than its checkpoint's; the trainer makes it the
+        count of its starts, `Learner.claim_incarnation`): part of group ids after a restart, so a
+        group still in flight from before the restart can never be taken for a new one."""
         self._rng = random.Random(spec.seed)
         self._weights = [task.weight for task in spec.tasks]
         self._next_group = 0

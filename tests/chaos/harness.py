@@ -316,7 +316,24 @@ nodes:
         self.outcome.wall_s = time.monotonic() - started
         self._count_continuous()
         self.check()
+        self._write_outcome()
         return self.outcome
+
+    def _write_outcome(self) -> None:
+        """FOLDER/outcome.json: the checks and every fault, to read a failed run afterwards."""
+        o = self.outcome
+        record = {
+            "scenario": self.scenario.name,
+            "exit_code": o.exit_code,
+            "checks": o.checks,
+            "injections": [
+                {"kind": i.kind, "target": i.target, "recovery_s": i.recovery_s, "whole_s": i.whole and i.whole - i.at}
+                for i in o.injections
+            ],
+            "continuous": dict(o.continuous),
+            "health_at_end": {name: problem for name, (_, problem) in self.health.items()},
+        }
+        (self.folder / "outcome.json").write_text(json.dumps(record, indent=2) + "\n")
 
     async def _watch(self, http: aiohttp.ClientSession) -> None:
         """Poll every node's /status and the trainer's metrics file."""
@@ -465,8 +482,9 @@ nodes:
         o = self.outcome
         o.checks["exit 0"] = None if o.exit_code == 0 else f"the launcher exited {o.exit_code}"
         blocks: dict[int, list[dict[str, Any]]] = {}
-        for step, rows in itertools.groupby(_read_jsonl(self.run_dir / "timeline.jsonl"), key=lambda r: r["step"]):
-            blocks[step] = list(rows)  # a step trained again after a restart: the later one counts
+        timeline = _read_jsonl(self.run_dir / "timeline.jsonl")
+        for (step, _), rows in itertools.groupby(timeline, key=lambda r: (r["step"], r["incarnation"])):
+            blocks[step] = list(rows)  # a step trained again by a resumed trainer: the later one counts
         state = self._final_state()
         self._check_steps(blocks, state)
         lineage = [row for step in sorted(blocks) for row in blocks[step]]

@@ -348,6 +348,14 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(
     check_step_lines(after, range(k + 1, steps + 1))
     for line in after:
         assert line["staleness_max"] >= 0, line  # no token is newer than the weights trained on
+    # The resumed trainer is the run's second: its group ids say so (none can be taken for one the
+    # first handed out), and so do its timeline lines, which tell which steps the model descends from.
+    assert (cluster.run_dir / "checkpoints" / "incarnation").read_text().strip() == "1"
+    timeline = cluster.timeline()
+    second = [row for row in timeline if row["incarnation"] == 1]
+    assert {row["incarnation"] for row in timeline} == {0, 1}
+    assert sorted({row["step"] for row in second}) == list(range(k + 1, steps + 1))
+    assert all(row["group_id"].startswith("i1.") for row in second), second
 
     # Every generator held the checkpoint's weights at the resume (the trainer pushes its version
     # to any that lacks it); then each new version reached them.
