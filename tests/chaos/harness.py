@@ -9,7 +9,8 @@ the scenario's faults at random moments, one after another:
     hang         SIGSTOP of a random node for the heartbeat deadline + 2 s, then SIGCONT
     partition    env-hosts cut off from the generators for 10 s (`PartitionProxy`), then healed
     env-faults   every env reset and step fails with probability 0.2 and hangs past env_timeout_s
-                 with probability 0.02 (`rollart.envs.flaky`; continuous)
+                 with probability 0.02 (`rollart.envs.flaky` as a user's env, in env worker
+                 processes, killed when a call hangs; continuous)
     reward-crash reward workers die mid-request with probability 0.1 (continuous)
 
 After each injected fault it waits until the cluster is whole again (every node answers `/status`
@@ -165,8 +166,8 @@ def task_yaml(scenario: Scenario) -> str:
     lines = []
     for name, inner, inner_kwargs, profile, turns, tokens in TASKS:
         env, kwargs = inner, inner_kwargs
-        if "env-faults" in scenario.faults:  # rollart.envs.flaky around the task's env
-            env = "flaky"
+        if "env-faults" in scenario.faults:  # rollart.envs.flaky around the task's env, as a user's env
+            env = "user-flaky"
             kwargs = {"inner": inner, **inner_kwargs, "reset_failure": ENV_FAIL, "step_failure": ENV_FAIL}
             kwargs |= {"hang_prob": ENV_HANG, "hang_s": 6.0}
         task = {
@@ -199,7 +200,7 @@ class ChaosRun:
         self.training = asyncio.Event()
         """Set at the first trained step."""
         self.done_at: float | None = None
-        """When the trainer was first seen done (the launcher drains every node at once after)."""
+        """When the trainer was first seen done, or a node draining (the launcher drains them all at once)."""
         self.health: dict[str, tuple[float, str]] = {}
         """Each node's health ("ok" or what is wrong) at its last answer before the trainer was done."""
         self.generator_versions: dict[tuple[str, int], list[int]] = {}
@@ -236,6 +237,7 @@ class ChaosRun:
   drain_timeout_s: 10
   restart: {{policy: on-failure, max_restarts: 1000, window_s: 600, backoff_base_s: 0.5, backoff_cap_s: 4}}
   session: {{heartbeat_interval_s: 0.5, heartbeat_deadline_s: {HEARTBEAT_DEADLINE_S}}}
+  env_modules: [tests.chaos.plugins]
   reward_modules: [tests.chaos.plugins]
   model: {{path: {self.model}}}
   generator: {{backend: {s.backend}}}
@@ -355,8 +357,9 @@ nodes:
                 self.training.set()
             seen = max(seen, lines)
             trainer = self.status["trainer"][1]
-            if trainer is not None and trainer.get("done") and self.done_at is None:
-                self.done_at = now
+            draining = any(reply is not None and reply["state"] == "draining" for reply in replies)
+            if self.done_at is None and (draining or (trainer is not None and trainer.get("done"))):
+                self.done_at = now  # the launcher drains every node at once: the end of the run
             if self.done_at is None:
                 for name, reply in zip(ROLES, replies, strict=True):
                     if reply is not None:

@@ -1,5 +1,9 @@
-"""A faulty reward function for fault-injection runs, loaded by the reward gateway as a user's own
-module would be (`run.reward_modules: [tests.chaos.plugins]`).
+"""Faulty parts for fault-injection runs, loaded as a user's own modules would be
+(`run.env_modules` and `run.reward_modules: [tests.chaos.plugins]`).
+
+`user-flaky` is `rollart.envs.flaky` registered again by this module: a user's env, so env-hosts
+run it in env worker processes (`run.rollout.env_workers.isolation: auto`), where a call that
+hangs past its deadline gets its worker killed.
 
 `crashy-env-reward` is the env's own reward, computed slowly (`ROLLART_CHAOS_REWARD_DELAY_S`, so a
 request is under way when the worker dies) by a worker that dies mid-request (`os._exit`) with
@@ -14,7 +18,11 @@ import os
 import random
 import time
 
+from rollart.envs import register_env
+from rollart.envs.flaky import FlakyEnv
 from rollart.rewards import ScoreInput, ScoreOutput, get_reward, register_reward
+
+register_env("user-flaky", FlakyEnv)
 
 
 def crashy_env_reward(item: ScoreInput) -> ScoreOutput:
