@@ -29,6 +29,7 @@ from rollart.protocol.messages import CONTROL, HANDSHAKE, Challenge, Hello, Proo
 from rollart.protocol.server import HANDSHAKE_MAX_FRAME_BYTES, SessionServer
 from rollart.protocol.session import Session
 from tests.strategies import FUZZ_EXAMPLES, messages_of, msgpack_trees, mutations, tagged_trees
+from tests.unit.test_framing import FakeTransport
 
 SECRET = b"fuzz-secret"
 SERVER = Identity("gen-0", "generator")
@@ -261,35 +262,6 @@ async def test_fuzz_client_handshake_accepts_only_an_unaltered_server_proof(data
 # -- before the handshake ------------------------------------------------------------------------
 
 
-class QuietTransport:
-    """The part of an asyncio transport a `TcpConnection` uses before it has anything to say."""
-
-    def __init__(self, protocol: TcpConnection) -> None:
-        self.protocol = protocol
-        self.written = bytearray()
-        self.closing = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return ("203.0.113.9", 5555) if name == "peername" else default
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        if not self.closing:
-            self.closing = True
-            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
-
-
 class NoHandler:
     async def on_request(self, session: Session, msg: Any) -> Any:
         raise AssertionError("nobody gets this far")
@@ -309,7 +281,7 @@ async def test_a_strangers_first_bytes_are_held_to_the_handshake_frame_limit_bef
         await asyncio.sleep(0)  # serve() has started
         conn = TcpConnection(cfg.max_frame_bytes, cfg.max_bulk_bytes)
         conn.on_made = server.accept
-        transport = QuietTransport(conn)
+        transport = FakeTransport(conn)
         conn.connection_made(transport)  # type: ignore[arg-type]
         header = struct.pack(">I", cfg.max_frame_bytes - 1)  # within the session limit, not the handshake's
         conn.get_buffer(-1)[:4] = header  # the loop reads it before the server's task has run
