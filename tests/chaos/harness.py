@@ -70,8 +70,6 @@ ROLES["reward"] = "reward-gateway"
 HEARTBEAT_DEADLINE_S = 3.0
 PARTITION_S = 10.0
 RECOVERY_TIMEOUT_S = 240.0
-LAST_QUIET_STEPS = 10
-"""No fault is injected in a run's last steps: each one must be recovered from while the run still trains."""
 END_HEALTH_S = 3.0
 """Every node's last answer before the trainer was done must be this recent, and healthy."""
 ENV_FAIL, ENV_HANG, REWARD_CRASH = 0.2, 0.02, 0.1
@@ -91,6 +89,9 @@ class Scenario:
     """Random pause between a recovery and the next injection."""
     backend: str = "hf"
     checkpoint_every: int = 2
+    quiet_steps: int = 10
+    """No fault is injected in the run's last this many steps: each one must be recovered from while
+    the run still trains (a vLLM generator takes 30-50 s to start again here, the run a step a second)."""
     seed: int = 0
     sample_s: float = 0.5
 
@@ -417,7 +418,7 @@ nodes:
         await self.training.wait()
         for kind in itertools.cycle(kinds):
             await asyncio.sleep(self.rng.uniform(*s.gap_s))
-            if self.done_at is not None or (s.steps is not None and len(self.step_times) >= s.steps - LAST_QUIET_STEPS):
+            if self.done_at is not None or (s.steps is not None and len(self.step_times) >= s.steps - s.quiet_steps):
                 return  # too late for a fault to be recovered from within the run
             injection = await self._inject(kind)
             self.outcome.injections.append(injection)
