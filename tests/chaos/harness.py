@@ -1,12 +1,12 @@
 """Fault injection into a real training run, and the checks that nothing was lost or trained twice.
 
-`ChaosRun(scenario, folder).run()` writes a topology (a trainer, two generators behind partition
+`ChaosRun(scenario, folder, model).run()` writes a topology (a trainer, two generators behind partition
 proxies, two env-hosts, a reward gateway; the tiny model; `tests.chaos.plugins` as the users'
 env and reward modules), starts `rollart run` on it as a user would, and while it trains injects
 the scenario's faults at random moments, one after another:
 
     kill-generator | kill-env-host | kill-reward | kill-trainer   SIGKILL; the launcher restarts it
-    hang         SIGSTOP of a random node for the heartbeat deadline + 2 s, then SIGCONT
+    hang         SIGSTOP of each node in turn for the heartbeat deadline + 2 s, then SIGCONT
     partition    env-hosts cut off from the generators for 10 s (`PartitionProxy`), then healed
     env-faults   every env reset and step fails with probability 0.2 and hangs past env_timeout_s
                  with probability 0.02 (`rollart.envs.flaky` as a user's env, in env worker
@@ -15,16 +15,16 @@ the scenario's faults at random moments, one after another:
 
 After each injected fault it waits until the cluster is whole again (every node answers `/status`
 running, every session up) and the trainer completes a step: the fault's recovery time is from the
-injection to that step. When the run ends, `Outcome.checks` holds the invariants (DESIGN.md,
-"Failure"): the run reached its step count and exited 0; every step trained a full batch; no
+injection to that step. When the run ends, `Outcome.checks` holds the invariants
+(docs/reliability.md): the run reached its step count and exited 0; every step trained a full batch; no
 trajectory id and no environment seed was trained twice; every seed drawn was trained, is still
 owed (in the final checkpoint's retry line), or was given up on its last try (nothing lost); every
 trajectory obeyed alpha; versions only increased (the trained lineage, and each generator process);
 every node was healthy when the trainer finished; every fault recovered.
 
 The trained lineage: a restarted trainer resumes from its last checkpoint and trains the later
-steps again, so `timeline.jsonl` may hold a step twice; the last record of each step is the one the
-final model descends from.
+steps again, so `timeline.jsonl` may hold a step twice (each line names the trainer's incarnation);
+the last incarnation's record of each step is the one the final model descends from.
 
 Used by tests/chaos/test_chaos.py, benchmarks/chaos.py (the table) and benchmarks/soak.py.
 """
@@ -230,7 +230,7 @@ class ChaosRun:
                 line += f", listen_port: {listen}"
             nodes.append(line + "}")
         steps = "null" if s.steps is None else s.steps
-        redundancy = 2 if "env-faults" in s.faults else 0  # a group needs 2 of 4: most envs fail once
+        redundancy = 2 if "env-faults" in s.faults else 0  # a group needs 2 trajectories of 4: most flaky episodes fail
         text = (
             f"""run:
   name: chaos-{s.name}
