@@ -268,15 +268,21 @@ class Engine:
 Pushed = tuple[MemoryConnection, WeightReceiver, Engine, list[asyncio.Task[None]]]
 
 
-@pytest.fixture
-async def pushed() -> AsyncIterator[Pushed]:
-    """A receiver serving one in-memory bulk connection; yields the publisher's end."""
+async def serve_receiver() -> Pushed:
+    """A receiver serving one in-memory bulk connection: the publisher's end, the receiver, its
+    engine, and the task serving the connection (once it runs)."""
     engine = Engine()
     receiver = WeightReceiver(engine.load_weights, version=0)
     net = MemoryNetwork()
     served: list[asyncio.Task[None]] = []
     net.listen("gen-0", lambda conn: served.append(asyncio.create_task(receiver.on_bulk(conn, Identity("t", "t")))))
-    conn = await net.connect("gen-0")
+    return await net.connect("gen-0"), receiver, engine, served
+
+
+@pytest.fixture
+async def pushed() -> AsyncIterator[Pushed]:
+    """A receiver serving one in-memory bulk connection; yields the publisher's end."""
+    conn, receiver, engine, served = await serve_receiver()
     assert WEIGHTS.decode(await conn.recv()) == Holding(0)
     yield conn, receiver, engine, served
     conn.close()
@@ -447,12 +453,7 @@ async def test_fuzz_a_receiver_fed_anything_ends_the_connection_with_a_protocol_
         frame = data.draw(st.one_of(st.just(frame), mutations(frame), any_manifest), label="manifest")
         payload = data.draw(st.one_of(st.just(payload), mutations(payload)), label="payload")
         steps.append((frame, payload))
-    engine = Engine()
-    receiver = WeightReceiver(engine.load_weights, version=0)
-    net = MemoryNetwork()
-    served: list[asyncio.Task[None]] = []
-    net.listen("gen-0", lambda conn: served.append(asyncio.create_task(receiver.on_bulk(conn, Identity("t", "t")))))
-    conn = await net.connect("gen-0")
+    conn, receiver, engine, served = await serve_receiver()
     for frame, payload in steps:
         conn.send(frame)
         await conn.send_bulk(payload)
