@@ -3,7 +3,7 @@ task count creep up?
 
 Run from the repository root (30 minutes by default, nothing else running):
 
-    .venv/bin/python benchmarks/soak.py                   # writes benchmarks/results/soak.md + soak.png
+    .venv/bin/python benchmarks/soak.py                   # writes benchmarks/results/soak.md, .png, .csv
     .venv/bin/python benchmarks/soak.py --minutes 5 --out /tmp/soak.md
 
 The run is tests/chaos/harness.py's topology (trainer, two generators behind partition proxies, two
@@ -17,7 +17,8 @@ numbers must stay flat while their peers die, hang, vanish behind a partition an
 Every 5 s the harness samples each node process's RSS (/proc/PID/status VmRSS), open file
 descriptors (/proc/PID/fd) and asyncio tasks (`asyncio_tasks` in /status). The table compares each
 long-lived process's median over the first and the last fifth of the run (after a warm-up of 2
-minutes: model loading, first checkpoints, allocator arenas); the plot shows every sample.
+minutes: model loading, first checkpoints, allocator arenas); the plot shows every sample, and
+the .csv beside the table holds them (minute, node, pid, RSS MiB, fds, tasks).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ def main() -> None:
     t0 = min(s.t for s in outcome.samples)
     png = args.out.with_suffix(".png")
     plot(outcome, t0, png)
+    with args.out.with_suffix(".csv").open("w") as out:  # every sample, to check the plot by
+        out.write("minute,node,pid,rss_mb,fds,tasks\n")
+        out.writelines(
+            f"{(s.t - t0) / 60:.3f},{s.node},{s.pid},{s.rss_mb:.1f},{s.fds},{s.tasks}\n" for s in outcome.samples
+        )
     kinds = defaultdict(int)
     for injection in outcome.injections:
         kinds[injection.kind] += 1
