@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.topology import NodeSpec, Topology
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2

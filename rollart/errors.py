@@ -1,27 +1,16 @@
-"""Re-export of the exception hierarchy (defined with the wire, the lowest layer)."""
+"""The exception hierarchy's root: every error RollArt raises on purpose is a `RollartError`.
 
-from rollart.protocol.errors import (
-    ConfigError,
-    ConnectionClosed,
-    FrameTooLarge,
-    HandshakeRefused,
-    MessageDecodeError,
-    ProtocolError,
-    RemoteError,
-    RequestTimeout,
-    RollartError,
-    SessionLost,
-)
+A leaf module: it imports nothing, and every layer may import it (envs, rewards and engines raise a
+`ConfigError` without knowing the wire exists). The wire's own errors (a bad frame, a lost session, a
+remote handler's failure) are in `rollart.protocol.errors`, subclasses of `RollartError`.
+"""
 
-__all__ = [
-    "ConfigError",
-    "ConnectionClosed",
-    "FrameTooLarge",
-    "HandshakeRefused",
-    "MessageDecodeError",
-    "ProtocolError",
-    "RemoteError",
-    "RequestTimeout",
-    "RollartError",
-    "SessionLost",
-]
+from __future__ import annotations
+
+
+class RollartError(Exception):
+    """Base of every error RollArt raises on purpose."""
+
+
+class ConfigError(RollartError):
+    """A configuration or topology file is invalid; the message names the path and the problem."""

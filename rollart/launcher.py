@@ -30,7 +30,7 @@ from typing import Any, Literal, TextIO
 
 import aiohttp
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.topology import NodeSpec, RestartPolicy, Topology
 
 EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2

@@ -17,7 +17,7 @@ import time
 
 import structlog
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.topology import Topology, load_topology
 
 EXIT_CONFIG = 2

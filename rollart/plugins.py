@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 
 def import_modules(key: str, modules: list[str]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollart.protocol.errors import RollartError
+from rollart.errors import RollartError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

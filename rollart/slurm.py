@@ -42,8 +42,8 @@ from typing import TextIO
 
 import yaml
 
+from rollart.errors import ConfigError
 from rollart.launcher import after_failure, describe_exit
-from rollart.protocol.errors import ConfigError
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2

@@ -22,8 +22,8 @@ import msgspec
 import yaml
 
 from rollart.engines.training import TrainerSpec
+from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
-from rollart.protocol.errors import ConfigError
 from rollart.rollout.config import GeneratorSpec, ModelSpec, RewardPoolSpec, RolloutSpec
 from rollart.sim.config import SimSpec
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
-from rollart.protocol.errors import RollartError
+from rollart.errors import RollartError
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from rollart.envs.base import FORMAT_PENALTY, Env, Info, Profile, StepResult, not_running, parse_choice, require
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 Renderer = Callable[[Any, Any], str]
 """(observation, env) -> text."""

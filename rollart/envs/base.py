@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from rollart.protocol.errors import ConfigError, RollartError
+from rollart.errors import ConfigError, RollartError
 
 Profile = Literal["prefill-heavy", "decode-heavy"]
 Info = dict[str, Any]

@@ -33,7 +33,7 @@ from rollart.envs.base import EnvFailure, Profile
 from rollart.envs.pool import EnvWorkerPool
 from rollart.envs.registry import import_env_modules, make_env, registered_factories
 from rollart.envs.runner import EnvHandle, EnvRunner
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.sim.clock import SimClock
 
 Isolation = Literal["auto", "process", "thread"]

@@ -72,7 +72,7 @@ from rollart.envs.wire import (
     request_encoder,
 )
 from rollart.envs.worker import BOOTSTRAP, WorkerConfig
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.sim.clock import SimClock
 
 log = structlog.get_logger("rollart.envs.pool")

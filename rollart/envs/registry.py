@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.envs.base import Env
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 EnvFactory = Callable[..., Env]
 

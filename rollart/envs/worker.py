@@ -53,7 +53,7 @@ from rollart.envs.wire import (
     reply_encoder,
     request_decoder,
 )
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 BOOTSTRAP = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rollart.envs.worker import main; main(sys.argv[2])"

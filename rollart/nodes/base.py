@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import structlog
 
+from rollart.errors import RollartError
 from rollart.nodes.admin import AdminServer
 from rollart.protocol import (
     ClientSession,
@@ -33,7 +34,7 @@ from rollart.protocol import (
     State,
     tcp_connector,
 )
-from rollart.protocol.errors import ProtocolError, RemoteError, RollartError
+from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
 from rollart.topology import NodeSpec, Role, Topology

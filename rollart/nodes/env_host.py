@@ -22,9 +22,10 @@ from typing import Any
 import structlog
 
 from rollart.envs import EnvFailure, EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
+from rollart.errors import ConfigError, RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import ClientSession, Session
-from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout, RollartError, SessionLost
+from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost
 from rollart.protocol.messages import (
     GroupAck,
     GroupDone,

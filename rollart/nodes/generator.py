@@ -21,9 +21,10 @@ from typing import Any
 import structlog
 
 from rollart.engines.base import GenerationEngine, SamplingParams
+from rollart.errors import ConfigError
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
-from rollart.protocol.errors import ConfigError, RemoteError
+from rollart.protocol.errors import RemoteError
 from rollart.protocol.messages import Generate, Generated, SimWeights, WeightsHere, WeightsWhere
 from rollart.topology import Role, RunSpec
 from rollart.weights import WeightReceiver, ucx_unavailable

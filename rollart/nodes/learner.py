@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from rollart.protocol.errors import ConfigError, RollartError
+from rollart.errors import ConfigError, RollartError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
 from rollart.topology import Role
 from rollart.weights import WeightPublisher

@@ -15,10 +15,11 @@ from typing import Any
 
 import msgspec
 
+from rollart.errors import ConfigError
 from rollart.nodes.base import NodeDaemon
 from rollart.plugins import import_modules
 from rollart.protocol import Session
-from rollart.protocol.errors import ConfigError, RemoteError, RequestTimeout
+from rollart.protocol.errors import RemoteError, RequestTimeout
 from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
 from rollart.sim.clock import SimClock

@@ -24,10 +24,10 @@ from typing import Any
 import msgspec
 import structlog
 
+from rollart.errors import RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
 from rollart.protocol import Session
-from rollart.protocol.errors import RollartError
 from rollart.protocol.messages import (
     GroupAck,
     GroupDone,

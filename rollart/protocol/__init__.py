@@ -1,4 +1,4 @@
-"""The wire: messages, framing, handshake and persistent sessions. Imports nothing else of rollart.
+"""The wire: messages, framing, handshake and persistent sessions. Imports nothing of rollart but `rollart.errors`.
 
 Typical use (see `tests/unit/test_session.py` for more):
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import structlog
 
+from rollart.errors import RollartError
 from rollart.protocol.config import PROTOCOL_VERSION
-from rollart.protocol.errors import HandshakeRefused, MessageDecodeError, ProtocolError, RollartError
+from rollart.protocol.errors import HandshakeRefused, MessageDecodeError, ProtocolError
 from rollart.protocol.framing import Connection
 from rollart.protocol.messages import HANDSHAKE, Challenge, Hello, Proof, Refuse, Welcome
 

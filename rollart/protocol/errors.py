@@ -1,18 +1,12 @@
-"""The exception hierarchy of RollArt.
+"""The wire's errors: bad frames, refused handshakes, lost sessions, remote failures.
 
-It lives in `protocol/` because the wire is the lowest layer and imports nothing else of
-`rollart`; every other package raises these or a subclass (`rollart.errors` re-exports them).
+Subclasses of `rollart.errors.RollartError` (the leaf module every layer may import); the only thing
+of `rollart` the protocol package imports besides itself.
 """
 
 from __future__ import annotations
 
-
-class RollartError(Exception):
-    """Base of every error RollArt raises on purpose."""
-
-
-class ConfigError(RollartError):
-    """A configuration or topology file is invalid; the message names the path and the problem."""
+from rollart.errors import RollartError
 
 
 class ProtocolError(RollartError):

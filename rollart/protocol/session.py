@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import msgspec
 import structlog
 
+from rollart.errors import RollartError
 from rollart.protocol.auth import Identity
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import (
@@ -47,7 +48,6 @@ from rollart.protocol.errors import (
     ProtocolError,
     RemoteError,
     RequestTimeout,
-    RollartError,
     SessionLost,
 )
 from rollart.protocol.framing import Connection, TcpConnection

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from rollart.protocol.errors import ConfigError, RollartError
+from rollart.errors import ConfigError, RollartError
 
 
 class ScoreInput(msgspec.Struct, frozen=True, kw_only=True):

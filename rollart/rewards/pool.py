@@ -32,7 +32,8 @@ from typing import cast
 import msgspec
 import structlog
 
-from rollart.protocol.errors import ConfigError, RequestTimeout
+from rollart.errors import ConfigError
+from rollart.protocol.errors import RequestTimeout
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
 from rollart.rewards.handles import Request, State, Worker, stop_workers
 from rollart.rewards.stats import PoolMeters, PoolStats

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from rollart.errors import RollartError
 from rollart.protocol import Session, State
-from rollart.protocol.errors import RemoteError, RequestTimeout, RollartError, SessionLost
+from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import Profile
 

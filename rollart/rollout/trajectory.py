@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from rollart.envs import EnvHandle
-from rollart.protocol.errors import RollartError
+from rollart.errors import RollartError
 from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec

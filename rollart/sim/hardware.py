@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 
 @dataclass(frozen=True)

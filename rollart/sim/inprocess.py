@@ -34,9 +34,9 @@ from typing import TextIO
 import structlog
 
 from rollart.envs import import_env_modules, make_env
+from rollart.errors import ConfigError
 from rollart.logs import configure_logging
 from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode, TrainerNode
-from rollart.protocol.errors import ConfigError
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import GroupDone
 from rollart.rewards.stats import PoolStats

@@ -27,10 +27,11 @@ from typing import Literal, TypeVar
 import structlog
 import torch
 
+from rollart.errors import RollartError
 from rollart.protocol.auth import Identity
 from rollart.protocol.bulk import open_bulk
 from rollart.protocol.config import SessionConfig
-from rollart.protocol.errors import ProtocolError, RollartError
+from rollart.protocol.errors import ProtocolError
 from rollart.protocol.framing import Connection
 from rollart.weights import ucx
 from rollart.weights.buckets import DEFAULT_BUCKET_BYTES, byte_view

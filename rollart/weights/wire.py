@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
-from rollart.protocol.errors import ProtocolError, RollartError
+from rollart.errors import RollartError
+from rollart.protocol.errors import ProtocolError
 from rollart.protocol.messages import Channel
 
 _WIRE = {"array_like": True, "gc": False, "omit_defaults": True, "frozen": True}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 from rollart.sim.config import SimSpec
 from rollart.sim.hardware import MODELS, CostModel, EngineShape, transfer_s
 from rollart.sim.inprocess import InProcessRun, check_inprocess, run_inprocess

@@ -29,8 +29,8 @@ from rollart.envs import (
     child_environ,
     is_builtin,
 )
+from rollart.errors import ConfigError
 from rollart.nodes.env_host import EnvHostNode
-from rollart.protocol.errors import ConfigError
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import SamplingSpec, TaskSpec

@@ -37,7 +37,7 @@ from rollart.envs import (
     registered_envs,
 )
 from rollart.envs import registry as registry_module
-from rollart.protocol.errors import ConfigError
+from rollart.errors import ConfigError
 
 Pos = tuple[int, int]
 

@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from rollart.protocol.errors import ConfigError, RequestTimeout
+from rollart.errors import ConfigError
+from rollart.protocol.errors import RequestTimeout
 from rollart.rewards import (
     RewardError,
     RewardPool,

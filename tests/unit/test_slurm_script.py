@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollart import slurm
+from rollart.errors import ConfigError
 from rollart.launcher import after_failure
-from rollart.protocol.errors import ConfigError
 from rollart.topology import RestartPolicy, parse_topology
 
 TOPOLOGY = """

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import yaml
 
+from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
-from rollart.protocol.errors import ConfigError
 from rollart.topology import (
     NodeSpec,
     Resources,
