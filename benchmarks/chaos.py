@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
-from rollart.engines.tiny_model import ensure_tiny_model  # noqa: E402
+from rollart.tiny.model import ensure_tiny_model  # noqa: E402
 from tests.chaos.harness import CONTINUOUS, FAULTS, ChaosRun, Outcome, Scenario  # noqa: E402
 
 ROW_ORDER = [*FAULTS, "kill-generator (vllm)"]

@@ -129,7 +129,7 @@ def main() -> None:
     sigmas = [1.0] if args.quick else [0.5, 1.0, 2.0]
     steps = 2 if args.quick else args.steps
 
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(ROOT / ".cache" / "models" / "tiny-qwen3", seed=0)
     began = time.monotonic()

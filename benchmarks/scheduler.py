@@ -49,13 +49,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
+from rollart.launch.inprocess import GC_THRESHOLD  # noqa: E402
 from rollart.protocol import State  # noqa: E402
 from rollart.protocol.messages import Generate, Generated, GroupDone, Trajectory  # noqa: E402
 from rollart.rollout.buffer import SampleBuffer  # noqa: E402
 from rollart.rollout.config import RolloutSpec, TaskSpec  # noqa: E402
 from rollart.rollout.dispenser import Dispenser  # noqa: E402
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler  # noqa: E402
-from rollart.sim.inprocess import GC_THRESHOLD  # noqa: E402
 
 SCHEDULER = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rollart/rollout/buffer.py")
 REPLICAS_PER_NODE = 64

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
-from rollart.engines.tiny_model import ensure_tiny_model  # noqa: E402
+from rollart.tiny.model import ensure_tiny_model  # noqa: E402
 from tests.chaos.harness import ROLES, ChaosRun, Outcome, Sample, Scenario  # noqa: E402
 
 WARM_UP_S = 120.0

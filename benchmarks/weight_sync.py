@@ -6,7 +6,7 @@ Run from the repository root (a full run takes about half a minute):
     .venv/bin/python benchmarks/weight_sync.py --quick    # 2 rounds: a smoke run
     .venv/bin/python benchmarks/weight_sync.py --out /tmp/weight_sync.md
 
-Two state dicts: (a) the tiny default model's (`rollart.engines.tiny_model`, built into a temp
+Two state dicts: (a) the tiny default model's (`rollart.tiny.model`, built into a temp
 folder and read back from its safetensors, plus the tied `lm_head.weight` the trainer sends), and
 (b) 25 tensors of 4 MiB fp32 (100 MiB). Each is pushed by a `WeightPublisher` to a `WeightReceiver`
 in another process (spawn; both ends on uvloop) over TCP (`on_bulk` of a `SessionServer`) and over
@@ -72,7 +72,7 @@ def quiet_logs() -> None:
 def tiny_model_state_dict() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = load_file(str(ensure_tiny_model(Path(tmp) / "tiny") / "model.safetensors"))

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "build-model":
-        from rollart.engines.tiny_model import main as build_model
+        from rollart.tiny.model import main as build_model
 
         build_model(["--out", args.out, "--seed", str(args.seed)])
         return 0
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "slurm":
         return _slurm(topology, Path(args.topology), args.out, args.partition, args.time)
     if args.command == "slurm-run":
-        from rollart.slurm import run_job
+        from rollart.launch.slurm import run_job
 
         return run_job(Path(args.topology).resolve(), sys.stdin.read())
     if args.command in ("status", "pause", "resume", "drain"):
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvloop
 
-    from rollart.launcher import Launcher
+    from rollart.launch.local import Launcher
 
     launcher = Launcher(topology, args.topology, duration=args.duration, start_timeout=args.start_timeout)
     try:
@@ -124,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _simulate(topology: Topology) -> int:
     """Run `topology` in-process and print what happened, in simulated seconds."""
-    from rollart.sim.inprocess import check_inprocess, run_inprocess
+    from rollart.launch.inprocess import check_inprocess, run_inprocess
 
     run = topology.run
     log = topology.run_dir() / "logs" / "inprocess.log"
     try:
         check_inprocess(topology)
         if run.model.build_tiny_if_missing and not (Path(run.model.path) / "config.json").exists():
-            from rollart.engines.tiny_model import ensure_tiny_model
+            from rollart.tiny.model import ensure_tiny_model
 
             print(f"building the tiny model in {run.model.path} (its tokenizer renders the prompts)")
             ensure_tiny_model(Path(run.model.path), seed=run.model.seed)
@@ -153,7 +153,7 @@ def _simulate(topology: Topology) -> int:
 
 
 def _slurm(topology: Topology, path: Path, out: str | None, partition: list[str], time_limit: str | None) -> int:
-    from rollart.slurm import sbatch_script
+    from rollart.launch.slurm import sbatch_script
 
     try:
         pairs = [item.split("=", 1) for item in partition]

@@ -18,6 +18,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model (tests/unit/test_tiny_model.py), built once per test module."""
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from rollart.engines.tiny_model import ensure_tiny_model, load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
+from rollart.tiny.model import ensure_tiny_model
 
 EOS = 1
 PROMPTS = ["hello world", "abc", "The quick brown fox jumps", "<|im_start|>user\n2+2?<|im_end|>\n", "x"]

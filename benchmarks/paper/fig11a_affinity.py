@@ -11,7 +11,7 @@ rollout GPUs of the paper's Fig. 11a, each set costing about the same per hour (
   64 H800 + 24 H20 (8 + 3 engines), and two mixes with more H20, which suit this shape's
   decode-heavy half (math answers of 2-8K tokens) better: 48 + 72 and 32 + 112.
 
-In-process on a virtual clock (`rollart.sim.inprocess`): the real nodes and scheduling code, no
+In-process on a virtual clock (`rollart.launch.inprocess`): the real nodes and scheduling code, no
 host speed in the numbers. Reports step time, the speed-up of affinity routing over each single
 kind, the paper's numbers, and the bound: a step cannot be shorter than the training step.
 

@@ -10,7 +10,7 @@ a 200 Gb/s Ethernet link to the generators, one copy per engine:
   engine receives them in the background and stops only to load them from host memory;
 - **bound**: the same run with a weight push that costs nothing.
 
-In-process on a virtual clock (`rollart.sim.inprocess`). Reports step time, the speed-up of the
+In-process on a virtual clock (`rollart.launch.inprocess`). Reports step time, the speed-up of the
 async push, the paper's numbers, and the efficiency against the free-push bound.
 
     .venv/bin/python benchmarks/paper/fig11b_weight_sync.py            # a few minutes on 2 cores

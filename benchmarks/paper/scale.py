@@ -1,6 +1,6 @@
 """Scale: the production shape at 3,000 simulated GPUs, and how scheduling overhead grows.
 
-Both run in-process on a virtual clock (`rollart.sim.inprocess`): every node is the real daemon,
+Both run in-process on a virtual clock (`rollart.launch.inprocess`): every node is the real daemon,
 sessions run over the in-memory network, so thousands of env-hosts and hundreds of simulated
 engines fit on this machine and what is measured in simulated time does not depend on its speed.
 

@@ -1,5 +1,5 @@
 """Shared by the paper experiments: write a simulation-mode topology, run it with real node
-processes (`rollart run`) or in-process on a virtual clock (`rollart.sim.inprocess`), and read back
+processes (`rollart run`) or in-process on a virtual clock (`rollart.launch.inprocess`), and read back
 what happened in simulated seconds.
 
 Every experiment runs the real trainer (dispenser, SampleBuffer, alpha), env-hosts (trajectory
@@ -71,7 +71,7 @@ class Result:
 
 def tiny_tokenizer_model() -> Path:
     """The tiny model whose tokenizer renders prompts (its weights are never used in simulation)."""
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     return ensure_tiny_model(ROOT / ".cache" / "models" / "tiny-qwen3", seed=0)
 
@@ -159,9 +159,9 @@ def mode_words(args: argparse.Namespace) -> str:
 def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *, keep_groups: bool = True) -> Result:
     """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop.
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
+    from rollart.launch.inprocess import run_inprocess
     from rollart.nodes import EnvHostNode, TrainerNode
     from rollart.nodes.trainer import as_record
-    from rollart.sim.inprocess import run_inprocess
     from rollart.topology import parse_topology
 
     placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused

@@ -48,7 +48,7 @@ from rollart.engines.base import (
     SamplingParams,
     WeightsMismatch,
 )
-from rollart.engines.tiny_model import load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rollart.algorithms.grpo import LossStats, PackedBatch, grpo_loss, staleness, token_logprobs
-from rollart.engines.tiny_model import load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.training import TrainerSpec
 
 OPTIMIZER_FILE = "optimizer.pt"

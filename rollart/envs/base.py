@@ -77,7 +77,7 @@ class Env(abc.ABC):
     def sample_action(self, rng: random.Random) -> str | None:
         """A uniformly random *valid* reply for the current state: right format, random content, never
         chosen to solve anything. It measures the random-policy baseline and feeds the optional
-        format warm-up (`rollart.engines.warmup`). None: this env has no such sampler."""
+        format warm-up (`rollart.tiny.warmup`). None: this env has no such sampler."""
         return None
 
     def close(self) -> None:  # noqa: B027 (a no-op default on purpose: most envs hold nothing)

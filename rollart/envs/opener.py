@@ -29,12 +29,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
+from rollart.clock import SimClock
 from rollart.envs.base import EnvFailure, Profile
 from rollart.envs.pool import EnvWorkerPool
 from rollart.envs.registry import import_env_modules, make_env, registered_factories
 from rollart.envs.runner import EnvHandle, EnvRunner
 from rollart.errors import ConfigError
-from rollart.sim.clock import SimClock
 
 Isolation = Literal["auto", "process", "thread"]
 Placement = Literal["loop", "thread", "process"]

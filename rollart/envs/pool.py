@@ -54,6 +54,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from rollart.clock import SimClock
 from rollart.envs.base import EnvFailure
 from rollart.envs.handles import EnvWorker, PendingCall, WorkerState, consume
 from rollart.envs.isolation import WorkerLimits, child_environ, exit_cause
@@ -73,7 +74,6 @@ from rollart.envs.wire import (
 )
 from rollart.envs.worker import BOOTSTRAP, WorkerConfig
 from rollart.errors import ConfigError
-from rollart.sim.clock import SimClock
 
 log = structlog.get_logger("rollart.envs.pool")
 

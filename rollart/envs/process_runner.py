@@ -23,10 +23,10 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rollart.clock import SimClock
 from rollart.envs.base import EnvFailure, Info, StepResult
 from rollart.envs.runner import CLOSE_GRACE_S
 from rollart.envs.wire import Close, Failed, Made, Request, Reset, ResetDone, Step, StepDone
-from rollart.sim.clock import SimClock
 
 if TYPE_CHECKING:
     from rollart.envs.handles import EnvWorker

@@ -35,8 +35,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+from rollart.clock import SimClock
 from rollart.envs.base import Env, EnvFailure, Info, StepResult
-from rollart.sim.clock import SimClock
 
 T = TypeVar("T")
 

@@ -67,7 +67,7 @@ class NodeDaemon:
         admin_token: str | None,
         network: MemoryNetwork | None = None,
     ) -> None:
-        """`network`: run in-process (`rollart.sim.inprocess`): sessions go over this in-memory
+        """`network`: run in-process (`rollart.launch.inprocess`): sessions go over this in-memory
         network, addressed by node name, and the node has no TCP listener, admin endpoint or signal
         handlers of its own."""
         if spec.role is not self.role:

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from rollart.clock import SimClock
 from rollart.envs import EnvFailure, EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
 from rollart.errors import ConfigError, RollartError
 from rollart.nodes.base import NodeDaemon
@@ -42,7 +43,6 @@ from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
-from rollart.sim.clock import SimClock
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.env_host")

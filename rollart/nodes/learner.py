@@ -106,7 +106,7 @@ class Learner:
         return state
 
     def _measure_baseline(self) -> dict[str, dict[str, float]]:
-        from rollart.engines.warmup import random_policy_baseline
+        from rollart.tiny.warmup import random_policy_baseline
 
         rollout = self.node.topology.run.rollout
         assert rollout is not None

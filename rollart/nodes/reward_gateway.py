@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from rollart.clock import SimClock
 from rollart.errors import ConfigError
 from rollart.nodes.base import NodeDaemon
 from rollart.plugins import import_modules
@@ -22,7 +23,6 @@ from rollart.protocol import Session
 from rollart.protocol.errors import RemoteError, RequestTimeout
 from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
-from rollart.sim.clock import SimClock
 from rollart.sim.reward import SimRewardPool
 from rollart.topology import Role
 

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from rollart.clock import SimClock
 from rollart.errors import RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
@@ -39,7 +40,6 @@ from rollart.protocol.messages import (
 )
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
-from rollart.sim.clock import SimClock
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.trainer")

@@ -26,7 +26,7 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     """Seed of the tiny model's initial weights."""
     format_warmup_steps: int = 0
     """After building the tiny model: supervised steps on random *valid* actions of the run's tasks
-    (the reply format only, never a solution; `rollart.engines.warmup`); 0: none."""
+    (the reply format only, never a solution; `rollart.tiny.warmup`); 0: none."""
 
 
 class TaskSpec(msgspec.Struct, **_STRUCT):

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollart.clock import SimClock
 from rollart.engines.base import (
     EngineClosed,
     EngineLoad,
@@ -41,7 +42,6 @@ from rollart.engines.base import (
     InvalidRequest,
     SamplingParams,
 )
-from rollart.sim.clock import SimClock
 from rollart.sim.config import SimSpec
 from rollart.sim.hardware import CostModel
 

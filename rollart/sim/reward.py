@@ -32,10 +32,10 @@ from typing import Any
 
 import structlog
 
+from rollart.clock import SimClock
 from rollart.protocol.errors import RequestTimeout
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
 from rollart.rewards.stats import PoolMeters, PoolStats
-from rollart.sim.clock import SimClock
 from rollart.sim.config import SimRewardSpec
 from rollart.sim.hardware import CostModel, EngineShape
 

@@ -29,7 +29,7 @@ HARDWARE = {"gen-compute": "compute", "gen-bandwidth": "bandwidth"}
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from rollart.errors import ConfigError
+from rollart.launch.inprocess import InProcessRun, check_inprocess, run_inprocess
 from rollart.sim.config import SimSpec
 from rollart.sim.hardware import MODELS, CostModel, EngineShape, transfer_s
-from rollart.sim.inprocess import InProcessRun, check_inprocess, run_inprocess
 from rollart.topology import load_topology
 from tests.integration.test_rollout import HARDWARE, NODES, batches, check_trajectory, run_to_completion
 from tests.support import write_topology
@@ -55,7 +55,7 @@ def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "") -> str:
 
 @pytest.mark.timeout(300)
 def test_a_simulated_rollout_runs_on_the_real_scheduling_code(tmp_path: Path) -> None:
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
     topology, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=sim_yaml(model))
@@ -90,7 +90,7 @@ INPROCESS = """
 
 
 def inprocess(tmp_path: Path, push: str = "async") -> InProcessRun:
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
     extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", push))
@@ -127,7 +127,7 @@ def test_a_synchronous_weight_push_stops_generation_and_the_trainer(tmp_path: Pa
 
 
 def test_what_keeps_a_topology_from_running_in_process_is_named(tmp_path: Path) -> None:
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
     path, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=sim_yaml(model))
@@ -139,7 +139,7 @@ def test_what_keeps_a_topology_from_running_in_process_is_named(tmp_path: Path) 
 
 def test_rollart_simulate_prints_what_happened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from rollart.cli import main
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
     extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", "async"))
@@ -154,6 +154,6 @@ def test_rollart_simulate_prints_what_happened(tmp_path: Path, capsys: pytest.Ca
 
 
 def test_the_shipped_simulation_topology_is_valid() -> None:
-    from rollart.sim.inprocess import check_inprocess
+    from rollart.launch.inprocess import check_inprocess
 
     check_inprocess(load_topology(Path(__file__).resolve().parents[2] / "configs" / "sim-paper.yaml"))

@@ -152,7 +152,7 @@ def test_sync_baseline_trains_on_fresh_tokens_and_waits_for_every_push(
 async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:
-    from rollart.engines.tiny_model import load_model_and_tokenizer
+    from rollart.engines.loading import load_model_and_tokenizer
     from rollart.protocol import Identity, SessionConfig
     from rollart.protocol.messages import Generate, Generated
     from rollart.weights import WeightPublisher

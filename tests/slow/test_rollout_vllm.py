@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 @pytest.mark.timeout(600)
 def test_rollout_with_the_vllm_backend_collects_complete_groups(tmp_path: Path) -> None:
-    from rollart.engines.tiny_model import ensure_tiny_model
+    from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "tiny", seed=0)
     rollout = f"""  model: {{path: {model}}}

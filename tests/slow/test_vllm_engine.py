@@ -19,7 +19,7 @@ import pytest_asyncio
 import torch
 
 from rollart.engines.base import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.tiny_model import load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.vllm_engine import VLLMEngine
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 

@@ -32,7 +32,7 @@ def test_run_says_how_to_get_vllm_when_even_its_environment_lacks_it(
 
 
 def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path: Path) -> None:
-    from rollart.launcher import finished_step
+    from rollart.launch.local import finished_step
 
     run_dir = tmp_path / "run"
     rollout = "{mode: train, tasks: [{name: t, env: copy-reverse}], steps: 80}"
@@ -53,7 +53,7 @@ def test_killing_a_node_kills_what_it_started(tmp_path: Path) -> None:
     import sys
     import time
 
-    from rollart.launcher import kill_group
+    from rollart.launch.local import kill_group
 
     pid_file = tmp_path / "child.pid"
     script = (  # a "node" that starts a long-lived child, as a generator starts vLLM's engine core

@@ -12,7 +12,7 @@ import torch
 
 from rollart.engines.base import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.engines.hf import HFEngine
-from rollart.engines.tiny_model import load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 from tests.engine_reference import EOS, PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 
 torch.set_num_threads(1)

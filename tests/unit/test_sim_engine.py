@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from rollart.clock import SimClock, virtual_event_loop
 from rollart.engines.base import GenerationResult, InvalidRequest, SamplingParams
 from rollart.errors import ConfigError
-from rollart.sim.clock import SimClock, virtual_event_loop
 from rollart.sim.engine import SimEngine
 from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape, train_step_s, transfer_s
 

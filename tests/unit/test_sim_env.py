@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
+from rollart.clock import SimClock, virtual_event_loop
 from rollart.envs import EnvFailure, EnvRunner, make_env
 from rollart.envs.sim import SimEnv
-from rollart.sim.clock import SimClock, virtual_event_loop
 
 
 def episode(env: SimEnv, seed: int) -> list[tuple[str, float, bool, float]]:

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from test_sim_engine import virtual
 
+from rollart.clock import SimClock
 from rollart.rewards import ScoreInput, UnknownReward
-from rollart.sim.clock import SimClock
 from rollart.sim.config import SimRewardSpec
 from rollart.sim.hardware import CostModel, EngineShape
 from rollart.sim.reward import SimRewardPool

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rollart import slurm
 from rollart.errors import ConfigError
-from rollart.launcher import after_failure
+from rollart.launch import slurm
+from rollart.launch.local import after_failure
 from rollart.topology import RestartPolicy, parse_topology
 
 TOPOLOGY = """

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.tiny_model import (
+from rollart.engines.loading import load_model_and_tokenizer
+from rollart.tiny.model import (
     MARKER_FILE,
     build_tiny_model,
     build_tokenizer,
     ensure_tiny_model,
-    load_model_and_tokenizer,
     main,
 )
 
@@ -111,7 +111,7 @@ def test_ensure_builds_once_and_leaves_an_existing_model(tmp_path: Path) -> None
 
 
 def test_ensure_is_safe_when_racing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollart.engines import tiny_model
+    from rollart.tiny import model as tiny_model
 
     path = tmp_path / "tiny"
     barrier = threading.Barrier(3)
@@ -143,7 +143,7 @@ def test_ensure_is_safe_when_racing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_cli_prints_what_it_built(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli-model"
-    main(["--out", str(out), "--seed", "2"])  # what `python -m rollart.engines.tiny_model` runs
+    main(["--out", str(out), "--seed", "2"])  # what `python -m rollart.tiny.model` runs
     printed = capsys.readouterr().out
     assert "parameters" in printed and "vocab 101" in printed and str(out) in printed
     assert json.loads((out / MARKER_FILE).read_text())["seed"] == 2

@@ -6,7 +6,7 @@ check golden losses of a fixed-seed run, that the micro-batch split does not cha
 (token-mean aggregation), PPO mini-batches, checkpoint save/load, and the names `export_weights`
 gives generators.
 
-`rollart.engines.warmup`: random episodes mask exactly the replies and keep to the token budget;
+`rollart.tiny.warmup`: random episodes mask exactly the replies and keep to the token budget;
 the random-policy baseline agrees with an exhaustive enumeration of the classic FrozenLake; a few
 warm-up steps teach a freshly built model to answer U, D, L or R.
 """
@@ -26,15 +26,16 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import PackedBatch, pack_batch
-from rollart.engines.tiny_model import MARKER_FILE, build_tiny_model, build_tokenizer, load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
 from rollart.engines.training import TrainerSpec
-from rollart.engines.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register_env
 from rollart.envs import registry as registry_module
 from rollart.envs.grid import parse_letter
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.trajectory import ChatRenderer
+from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
+from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 
 
 @dataclasses.dataclass(frozen=True)

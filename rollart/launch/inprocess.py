@@ -33,6 +33,7 @@ from typing import TextIO
 
 import structlog
 
+from rollart.clock import virtual_event_loop
 from rollart.envs import import_env_modules, make_env
 from rollart.errors import ConfigError
 from rollart.logs import configure_logging
@@ -40,7 +41,6 @@ from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode,
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import GroupDone
 from rollart.rewards.stats import PoolStats
-from rollart.sim.clock import virtual_event_loop
 from rollart.topology import Role, Topology
 
 

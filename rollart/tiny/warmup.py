@@ -23,10 +23,11 @@ from typing import Any
 import structlog
 import torch
 
-from rollart.engines.tiny_model import MARKER_FILE, load_model_and_tokenizer
+from rollart.engines.loading import load_model_and_tokenizer
 from rollart.envs import make_env
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.trajectory import ChatRenderer
+from rollart.tiny.model import MARKER_FILE
 
 log = structlog.get_logger("rollart.warmup")
 

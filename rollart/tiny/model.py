@@ -4,7 +4,7 @@ The default run trains a ~1 M parameter `Qwen3ForCausalLM` with a character-leve
 tasks: one token per printable ASCII character and newline, plus the Qwen chat special tokens. Both are saved in
 Hugging Face format, so every engine loads the tiny model exactly as it would load a real one.
 
-    python -m rollart.engines.tiny_model --out models/tiny [--seed 0]
+    python -m rollart.tiny.model --out models/tiny [--seed 0]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -140,20 +140,6 @@ def ensure_tiny_model(path: Path, *, seed: int = 0, prepare: Callable[[Path], No
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
-
-
-def load_model_and_tokenizer(
-    path: Path | str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load any Hugging Face causal-LM folder (config + safetensors + tokenizer) from disk, never from the network.
-
-    The model comes back in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    model = model.to(device).eval()  # type: ignore[arg-type]
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return model, tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

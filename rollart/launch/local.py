@@ -95,7 +95,7 @@ class Verdict:
 def after_failure(policy: RestartPolicy, restarts: collections.deque[float], now: float) -> Verdict:
     """Apply `policy` to a failed node whose earlier restarts happened at `restarts` (monotonic
     times, pruned here to the policy's window); the caller appends the restart's time when it
-    restarts. Shared by the local launcher and the Slurm job's supervisor (rollart/slurm.py)."""
+    restarts. Shared by the local launcher and the Slurm job's supervisor (rollart/launch/slurm.py)."""
     if policy.policy == "stop-all":
         return Verdict("stop-all", "restart policy stop-all: stopping the run")
     if policy.policy == "never":
@@ -170,7 +170,7 @@ class Launcher:
         model = Path(run.model.path)
         if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():
             self._say(f"building the tiny default model in {model} (first run only)")
-            from rollart.engines.tiny_model import ensure_tiny_model
+            from rollart.tiny.model import ensure_tiny_model
 
             ensure_tiny_model(model, seed=run.model.seed, prepare=self._warm_up)
         if run.secret_file is None and not os.environ.get(run.secret_env):
@@ -189,7 +189,7 @@ class Launcher:
         steps = run.model.format_warmup_steps
         if steps == 0 or run.rollout is None:
             return
-        from rollart.engines.warmup import format_warmup
+        from rollart.tiny.warmup import format_warmup
 
         self._say(f"format warm-up: {steps} supervised steps on random valid actions (the reply format, no solutions)")
         summary = format_warmup(folder, run.rollout.tasks, steps=steps, seed=run.model.seed)

@@ -43,7 +43,7 @@ from typing import TextIO
 import yaml
 
 from rollart.errors import ConfigError
-from rollart.launcher import after_failure, describe_exit
+from rollart.launch.local import after_failure, describe_exit
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -115,7 +115,7 @@ def sbatch_script(
     table = "\n".join(f"{p.name:<24} {p.group:<6} {p.cpus:<5} {p.gpus}" for p in placements(topology))
     lines += [
         "",
-        "# The supervisor (rollart/slurm.py) resolves each node's host from the allocation, starts each",
+        "# The supervisor (rollart/launch/slurm.py) resolves each node's host from the allocation, starts each",
         "# node as its own step, restarts it under its restart policy, and drains all on scancel.",
         "# Node -> component, as this script's own table:",
         f"exec {shlex.quote(str(root / 'bin' / 'rollart'))} slurm-run "
