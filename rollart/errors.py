@@ -14,3 +14,7 @@ class RollartError(Exception):
 
 class ConfigError(RollartError):
     """A configuration or topology file is invalid; the message names the path and the problem."""
+
+
+class DeadlineExceeded(RollartError, TimeoutError):
+    """Work given a deadline (a reward call, an env call, a request) did not finish by it."""

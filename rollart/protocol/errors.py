@@ -6,7 +6,7 @@ of `rollart` the protocol package imports besides itself.
 
 from __future__ import annotations
 
-from rollart.errors import RollartError
+from rollart.errors import DeadlineExceeded, RollartError
 
 
 class ProtocolError(RollartError):
@@ -38,7 +38,7 @@ class SessionLost(RollartError):
     """A session gave up reconnecting, or was closed, before the operation could finish."""
 
 
-class RequestTimeout(RollartError, TimeoutError):
+class RequestTimeout(DeadlineExceeded):
     """A request's deadline passed before its response arrived."""
 
 
