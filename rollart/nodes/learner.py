@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from rollart.algorithms.selection import select_groups
 from rollart.errors import ConfigError, RollartError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
 from rollart.topology import Role
@@ -191,37 +192,35 @@ class Learner:
     async def train(self, batch: list[GroupDone], *, version: int) -> dict[str, Any]:
         """One training step on `batch`, taken at policy `version`; returns its statistics.
 
-        Only groups with signal are trained on: a group whose rewards are all equal has zero
-        advantage everywhere (DAPO's dynamic-sampling filter; `rollout.dynamic_sampling` also has the
-        buffer fill the batch with groups that have signal). Left in,
-        its tokens would only dilute the token mean; and a batch with no signal at all takes no
-        optimizer step, since AdamW's momentum would still move the weights on a zero gradient. With
-        `grpo.anchor_coef > 0` up to `grpo.anchor_groups` of them, drawn at random, stay in the
-        batch: the anchor holds their behaviour in place.
+        Only the groups `rollart.algorithms.selection.select_groups` picks are trained on: those with
+        signal, plus up to `grpo.anchor_groups` anchors when `grpo.anchor_coef > 0`. A batch with no
+        signal at all takes no optimizer step, since AdamW's momentum would still move the weights on
+        a zero gradient (`rollout.dynamic_sampling` also has the buffer fill the batch with groups
+        that have signal).
         """
-        from rollart.algorithms.grpo import group_advantages, groups_with_signal, pack_batch, staleness
+        from rollart.algorithms.grpo import group_advantages, pack_batch, staleness
 
         assert self.engine is not None
         engine = self.engine
         cfg = self.spec.grpo
+        rewards = [[t.reward for t in group.trajectories] for group in batch]
+        chosen = select_groups(rewards, anchors=cfg.anchor_groups if cfg.anchor_coef > 0 else 0)
 
         def step() -> dict[str, Any]:
             import torch
 
-            rewards = torch.tensor([[t.reward for t in group.trajectories] for group in batch])
-            advantages = group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
-            signal = groups_with_signal(advantages)
-            counts = {"groups_trained": float(len(signal)), "groups_without_signal": float(len(batch) - len(signal))}
-            if not signal:
+            advantages = group_advantages(torch.tensor(rewards), normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
+            counts = {
+                "groups_trained": float(len(chosen.signal)),
+                "groups_without_signal": float(chosen.without_signal),
+            }
+            if not chosen.trained:
                 everything = [t for group in batch for t in group.trajectories]
                 packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
                 skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
                 return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
-            if cfg.anchor_coef > 0:  # the anchor holds groups without signal where they are
-                quiet = [i for i in range(len(batch)) if i not in signal]
-                signal = sorted(signal + random.sample(quiet, min(cfg.anchor_groups, len(quiet))))
-            trajectories = [t for i in signal for t in batch[i].trajectories]
-            packed = pack_batch(trajectories, advantages[signal].flatten().tolist(), pad_id=engine.pad_id)
+            trajectories = [t for i in chosen.trained for t in batch[i].trajectories]
+            packed = pack_batch(trajectories, advantages[chosen.trained].flatten().tolist(), pad_id=engine.pad_id)
             return counts | engine.train_step(packed, version=version)
 
         return await asyncio.to_thread(step)
