@@ -4,5 +4,6 @@
 tensors, per-token log-probs from a causal LM's logits, and the decoupled PPO loss with a truncated
 behaviour importance weight; `selection` decides which groups of a batch are trained on (the
 has-signal rule the SampleBuffer shares, and the anchor groups). The trainer node feeds them
-finished groups and a model; nothing here knows where they came from. Importing this package pulls in no torch; importing `grpo` does.
+finished groups and a model; nothing here knows where they came from. Importing this package
+pulls in no torch; importing `grpo` does.
 """
