@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from rollart.errors import ConfigError
+from rollart.rundir import RunDir
 from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2
@@ -127,7 +128,7 @@ def _simulate(topology: Topology) -> int:
     from rollart.launch.inprocess import check_inprocess, run_inprocess
 
     run = topology.run
-    log = topology.run_dir() / "logs" / "inprocess.log"
+    log = RunDir(topology.run_dir()).node_log("inprocess")
     try:
         check_inprocess(topology)
         if run.model.build_tiny_if_missing and not (Path(run.model.path) / "config.json").exists():
@@ -164,7 +165,7 @@ def _slurm(topology: Topology, path: Path, out: str | None, partition: list[str]
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     topology.run_dir().mkdir(parents=True, exist_ok=True)  # Slurm fails a job whose output folder is missing
-    target = Path(out) if out is not None else topology.run_dir() / "job.sbatch"
+    target = Path(out) if out is not None else RunDir(topology.run_dir()).sbatch
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(script)
     target.chmod(0o755)

@@ -2,10 +2,10 @@
 
 Per batch: group-relative advantages, one `train_step` in a worker thread (the node keeps serving
 env-hosts meanwhile), a snapshot of the new weights handed to the `WeightPublisher` (the only
-wait: a copy), and a line in `RUN_DIR/metrics.jsonl` plus one per trajectory in
-`timeline.jsonl`. Checkpoints go to `RUN_DIR/checkpoints/step-NNNNNN/` (a loadable Hugging Face
-folder, optimizer state, and `trainer.pt` with version, step, RNG and dispenser state); the
-`latest` file names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
+wait: a copy), and a line in the run folder's metrics plus one per trajectory in its timeline
+(`rollart.rundir.RunDir`). Checkpoints go to `RunDir.checkpoint(step)` (a loadable Hugging Face
+folder, optimizer state, and the trainer state: version, step, RNG and dispenser state); the
+`latest` pointer names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
 
 from rollart.algorithms.selection import select_groups
 from rollart.errors import ConfigError, RollartError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
+from rollart.rundir import JsonlLog, RunDir
 from rollart.topology import Role
 from rollart.weights import WeightPublisher
 
@@ -34,25 +34,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("rollart.learner")
 
-LATEST = "latest"
 MOVING_AVERAGE = 20
 """Steps in the moving averages of success and reward shown in progress and the report."""
-STATE_FILE = "trainer.pt"
-INCARNATION_FILE = "incarnation"
-
-
-class JsonlLog:
-    """Append-only JSON lines, one write per record (a killed run leaves at most a cut last line)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, records: Iterable[dict[str, Any]]) -> None:
-        data = b"".join(msgspec.json.encode(record) + b"\n" for record in records)
-        if data:
-            with self.path.open("ab") as out:
-                out.write(data)
 
 
 class Learner:
@@ -62,11 +45,10 @@ class Learner:
         self.node = node
         run = node.topology.run
         self.spec = run.trainer
-        self.run_dir = node.topology.run_dir()
-        self.checkpoints = self.run_dir / "checkpoints"
-        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
-        self.utilization = JsonlLog(self.run_dir / "utilization.jsonl")
+        self.run_dir = RunDir(node.topology.run_dir())
+        self.metrics = JsonlLog(self.run_dir.metrics)
+        self.timeline = JsonlLog(self.run_dir.timeline)
+        self.utilization = JsonlLog(self.run_dir.utilization)
         self.publisher = WeightPublisher(
             node.identity,
             node.secret,
@@ -124,25 +106,22 @@ class Learner:
         return baseline
 
     def claim_incarnation(self) -> int:
-        """How many trainer processes of this run started before this one (RUN_DIR/checkpoints/
-        incarnation, counted up at each start). Group ids carry it: a trainer that dies before its
+        """How many trainer processes of this run started before this one (`RunDir.incarnation`,
+        counted up at each start). Group ids carry it: a trainer that dies before its
         first checkpoint, or twice after the same one, would otherwise hand out the ids its last
         life did, and take a group still coming home from that life for a different one."""
-        path = self.checkpoints / INCARNATION_FILE
+        path = self.run_dir.incarnation
         started = int(path.read_text()) + 1 if path.exists() else 0
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(".tmp")
         scratch.write_text(f"{started}\n")
         scratch.replace(path)
         return started
 
     def latest_checkpoint(self) -> Path | None:
-        pointer = self.checkpoints / LATEST
-        if not pointer.exists():
-            return None
-        path = self.checkpoints / pointer.read_text().strip()
-        if not (path / STATE_FILE).exists():
-            raise RollartError(f"{pointer} names {path}, which is not a complete checkpoint")
+        path = self.run_dir.latest_checkpoint()
+        if path is not None and not self.run_dir.trainer_state(path).exists():
+            raise RollartError(f"{self.run_dir.latest} names {path}, which is not a complete checkpoint")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
@@ -150,7 +129,7 @@ class Learner:
 
         assert self.engine is not None
         self.engine.load(path)
-        state: dict[str, Any] = torch.load(path / STATE_FILE, weights_only=False)
+        state: dict[str, Any] = torch.load(self.run_dir.trainer_state(path), weights_only=False)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         return state
@@ -320,8 +299,8 @@ class Learner:
 
         assert self.engine is not None
         engine = self.engine
-        name = f"step-{step:06d}"
-        path = self.checkpoints / name
+        run_dir = self.run_dir
+        path = run_dir.checkpoint(step)
         state = {
             "step": step,
             "version": version,
@@ -333,12 +312,9 @@ class Learner:
 
         def save() -> None:
             engine.save(path)
-            torch.save(state, path / STATE_FILE)
-            pointer = self.checkpoints / f".{LATEST}.tmp"
-            pointer.write_text(name + "\n")
-            pointer.replace(self.checkpoints / LATEST)
-            kept = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
-            for old in kept[: -self.spec.keep_checkpoints]:
+            torch.save(state, run_dir.trainer_state(path))
+            run_dir.point_latest_at(path)
+            for old in run_dir.saved_checkpoints()[: -self.spec.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
 
         started = time.monotonic()

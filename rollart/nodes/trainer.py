@@ -7,7 +7,7 @@ complete. In `train` mode it trains on it (`Learner`: GRPO step, weight push tha
 never waits for, metrics, checkpoints), bumps the policy version and goes on; with
 `schedule: sync` it instead holds the dispenser while it trains and until every generator has
 loaded the new weights (the synchronous baseline). In `rollout-only` mode it does not train: it
-records each batch to `RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy
+records each batch to the run folder's `RunDir.rollout` and, when asked to, counts the batch as a new policy
 version, which drops and aborts whatever that version makes too stale, exactly as training would;
 in simulation mode with `run.sim.trainer`, each batch also costs a modelled training step (and for
 the sync schedule the weight push), on the simulation clock.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +39,7 @@ from rollart.protocol.messages import (
 )
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
+from rollart.rundir import JsonlLog, RunDir
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.trainer")
@@ -98,7 +98,7 @@ class TrainerNode(NodeDaemon):
                 max_uniform_batches=rollout.max_uniform_batches,
             )
             self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
-        self.out_path = self.topology.run_dir() / "rollout.jsonl"
+        self.run_dir = RunDir(self.topology.run_dir())
         self.learner = Learner(self) if rollout is not None and rollout.mode == "train" else None
         self.last_checkpoint_step = 0
         self.clock = SimClock(self.topology.run.sim.speedup)
@@ -109,7 +109,7 @@ class TrainerNode(NodeDaemon):
         """Simulated asynchronous weight pushes in flight."""
         self.on_batch: Callable[[int, list[GroupDone]], None] | None = None
         """Rollout-only mode: called with (version, batch) for each batch taken, instead of appending
-        it to `rollout.jsonl` (the in-process simulation reads batches this way, with no thread)."""
+        it to `RunDir.rollout` (the in-process simulation reads batches this way, with no thread)."""
 
     async def work(self) -> None:
         if self.rollout is None:
@@ -160,7 +160,7 @@ class TrainerNode(NodeDaemon):
     async def _consume(self) -> None:
         """Take batches as they complete; in rollout-only mode record them instead of training."""
         assert self.rollout is not None
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        record = JsonlLog(self.run_dir.rollout)
         while self.rollout.steps is None or self.batches < self.rollout.steps:
             batch = await self.buffer.take()
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
@@ -174,7 +174,8 @@ class TrainerNode(NodeDaemon):
             if self.on_batch is not None:
                 self.on_batch(self.version, batch)
             else:
-                await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
+                lines = [{"version": self.version, "group": as_record(group)} for group in batch]
+                await asyncio.to_thread(record.write, lines)
             self.batches += 1
             log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
             if simulated:
@@ -431,12 +432,6 @@ class TrainerNode(NodeDaemon):
                 "stall_s_max": max(self.learner.stall_s, default=0.0),
             }
         return status
-
-
-def _append_jsonl(path: Path, version: int, batch: list[GroupDone]) -> None:
-    with path.open("ab") as out:
-        for group in batch:
-            out.write(msgspec.json.encode({"version": version, "group": as_record(group)}) + b"\n")
 
 
 def as_record(value: Any) -> Any:
