@@ -163,7 +163,7 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
     from rollart.launch.inprocess import run_inprocess
     from rollart.nodes import EnvHostNode, TrainerNode
-    from rollart.nodes.trainer import as_record
+    from rollart.nodes.trainer_steps import as_record
     from rollart.topology import parse_topology
 
     placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused

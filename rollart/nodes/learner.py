@@ -6,6 +6,10 @@ wait: a copy), and a line in the run folder's metrics plus one per trajectory in
 (`rollart.rundir.RunDir`). Checkpoints go to `RunDir.checkpoint(step)` (a loadable Hugging Face
 folder, optimizer state, and the trainer state: version, step, RNG and dispenser state); the
 `latest` pointer names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
+
+It knows no node: the trainer node hands it what it uses (the run folder, a weight publisher, a
+function that builds the training engine, the generators and their sessions, the status they
+report), so it can be built and driven alone.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import collections
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +27,16 @@ import structlog
 
 from rollart.algorithms.selection import select_groups
 from rollart.errors import ConfigError, RollartError
+from rollart.protocol.errors import ProtocolError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
 from rollart.rundir import JsonlLog, RunDir
-from rollart.topology import Role
-from rollart.weights import WeightPublisher
 
 if TYPE_CHECKING:
-    from rollart.engines.torch_train import TorchTrainer
-    from rollart.nodes.trainer import TrainerNode
+    from rollart.engines.training import TrainerSpec, TrainingEngine
+    from rollart.protocol import ClientSession
+    from rollart.rollout.config import TaskSpec
+    from rollart.topology import NodeSpec
+    from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.learner")
 
@@ -41,22 +47,35 @@ MOVING_AVERAGE = 20
 class Learner:
     """Trains on batches the trainer node takes, and pushes the weights to generators."""
 
-    def __init__(self, node: TrainerNode) -> None:
-        self.node = node
-        run = node.topology.run
-        self.spec = run.trainer
-        self.run_dir = RunDir(node.topology.run_dir())
-        self.metrics = JsonlLog(self.run_dir.metrics)
-        self.timeline = JsonlLog(self.run_dir.timeline)
-        self.utilization = JsonlLog(self.run_dir.utilization)
-        self.publisher = WeightPublisher(
-            node.identity,
-            node.secret,
-            node.cfg,
-            bucket_bytes=self.spec.bucket_mb << 20,
-            transport=self.spec.weight_transport,
-        )
-        self.engine: TorchTrainer | None = None
+    def __init__(
+        self,
+        spec: TrainerSpec,
+        *,
+        run_dir: RunDir,
+        publisher: WeightPublisher,
+        build_engine: Callable[[], TrainingEngine],
+        generators: Sequence[NodeSpec],
+        clients: Mapping[str, ClientSession],
+        peer_status: Mapping[str, NodeStatus],
+        tasks: Sequence[TaskSpec],
+        seed: int,
+    ) -> None:
+        """`build_engine` blocks (it runs in a worker thread); `clients` has a session to each of
+        `generators`; `peer_status` is the live map of the status peers last reported; `tasks` and
+        `seed` are the run's, for the random-policy baseline."""
+        self.spec = spec
+        self.run_dir = run_dir
+        self.publisher = publisher
+        self._build_engine = build_engine
+        self._generators = list(generators)
+        self._clients = clients
+        self._peer_status = peer_status
+        self._tasks = list(tasks)
+        self._seed = seed
+        self.metrics = JsonlLog(run_dir.metrics)
+        self.timeline = JsonlLog(run_dir.timeline)
+        self.utilization = JsonlLog(run_dir.utilization)
+        self.engine: TrainingEngine | None = None
         self.epoch_start = time.time()
         """Wall-clock time the run started (moved back by the elapsed time of a resumed run)."""
         self.last_step_at = time.monotonic()
@@ -72,11 +91,7 @@ class Learner:
 
     async def start(self) -> dict[str, Any] | None:
         """Build the engine; load the newest checkpoint if there is one and return its trainer state."""
-        from rollart.engines.torch_train import TorchTrainer
-
-        run = self.node.topology.run
-        seed = run.rollout.seed if run.rollout is not None else 0
-        self.engine = await asyncio.to_thread(TorchTrainer, run.model.path, self.spec, seed=seed)
+        self.engine = await asyncio.to_thread(self._build_engine)
         latest = self.latest_checkpoint()
         if latest is None:
             log.info("learner.ready", **self.engine.describe())
@@ -91,12 +106,10 @@ class Learner:
     def _measure_baseline(self) -> dict[str, dict[str, float]]:
         from rollart.tiny.warmup import random_policy_baseline
 
-        rollout = self.node.topology.run.rollout
-        assert rollout is not None
         baseline = {}
-        for task in rollout.tasks:
+        for task in self._tasks:
             try:
-                measured = random_policy_baseline(task, seed=rollout.seed)
+                measured = random_policy_baseline(task, seed=self._seed)
             except ConfigError as exc:  # a user's env: registered by run.env_modules on env-hosts only
                 log.info("learner.no_baseline", task=task.name, reason=str(exc))
                 continue
@@ -138,8 +151,8 @@ class Learner:
         """Ask every generator where to push weights, and add it as a publisher target; returns the
         newest version any of them holds."""
         held = 0
-        for spec in self.node.topology.nodes_with_role(Role.GENERATOR):
-            client = self.node.clients[spec.name]
+        for spec in self._generators:
+            client = self._clients[spec.name]
             while True:
                 try:
                     here = await client.request(WeightsWhere(), timeout=10.0)
@@ -147,7 +160,8 @@ class Learner:
                 except RollartError as exc:
                     log.info("learner.waiting_for_generator", generator=spec.name, error=str(exc))
                     await asyncio.sleep(1.0)
-            assert isinstance(here, WeightsHere)
+            if not isinstance(here, WeightsHere):
+                raise ProtocolError(f"generator {spec.name} answered WeightsWhere with {type(here).__name__}")
             self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
             self._ucx_ports[spec.name] = here.ucx_port
             held = max(held, here.version)
@@ -155,12 +169,13 @@ class Learner:
 
     def _follow_ucx_ports(self) -> None:
         """A restarted generator listens for UCX on a new port: push there from now on."""
-        for name, status in self.node.peer_status.items():
+        generators = {spec.name: spec for spec in self._generators}
+        for name, status in self._peer_status.items():
             if name not in self._ucx_ports or not isinstance(status, NodeStatus) or "ucx_port" not in status.load:
                 continue
             port = int(status.load["ucx_port"])
             if port != self._ucx_ports[name]:
-                spec = self.node.topology.node(name)
+                spec = generators[name]
                 self.publisher.remove_target(name)
                 self.publisher.add_target(name, spec.host, spec.port, ucx_port=port or None)
                 self._ucx_ports[name] = port
@@ -212,8 +227,11 @@ class Learner:
         self.stall_s.append(stall)
         return stall
 
-    def record(self, step: int, version: int, batch: list[GroupDone], stats: dict[str, Any]) -> dict[str, Any]:
-        """Write the step's metrics and its trajectories' timeline; return the metrics line."""
+    def record(
+        self, step: int, version: int, batch: list[GroupDone], stats: dict[str, Any], *, incarnation: int
+    ) -> dict[str, Any]:
+        """Write the step's metrics and its trajectories' timeline (whose lines name the trainer's
+        `incarnation`, the dispenser's); return the metrics line."""
         now = time.monotonic()
         trajectories = [t for group in batch for t in group.trajectories]
         tasks: dict[str, dict[str, Any]] = {}
@@ -245,17 +263,18 @@ class Learner:
         self.last_step_at = now
         self.last_stats = line
         self.metrics.write([line])
-        self.timeline.write(self._timeline(step, version - 1, trajectories))
+        self.timeline.write(self._timeline(step, version - 1, trajectories, incarnation))
         return line
 
-    def _timeline(self, step: int, taken_at: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
+    def _timeline(
+        self, step: int, taken_at: int, trajectories: list[Any], incarnation: int
+    ) -> Iterable[dict[str, Any]]:
         """One line per trained trajectory: what the run report draws, and what a fault-injection
         run's checks need (which group and seed it ran, the version it started at, the version its
         batch was taken at, `taken_at`, and the trainer's incarnation: a trainer resumed from a
         checkpoint trains the later steps again, and the last incarnation's lines are the ones the
         model descends from)."""
         t0 = self.epoch_start
-        incarnation = self.node.dispenser.incarnation
         for t in trajectories:
             yield {
                 "incarnation": incarnation,
@@ -277,7 +296,7 @@ class Learner:
         busy: dict[str, float] = {}
         samples = []
         elapsed = round(time.time() - self.epoch_start, 3)
-        for name, status in self.node.peer_status.items():
+        for name, status in self._peer_status.items():
             if not isinstance(status, NodeStatus) or "busy_s" not in status.load:
                 continue
             busy_s, up_s = status.load["busy_s"], status.load["engine_up_s"]
