@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
     build.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     report = commands.add_parser("report", help="plots and a summary table of a training run")
-    report.add_argument("run_dir", help="the run directory (metrics.jsonl, timeline.jsonl, utilization.jsonl)")
+    report.add_argument(
+        "run_dir", help=f"the run directory ({RunDir.METRICS}, {RunDir.TIMELINE}, {RunDir.UTILIZATION})"
+    )
     report.add_argument("--out", default=None, help="folder to write the report to (default: RUN_DIR/report)")
     slurm = commands.add_parser("slurm", help="write an sbatch script for the topology (docs/operating.md)")
     slurm.add_argument("topology", help="the topology YAML file, on a disk the cluster's nodes share")
