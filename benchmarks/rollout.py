@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart.rundir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 NODES = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
 
@@ -95,12 +97,12 @@ def run_once(model: Path, *, stepping: str, sigma: float, steps: int, median_s: 
         )
         if result.returncode != 0:
             raise SystemExit(f"run failed ({stepping}, sigma {sigma}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
-        run_dir = folder / "run"
-        groups = [json.loads(line)["group"] for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
+        run_dir = RunDir(folder / "run")
+        groups = [json.loads(line)["group"] for line in run_dir.rollout.read_text().splitlines()]
         trajectories = [t for g in groups for t in g["trajectories"]]
         start = min(t["started_at"] for t in trajectories)
         end = max(t["finished_at"] for t in trajectories)
-        summary = _last_event(run_dir / "logs" / "gen-0.log", "generator.summary")
+        summary = _last_event(run_dir.node_log("gen-0"), "generator.summary")
         window = end - start
         return {
             "trajectories": len(trajectories),

@@ -33,6 +33,8 @@ from typing import Any
 import yaml
 from rollout import free_ports  # benchmarks/rollout.py: this folder is on sys.path when run as a script
 
+from rollart.rundir import RunDir, read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": {"schedule": "sync"},
@@ -66,15 +68,8 @@ def topology(base: dict[str, Any], folder: Path, mode: str, args: argparse.Names
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    lines = []
-    for raw in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            continue  # a cut last line
-        if "step" in record:
-            lines.append(record)
-    return lines
+    # lenient: the run is read while it writes, and a cut line is skipped
+    return [record for record in read_jsonl(RunDir(run_dir).metrics, lenient=True) if "step" in record]
 
 
 def run_mode(base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -94,7 +89,7 @@ def run_mode(base: dict[str, Any], folder: Path, mode: str, args: argparse.Names
     try:
         while proc.poll() is None:
             time.sleep(5)
-            if (run_dir / "metrics.jsonl").exists():
+            if RunDir(run_dir).metrics.exists():
                 reached = time_to_target(read_metrics(run_dir), args.task, args.target)
                 if reached is not None:
                     proc.terminate()  # the launcher drains the nodes

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from rollart.errors import ConfigError
+from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, Topology
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
@@ -159,7 +160,7 @@ def admin_token(topology: Topology) -> str:
     try:
         return topology.read_admin_token()
     except ConfigError as exc:
-        made = topology.run_dir() / "admin.token"
+        made = RunDir(topology.run_dir()).admin_token
         if made.is_file():
             return made.read_text().strip()
         raise ConfigError(f"{exc}; nor is there a {made} from `rollart run`") from None
@@ -167,6 +168,6 @@ def admin_token(topology: Topology) -> str:
 
 def _token_source(topology: Topology) -> str:
     run = topology.run
-    made = topology.run_dir() / "admin.token"
+    made = RunDir(topology.run_dir()).admin_token
     source = f"run.admin_token_file: {run.admin_token_file}" if run.admin_token_file else f"${run.admin_token_env}"
     return f"{source}, or {made} for a run `rollart run` launched"

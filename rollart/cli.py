@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from rollart.errors import ConfigError
+from rollart.rundir import RunDir
 from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2
@@ -50,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
     build.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     report = commands.add_parser("report", help="plots and a summary table of a training run")
-    report.add_argument("run_dir", help="the run directory (metrics.jsonl, timeline.jsonl, utilization.jsonl)")
+    report.add_argument(
+        "run_dir", help=f"the run directory ({RunDir.METRICS}, {RunDir.TIMELINE}, {RunDir.UTILIZATION})"
+    )
     report.add_argument("--out", default=None, help="folder to write the report to (default: RUN_DIR/report)")
     slurm = commands.add_parser("slurm", help="write an sbatch script for the topology (docs/operating.md)")
     slurm.add_argument("topology", help="the topology YAML file, on a disk the cluster's nodes share")
@@ -127,7 +130,7 @@ def _simulate(topology: Topology) -> int:
     from rollart.launch.inprocess import check_inprocess, run_inprocess
 
     run = topology.run
-    log = topology.run_dir() / "logs" / "inprocess.log"
+    log = RunDir(topology.run_dir()).node_log("inprocess")
     try:
         check_inprocess(topology)
         if run.model.build_tiny_if_missing and not (Path(run.model.path) / "config.json").exists():
@@ -164,7 +167,7 @@ def _slurm(topology: Topology, path: Path, out: str | None, partition: list[str]
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     topology.run_dir().mkdir(parents=True, exist_ok=True)  # Slurm fails a job whose output folder is missing
-    target = Path(out) if out is not None else topology.run_dir() / "job.sbatch"
+    target = Path(out) if out is not None else RunDir(topology.run_dir()).sbatch
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(script)
     target.chmod(0o755)

@@ -12,13 +12,12 @@ unknown kind and missing optional keys are tolerated.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollart.errors import RollartError
+from rollart.rundir import RunDir, RunDirError, read_jsonl
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -33,8 +32,9 @@ SPAN_COLORS = {"gen": "tab:blue", "env": "tab:orange", "reward": "tab:green"}
 ALL_TASKS = "all"  # the series name when steps carry no per-task breakdown
 
 
-class ReportError(RollartError):
-    """The run directory cannot be reported on (no metrics, or a corrupt line); the message says which file."""
+ReportError = RunDirError
+"""The run directory cannot be reported on (no metrics, or a corrupt line); the message says which file.
+The run folder's own error: `read_jsonl` raises it for a corrupt line."""
 
 
 @dataclass
@@ -47,27 +47,9 @@ class RunData:
     utilization: list[Record] = field(default_factory=list)
 
 
-def read_jsonl(path: Path) -> list[Record]:
-    """The JSON objects of a JSONL file. A last line that does not parse is a write cut short by a
-    killed run and is dropped; a bad line anywhere else is corruption and raises `ReportError`."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records: list[Record] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise ReportError(f"{path}:{number}: not a JSON object ({exc.msg})") from exc
-        if isinstance(value, dict):
-            records.append(value)
-    return records
-
-
 def load_run(run_dir: Path) -> RunData:
-    metrics_path = run_dir / "metrics.jsonl"
+    files = RunDir(run_dir)
+    metrics_path = files.metrics
     if not metrics_path.is_file():
         raise ReportError(f"{metrics_path}: no such file; is {run_dir} the directory of a training run?")
     run = RunData(steps=[])
@@ -76,8 +58,7 @@ def load_run(run_dir: Path) -> RunData:
             run.baseline = dict(record.get("tasks") or {})
         elif "step" in record:
             run.steps.append(record)
-    for name in ("timeline", "utilization"):
-        path = run_dir / f"{name}.jsonl"
+    for path, name in ((files.timeline, "timeline"), (files.utilization, "utilization")):
         if path.is_file():
             setattr(run, name, read_jsonl(path))
     return run
@@ -163,7 +144,7 @@ def plot_reward_success(run: RunData, path: Path) -> None:
             if baseline is not None:
                 ax.axhline(baseline, color=color, linestyle="--", linewidth=1, label=f"{task} random policy")
         if not series:
-            _no_data(ax, f"no {key} in metrics.jsonl")
+            _no_data(ax, f"no {key} in {RunDir.METRICS}")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     success_ax.axhline(SUCCESS_TARGET, color="black", linestyle=":", linewidth=1, label=f"target {SUCCESS_TARGET}")
@@ -185,7 +166,7 @@ def plot_utilization(run: RunData, path: Path) -> None:
     if series:
         ax.legend(fontsize="small", loc="lower right")
     else:
-        _no_data(ax, "no utilization.jsonl and no generator_busy in metrics.jsonl")
+        _no_data(ax, f"no {RunDir.UTILIZATION} and no generator_busy in {RunDir.METRICS}")
     ax.set_ylim(-0.02, 1.05)
     ax.set_xlabel("elapsed (minutes)")
     ax.set_ylabel("busy fraction")
@@ -228,7 +209,7 @@ def plot_timeline(run: RunData, path: Path, max_trajectories: int = TIMELINE_MAX
         more = f" (the last {len(trajectories)} of {len(run.timeline)})" if skipped > 0 else ""
         ax.set_title(f"Trajectory timeline{more}")
     else:
-        _no_data(ax, "no timeline.jsonl in the run directory")
+        _no_data(ax, f"no {RunDir.TIMELINE} in the run directory")
         ax.set_title("Trajectory timeline")
     ax.set_yticks([])
     ax.set_xlabel("seconds since run start")
@@ -292,7 +273,7 @@ def build_report(run_dir: Path, out: Path | None = None) -> Path:
     """Read the run directory, write the plots and `report.md` into `out` (default RUN_DIR/report)
     and return `out`. Raises `ReportError` naming `metrics.jsonl` when the run has none."""
     run = load_run(run_dir)
-    out = run_dir / "report" if out is None else out
+    out = RunDir(run_dir).report if out is None else out
     out.mkdir(parents=True, exist_ok=True)
     plotters = {
         "reward_success.png": plot_reward_success,

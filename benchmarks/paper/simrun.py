@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout import free_ports  # noqa: E402 - benchmarks/rollout.py
 
+from rollart.rundir import RunDir  # noqa: E402
+
 
 @dataclass
 class Result:
@@ -111,24 +113,24 @@ def run(
             timeout=timeout_s,
             check=False,
         )
-        run_dir = folder / "run"
+        run_dir = RunDir(folder / "run")
         if result.returncode != 0:
             raise SystemExit(f"run failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
         speedup = float(run_spec.get("sim", {}).get("speedup", 1.0))
         taken = [
             datetime.datetime.fromisoformat(event["timestamp"]).timestamp()
-            for event in events(run_dir / "logs" / "trainer.log", "trainer.batch")
+            for event in events(run_dir.node_log("trainer"), "trainer.batch")
         ]
         steps = [(b - a) * speedup for a, b in itertools.pairwise(taken)]
-        lines = (run_dir / "rollout.jsonl").read_text().splitlines()
+        lines = run_dir.rollout.read_text().splitlines()
         records = [json.loads(line) for line in lines]
         trajectories = [t for r in records for t in r["group"]["trajectories"]]
         versions = [r["version"] for r in records for _ in r["group"]["trajectories"]]
         aborted = 0
-        for log in (run_dir / "logs").glob("*.log"):
+        for log in run_dir.logs.glob("*.log"):
             for summary in events(log, "env_host.summary")[-1:]:
                 aborted += summary.get("aborted_stale", 0)
-        (trainer,) = events(run_dir / "logs" / "trainer.log", "trainer.summary")[-1:]
+        (trainer,) = events(run_dir.node_log("trainer"), "trainer.summary")[-1:]
         return Result(steps, trajectories, versions, speedup, aborted, trainer["buffer"]["dropped_stale"])
 
 
@@ -161,7 +163,7 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
     from rollart.launch.inprocess import run_inprocess
     from rollart.nodes import EnvHostNode, TrainerNode
-    from rollart.nodes.trainer import as_record
+    from rollart.nodes.trainer_steps import as_record
     from rollart.topology import parse_topology
 
     placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused

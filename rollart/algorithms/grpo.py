@@ -34,7 +34,7 @@ Aggregation is a token mean over the whole batch: `grpo_loss` sums loss_t over o
 loss tokens and divides by `total_tokens`, the loss tokens of the whole batch. Summing the
 micro-batches' gradients therefore gives the whole batch's gradient, whatever the split. The
 trainer leaves out groups whose rewards are all equal (zero advantage, no signal) before packing
-(`rollart.nodes.learner.Learner.train`), so the mean is over tokens that carry signal.
+(`rollart.algorithms.selection`), so the mean is over tokens that carry signal.
 
 A training step, in outline:
 
@@ -76,11 +76,6 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     # would give a spurious advantage.
     same = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     return centred.masked_fill(same, 0.0)
-
-
-def groups_with_signal(advantages: torch.Tensor) -> list[int]:
-    """Indices of the groups of advantages [groups, G] that are not all zero: the groups to train on."""
-    return [i for i in range(advantages.shape[0]) if bool(advantages[i].ne(0).any())]
 
 
 class SequenceLike(Protocol):

@@ -1,4 +1,4 @@
-"""The training engine interface every backend implements (plain PyTorch here; Megatron-Core next).
+"""The training engine interface every backend implements, its settings, and the factory that builds one.
 
 A training engine owns the policy's trainable weights and optimizer. The trainer node hands it
 one packed batch per step (`rollart.algorithms.grpo.PackedBatch`, advantages already computed);
@@ -7,16 +7,25 @@ happened. Weights leave it by Hugging Face name (`export_weights`), which is wha
 whatever the engine's own layout (Megatron shards and fuses them; it must un-fuse here).
 
 All methods block: the node calls them in a worker thread so its event loop keeps serving.
+
+`TrainerSpec` (`run.trainer` in the topology) lives here, beside the engine it configures; it and
+this module import no torch, so the topology loads without it. `build_training_engine` picks the
+backend by `run.trainer.backend`: adding one (fsdp2, megatron) is a builder function at the end of
+this module and its line in `TRAINING_BACKENDS`; the builder imports its backend (and torch) only
+when chosen, and mypy checks that what it returns is a `TrainingEngine`.
 """
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
 from rollart.algorithms.config import GRPOConfig
+from rollart.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -29,8 +38,8 @@ Precision = Literal["auto", "fp32", "bf16"]
 class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """How the trainer node trains (`run.trainer` in the topology)."""
 
-    backend: Literal["torch"] = "torch"
-    """torch: plain PyTorch on one device (CPU or GPU)."""
+    backend: str = "torch"
+    """A key of `TRAINING_BACKENDS`; torch: plain PyTorch on one device (CPU or GPU)."""
     device: str = "auto"
     """auto: cuda when available, else cpu."""
     precision: Precision = "auto"
@@ -61,6 +70,8 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 
     def validate(self) -> list[tuple[str, str]]:
         problems = [(f"grpo.{key}", problem) for key, problem in self.grpo.validate()]
+        if self.backend not in TRAINING_BACKENDS:
+            problems.append(("backend", unknown_backend(self.backend)))
         for key in ("lr", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
@@ -74,6 +85,9 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 
 class TrainingEngine(Protocol):
     """What the trainer node drives."""
+
+    pad_id: int
+    """The tokenizer's padding id, which `pack_batch` pads with."""
 
     def train_step(self, batch: PackedBatch, *, version: int) -> dict[str, float]:
         """One training step on a batch (its optimizer step(s) included); returns its statistics:
@@ -89,4 +103,35 @@ class TrainingEngine(Protocol):
     def load(self, path: Path) -> None:
         """Restore what `save` wrote."""
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]:
+        """What the engine runs on (backend, device, precision, parameters), for the start-up log."""
+
+
+def build_training_engine(spec: TrainerSpec, model_path: str | Path, *, seed: int) -> TrainingEngine:
+    """The training engine `spec.backend` names, on the model at `model_path`; blocks while it loads
+    (call it in a worker thread). Raises ConfigError naming `run.trainer.backend` for an unknown one."""
+    build = TRAINING_BACKENDS.get(spec.backend)
+    if build is None:
+        raise ConfigError(f"run.trainer.backend: {unknown_backend(spec.backend)}")
+    return build(spec, model_path, seed)
+
+
+def unknown_backend(name: str) -> str:
+    hint = difflib.get_close_matches(name, TRAINING_BACKENDS, n=1)
+    known = ", ".join(sorted(TRAINING_BACKENDS))
+    return f"unknown training backend {name!r} (known: {known})" + (f"; did you mean {hint[0]!r}?" if hint else "")
+
+
+# -- the backends -------------------------------------------------------------------------------
+
+
+def _torch(spec: TrainerSpec, model_path: str | Path, seed: int) -> TrainingEngine:
+    from rollart.engines.torch_train import TorchTrainer
+
+    return TorchTrainer(model_path, spec, seed=seed)
+
+
+TRAINING_BACKENDS: dict[str, Callable[[TrainerSpec, str | Path, int], TrainingEngine]] = {
+    "torch": _torch,
+}
+"""`run.trainer.backend` -> the function that builds its engine (spec, model path, seed)."""

@@ -31,6 +31,7 @@ from typing import Any, Literal, TextIO
 import aiohttp
 
 from rollart.errors import ConfigError
+from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, RestartPolicy, Topology
 
 EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -117,11 +118,8 @@ def finished_step(topology: Topology) -> int | None:
     rollout = topology.run.rollout
     if rollout is None or rollout.mode != "train" or rollout.steps is None:
         return None
-    pointer = topology.run_dir() / "checkpoints" / "latest"
-    with contextlib.suppress(OSError, ValueError):
-        step = int(pointer.read_text().strip().removeprefix("step-"))
-        return step if step >= rollout.steps else None
-    return None
+    step = RunDir(topology.run_dir()).latest_step()
+    return step if step is not None and step >= rollout.steps else None
 
 
 class Launcher:
@@ -144,7 +142,7 @@ class Launcher:
         self.tty = out.isatty()
         self.run_dir = topology.run_dir()
         self.nodes = [
-            NodeProcess(spec, topology.restart_policy(spec), self.run_dir / "logs" / f"{spec.name}.log")
+            NodeProcess(spec, topology.restart_policy(spec), RunDir(self.run_dir).node_log(spec.name))
             for spec in topology.nodes
         ]
         self.env = dict(os.environ)
@@ -166,7 +164,7 @@ class Launcher:
             aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{int(time.time())}")
             self.run_dir.rename(aside)
             self._say(f"{self.run_dir} holds a finished run (checkpoint at step {finished}); moved it to {aside}")
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        RunDir(self.run_dir).logs.mkdir(parents=True, exist_ok=True)
         model = Path(run.model.path)
         if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():
             self._say(f"building the tiny default model in {model} (first run only)")
@@ -179,7 +177,7 @@ class Launcher:
             self.env[run.admin_token_env] = secrets.token_urlsafe(24)
         with contextlib.suppress(ConfigError):  # a token from a file stays in that file
             token = self.env.get(run.admin_token_env) or self.topology.read_admin_token()
-            token_path = self.run_dir / "admin.token"
+            token_path = RunDir(self.run_dir).admin_token
             token_path.touch(mode=0o600)
             token_path.write_text(token + "\n")
         self.env["PYTHONUNBUFFERED"] = "1"
@@ -221,7 +219,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        self._say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {self.run_dir / 'logs'}")
+        self._say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {RunDir(self.run_dir).logs}")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
                 for node in self.nodes:
@@ -412,7 +410,7 @@ class Launcher:
         self.out.flush()
 
     def _report(self) -> None:
-        if not (self.run_dir / "metrics.jsonl").exists():
+        if not RunDir(self.run_dir).metrics.exists():
             return
         from rollart.report import ReportError, build_report
 

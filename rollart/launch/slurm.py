@@ -44,6 +44,7 @@ import yaml
 
 from rollart.errors import ConfigError
 from rollart.launch.local import after_failure, describe_exit
+from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -261,7 +262,8 @@ class Supervisor:
         self, topology: Topology, resolved: Path, steps: list[Step], groups: int, out: TextIO = sys.stdout
     ) -> None:
         self.topology, self.resolved, self.steps, self.groups, self.out = topology, resolved, steps, groups, out
-        self.logs = topology.run_dir() / "logs"
+        self.run_files = RunDir(topology.run_dir())
+        self.logs = self.run_files.logs
         self.stopping: str | None = None
         self.failure: str | None = None
         self.job_ids: list[str] = []
@@ -340,7 +342,7 @@ class Supervisor:
             step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
             code = await step.proc.wait()
             # srun exits 128 + N when its task was killed by signal N.
-            log = self.logs / f"{name}.log"
+            log = self.run_files.node_log(name)
             what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
             if self._stop.is_set():
                 self.say(f"{what} while stopping")

@@ -2,10 +2,14 @@
 
 Per batch: group-relative advantages, one `train_step` in a worker thread (the node keeps serving
 env-hosts meanwhile), a snapshot of the new weights handed to the `WeightPublisher` (the only
-wait: a copy), and a line in `RUN_DIR/metrics.jsonl` plus one per trajectory in
-`timeline.jsonl`. Checkpoints go to `RUN_DIR/checkpoints/step-NNNNNN/` (a loadable Hugging Face
-folder, optimizer state, and `trainer.pt` with version, step, RNG and dispenser state); the
-`latest` file names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
+wait: a copy), and a line in the run folder's metrics plus one per trajectory in its timeline
+(`rollart.rundir.RunDir`). Checkpoints go to `RunDir.checkpoint(step)` (a loadable Hugging Face
+folder, optimizer state, and the trainer state: version, step, RNG and dispenser state); the
+`latest` pointer names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
+
+It knows no node: the trainer node hands it what it uses (the run folder, a weight publisher, a
+function that builds the training engine, the generators and their sessions, the status they
+report), so it can be built and driven alone.
 """
 
 from __future__ import annotations
@@ -15,65 +19,63 @@ import collections
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
 
+from rollart.algorithms.selection import select_groups
 from rollart.errors import ConfigError, RollartError
+from rollart.protocol.errors import ProtocolError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
-from rollart.topology import Role
-from rollart.weights import WeightPublisher
+from rollart.rundir import JsonlLog, RunDir
 
 if TYPE_CHECKING:
-    from rollart.engines.torch_train import TorchTrainer
-    from rollart.nodes.trainer import TrainerNode
+    from rollart.engines.training import TrainerSpec, TrainingEngine
+    from rollart.protocol import ClientSession
+    from rollart.rollout.config import TaskSpec
+    from rollart.topology import NodeSpec
+    from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.learner")
 
-LATEST = "latest"
 MOVING_AVERAGE = 20
 """Steps in the moving averages of success and reward shown in progress and the report."""
-STATE_FILE = "trainer.pt"
-INCARNATION_FILE = "incarnation"
-
-
-class JsonlLog:
-    """Append-only JSON lines, one write per record (a killed run leaves at most a cut last line)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, records: Iterable[dict[str, Any]]) -> None:
-        data = b"".join(msgspec.json.encode(record) + b"\n" for record in records)
-        if data:
-            with self.path.open("ab") as out:
-                out.write(data)
 
 
 class Learner:
     """Trains on batches the trainer node takes, and pushes the weights to generators."""
 
-    def __init__(self, node: TrainerNode) -> None:
-        self.node = node
-        run = node.topology.run
-        self.spec = run.trainer
-        self.run_dir = node.topology.run_dir()
-        self.checkpoints = self.run_dir / "checkpoints"
-        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
-        self.utilization = JsonlLog(self.run_dir / "utilization.jsonl")
-        self.publisher = WeightPublisher(
-            node.identity,
-            node.secret,
-            node.cfg,
-            bucket_bytes=self.spec.bucket_mb << 20,
-            transport=self.spec.weight_transport,
-        )
-        self.engine: TorchTrainer | None = None
+    def __init__(
+        self,
+        spec: TrainerSpec,
+        *,
+        run_dir: RunDir,
+        publisher: WeightPublisher,
+        build_engine: Callable[[], TrainingEngine],
+        generators: Sequence[NodeSpec],
+        clients: Mapping[str, ClientSession],
+        peer_status: Mapping[str, NodeStatus],
+        tasks: Sequence[TaskSpec],
+        seed: int,
+    ) -> None:
+        """`build_engine` blocks (it runs in a worker thread); `clients` has a session to each of
+        `generators`; `peer_status` is the live map of the status peers last reported; `tasks` and
+        `seed` are the run's, for the random-policy baseline."""
+        self.spec = spec
+        self.run_dir = run_dir
+        self.publisher = publisher
+        self._build_engine = build_engine
+        self._generators = list(generators)
+        self._clients = clients
+        self._peer_status = peer_status
+        self._tasks = list(tasks)
+        self._seed = seed
+        self.metrics = JsonlLog(run_dir.metrics)
+        self.timeline = JsonlLog(run_dir.timeline)
+        self.utilization = JsonlLog(run_dir.utilization)
+        self.engine: TrainingEngine | None = None
         self.epoch_start = time.time()
         """Wall-clock time the run started (moved back by the elapsed time of a resumed run)."""
         self.last_step_at = time.monotonic()
@@ -89,11 +91,7 @@ class Learner:
 
     async def start(self) -> dict[str, Any] | None:
         """Build the engine; load the newest checkpoint if there is one and return its trainer state."""
-        from rollart.engines.torch_train import TorchTrainer
-
-        run = self.node.topology.run
-        seed = run.rollout.seed if run.rollout is not None else 0
-        self.engine = await asyncio.to_thread(TorchTrainer, run.model.path, self.spec, seed=seed)
+        self.engine = await asyncio.to_thread(self._build_engine)
         latest = self.latest_checkpoint()
         if latest is None:
             log.info("learner.ready", **self.engine.describe())
@@ -108,12 +106,10 @@ class Learner:
     def _measure_baseline(self) -> dict[str, dict[str, float]]:
         from rollart.tiny.warmup import random_policy_baseline
 
-        rollout = self.node.topology.run.rollout
-        assert rollout is not None
         baseline = {}
-        for task in rollout.tasks:
+        for task in self._tasks:
             try:
-                measured = random_policy_baseline(task, seed=rollout.seed)
+                measured = random_policy_baseline(task, seed=self._seed)
             except ConfigError as exc:  # a user's env: registered by run.env_modules on env-hosts only
                 log.info("learner.no_baseline", task=task.name, reason=str(exc))
                 continue
@@ -123,25 +119,22 @@ class Learner:
         return baseline
 
     def claim_incarnation(self) -> int:
-        """How many trainer processes of this run started before this one (RUN_DIR/checkpoints/
-        incarnation, counted up at each start). Group ids carry it: a trainer that dies before its
+        """How many trainer processes of this run started before this one (`RunDir.incarnation`,
+        counted up at each start). Group ids carry it: a trainer that dies before its
         first checkpoint, or twice after the same one, would otherwise hand out the ids its last
         life did, and take a group still coming home from that life for a different one."""
-        path = self.checkpoints / INCARNATION_FILE
+        path = self.run_dir.incarnation
         started = int(path.read_text()) + 1 if path.exists() else 0
-        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(".tmp")
         scratch.write_text(f"{started}\n")
         scratch.replace(path)
         return started
 
     def latest_checkpoint(self) -> Path | None:
-        pointer = self.checkpoints / LATEST
-        if not pointer.exists():
-            return None
-        path = self.checkpoints / pointer.read_text().strip()
-        if not (path / STATE_FILE).exists():
-            raise RollartError(f"{pointer} names {path}, which is not a complete checkpoint")
+        path = self.run_dir.latest_checkpoint()
+        if path is not None and not self.run_dir.trainer_state(path).exists():
+            raise RollartError(f"{self.run_dir.latest} names {path}, which is not a complete checkpoint")
         return path
 
     def _load(self, path: Path) -> dict[str, Any]:
@@ -149,7 +142,7 @@ class Learner:
 
         assert self.engine is not None
         self.engine.load(path)
-        state: dict[str, Any] = torch.load(path / STATE_FILE, weights_only=False)
+        state: dict[str, Any] = torch.load(self.run_dir.trainer_state(path), weights_only=False)
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         return state
@@ -158,8 +151,8 @@ class Learner:
         """Ask every generator where to push weights, and add it as a publisher target; returns the
         newest version any of them holds."""
         held = 0
-        for spec in self.node.topology.nodes_with_role(Role.GENERATOR):
-            client = self.node.clients[spec.name]
+        for spec in self._generators:
+            client = self._clients[spec.name]
             while True:
                 try:
                     here = await client.request(WeightsWhere(), timeout=10.0)
@@ -167,7 +160,8 @@ class Learner:
                 except RollartError as exc:
                     log.info("learner.waiting_for_generator", generator=spec.name, error=str(exc))
                     await asyncio.sleep(1.0)
-            assert isinstance(here, WeightsHere)
+            if not isinstance(here, WeightsHere):
+                raise ProtocolError(f"generator {spec.name} answered WeightsWhere with {type(here).__name__}")
             self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
             self._ucx_ports[spec.name] = here.ucx_port
             held = max(held, here.version)
@@ -175,12 +169,13 @@ class Learner:
 
     def _follow_ucx_ports(self) -> None:
         """A restarted generator listens for UCX on a new port: push there from now on."""
-        for name, status in self.node.peer_status.items():
+        generators = {spec.name: spec for spec in self._generators}
+        for name, status in self._peer_status.items():
             if name not in self._ucx_ports or not isinstance(status, NodeStatus) or "ucx_port" not in status.load:
                 continue
             port = int(status.load["ucx_port"])
             if port != self._ucx_ports[name]:
-                spec = self.node.topology.node(name)
+                spec = generators[name]
                 self.publisher.remove_target(name)
                 self.publisher.add_target(name, spec.host, spec.port, ucx_port=port or None)
                 self._ucx_ports[name] = port
@@ -191,37 +186,35 @@ class Learner:
     async def train(self, batch: list[GroupDone], *, version: int) -> dict[str, Any]:
         """One training step on `batch`, taken at policy `version`; returns its statistics.
 
-        Only groups with signal are trained on: a group whose rewards are all equal has zero
-        advantage everywhere (DAPO's dynamic-sampling filter; `rollout.dynamic_sampling` also has the
-        buffer fill the batch with groups that have signal). Left in,
-        its tokens would only dilute the token mean; and a batch with no signal at all takes no
-        optimizer step, since AdamW's momentum would still move the weights on a zero gradient. With
-        `grpo.anchor_coef > 0` up to `grpo.anchor_groups` of them, drawn at random, stay in the
-        batch: the anchor holds their behaviour in place.
+        Only the groups `rollart.algorithms.selection.select_groups` picks are trained on: those with
+        signal, plus up to `grpo.anchor_groups` anchors when `grpo.anchor_coef > 0`. A batch with no
+        signal at all takes no optimizer step, since AdamW's momentum would still move the weights on
+        a zero gradient (`rollout.dynamic_sampling` also has the buffer fill the batch with groups
+        that have signal).
         """
-        from rollart.algorithms.grpo import group_advantages, groups_with_signal, pack_batch, staleness
+        from rollart.algorithms.grpo import group_advantages, pack_batch, staleness
 
         assert self.engine is not None
         engine = self.engine
         cfg = self.spec.grpo
+        rewards = [[t.reward for t in group.trajectories] for group in batch]
+        chosen = select_groups(rewards, anchors=cfg.anchor_groups if cfg.anchor_coef > 0 else 0)
 
         def step() -> dict[str, Any]:
             import torch
 
-            rewards = torch.tensor([[t.reward for t in group.trajectories] for group in batch])
-            advantages = group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
-            signal = groups_with_signal(advantages)
-            counts = {"groups_trained": float(len(signal)), "groups_without_signal": float(len(batch) - len(signal))}
-            if not signal:
+            advantages = group_advantages(torch.tensor(rewards), normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
+            counts = {
+                "groups_trained": float(len(chosen.signal)),
+                "groups_without_signal": float(chosen.without_signal),
+            }
+            if not chosen.trained:
                 everything = [t for group in batch for t in group.trajectories]
                 packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
                 skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
                 return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
-            if cfg.anchor_coef > 0:  # the anchor holds groups without signal where they are
-                quiet = [i for i in range(len(batch)) if i not in signal]
-                signal = sorted(signal + random.sample(quiet, min(cfg.anchor_groups, len(quiet))))
-            trajectories = [t for i in signal for t in batch[i].trajectories]
-            packed = pack_batch(trajectories, advantages[signal].flatten().tolist(), pad_id=engine.pad_id)
+            trajectories = [t for i in chosen.trained for t in batch[i].trajectories]
+            packed = pack_batch(trajectories, advantages[chosen.trained].flatten().tolist(), pad_id=engine.pad_id)
             return counts | engine.train_step(packed, version=version)
 
         return await asyncio.to_thread(step)
@@ -234,8 +227,11 @@ class Learner:
         self.stall_s.append(stall)
         return stall
 
-    def record(self, step: int, version: int, batch: list[GroupDone], stats: dict[str, Any]) -> dict[str, Any]:
-        """Write the step's metrics and its trajectories' timeline; return the metrics line."""
+    def record(
+        self, step: int, version: int, batch: list[GroupDone], stats: dict[str, Any], *, incarnation: int
+    ) -> dict[str, Any]:
+        """Write the step's metrics and its trajectories' timeline (whose lines name the trainer's
+        `incarnation`, the dispenser's); return the metrics line."""
         now = time.monotonic()
         trajectories = [t for group in batch for t in group.trajectories]
         tasks: dict[str, dict[str, Any]] = {}
@@ -267,17 +263,18 @@ class Learner:
         self.last_step_at = now
         self.last_stats = line
         self.metrics.write([line])
-        self.timeline.write(self._timeline(step, version - 1, trajectories))
+        self.timeline.write(self._timeline(step, version - 1, trajectories, incarnation))
         return line
 
-    def _timeline(self, step: int, taken_at: int, trajectories: list[Any]) -> Iterable[dict[str, Any]]:
+    def _timeline(
+        self, step: int, taken_at: int, trajectories: list[Any], incarnation: int
+    ) -> Iterable[dict[str, Any]]:
         """One line per trained trajectory: what the run report draws, and what a fault-injection
         run's checks need (which group and seed it ran, the version it started at, the version its
         batch was taken at, `taken_at`, and the trainer's incarnation: a trainer resumed from a
         checkpoint trains the later steps again, and the last incarnation's lines are the ones the
         model descends from)."""
         t0 = self.epoch_start
-        incarnation = self.node.dispenser.incarnation
         for t in trajectories:
             yield {
                 "incarnation": incarnation,
@@ -299,7 +296,7 @@ class Learner:
         busy: dict[str, float] = {}
         samples = []
         elapsed = round(time.time() - self.epoch_start, 3)
-        for name, status in self.node.peer_status.items():
+        for name, status in self._peer_status.items():
             if not isinstance(status, NodeStatus) or "busy_s" not in status.load:
                 continue
             busy_s, up_s = status.load["busy_s"], status.load["engine_up_s"]
@@ -321,8 +318,8 @@ class Learner:
 
         assert self.engine is not None
         engine = self.engine
-        name = f"step-{step:06d}"
-        path = self.checkpoints / name
+        run_dir = self.run_dir
+        path = run_dir.checkpoint(step)
         state = {
             "step": step,
             "version": version,
@@ -334,12 +331,9 @@ class Learner:
 
         def save() -> None:
             engine.save(path)
-            torch.save(state, path / STATE_FILE)
-            pointer = self.checkpoints / f".{LATEST}.tmp"
-            pointer.write_text(name + "\n")
-            pointer.replace(self.checkpoints / LATEST)
-            kept = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
-            for old in kept[: -self.spec.keep_checkpoints]:
+            torch.save(state, run_dir.trainer_state(path))
+            run_dir.point_latest_at(path)
+            for old in run_dir.saved_checkpoints()[: -self.spec.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
 
         started = time.monotonic()

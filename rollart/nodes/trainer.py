@@ -3,52 +3,37 @@
 Env-hosts ask it for group tasks (`TaskWanted`, answered within the alpha admission limit) and
 return finished groups (`GroupDone`, checked against the staleness bound) or failed ones
 (`GroupFailed`, re-issued). Its loop takes a batch from the SampleBuffer as soon as one is
-complete. In `train` mode it trains on it (`Learner`: GRPO step, weight push that the trainer
-never waits for, metrics, checkpoints), bumps the policy version and goes on; with
-`schedule: sync` it instead holds the dispenser while it trains and until every generator has
-loaded the new weights (the synchronous baseline). In `rollout-only` mode it does not train: it
-records each batch to `RUN_DIR/rollout.jsonl` and, when asked to, counts the batch as a new policy
-version, which drops and aborts whatever that version makes too stale, exactly as training would;
-in simulation mode with `run.sim.trainer`, each batch also costs a modelled training step (and for
-the sync schedule the weight push), on the simulation clock.
+complete and hands it to the node's step strategy (`rollart.nodes.trainer_steps`), chosen once
+from the topology: train on it (`rollout.mode: train`, sync or async schedule), record it
+(`rollout-only`), or record it and model a training step on the simulation clock
+(`run.sim.trainer`). Whatever the mode, a new policy version drops and aborts what it makes too
+stale, here in `bump_version`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 
-from rollart.clock import SimClock
-from rollart.errors import RollartError
+from rollart.engines.training import build_training_engine
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
+from rollart.nodes.trainer_steps import RolloutOnlyStep, SimulatedStep, StepStrategy, TrainStep
 from rollart.protocol import Session
-from rollart.protocol.messages import (
-    GroupAck,
-    GroupDone,
-    GroupFailed,
-    NoTask,
-    PolicyVersion,
-    SimWeights,
-    TaskWanted,
-)
+from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
+from rollart.rundir import RunDir
 from rollart.topology import Role
+from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.trainer")
 
 LEASE_CHECK_S = 5.0
-SYNC_PUSH_TIMEOUT_S = 600.0
-"""The synchronous baseline waits this long for every generator to load a version, then goes on."""
-FINAL_PUSH_S = 30.0
-"""At the end of a run, how long the trainer waits for generators to load the last version."""
 TRAINER_STEP_GAUGES = {
     "reward_mean": "Mean reward of the last step's batch",
     "success_rate": "Success rate of the last step's batch",
@@ -98,181 +83,74 @@ class TrainerNode(NodeDaemon):
                 max_uniform_batches=rollout.max_uniform_batches,
             )
             self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
-        self.out_path = self.topology.run_dir() / "rollout.jsonl"
-        self.learner = Learner(self) if rollout is not None and rollout.mode == "train" else None
-        self.last_checkpoint_step = 0
-        self.clock = SimClock(self.topology.run.sim.speedup)
-        """Simulation mode's clock (`run.sim.trainer`)."""
-        self._step_lock = asyncio.Lock()
-        """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
-        self._background: set[asyncio.Future[None]] = set()
-        """Simulated asynchronous weight pushes in flight."""
+        self.run_dir = RunDir(self.topology.run_dir())
         self.on_batch: Callable[[int, list[GroupDone]], None] | None = None
-        """Rollout-only mode: called with (version, batch) for each batch taken, instead of appending
-        it to `rollout.jsonl` (the in-process simulation reads batches this way, with no thread)."""
+        """Rollout-only mode: called with (version, batch) for each batch taken, instead of recording
+        it in `RunDir.rollout` (the in-process simulation reads batches this way, with no thread)."""
+        self.learner: Learner | None = None
+        self.steps: StepStrategy | None = None
+        if rollout is not None:
+            self.steps = self._choose_steps()
+
+    def _choose_steps(self) -> StepStrategy:
+        """The node's mode, once, from the topology (see `rollart.nodes.trainer_steps`)."""
+        run, rollout = self.topology.run, self.rollout
+        assert rollout is not None
+        if rollout.mode == "train":
+            spec = run.trainer
+            self.learner = Learner(
+                spec,
+                run_dir=self.run_dir,
+                publisher=WeightPublisher(
+                    self.identity,
+                    self.secret,
+                    self.cfg,
+                    bucket_bytes=spec.bucket_mb << 20,
+                    transport=spec.weight_transport,
+                ),
+                build_engine=functools.partial(build_training_engine, spec, run.model.path, seed=rollout.seed),
+                generators=self.topology.nodes_with_role(Role.GENERATOR),
+                clients=self.clients,
+                peer_status=self.peer_status,
+                tasks=rollout.tasks,
+                seed=rollout.seed,
+            )
+            return TrainStep(self, self.learner, rollout)
+        if run.sim.trainer is not None:
+            generators = {
+                peer.name: run.sim.engines[peer.hardware]
+                for peer in self.topology.nodes_with_role(Role.GENERATOR)
+                if peer.hardware in run.sim.engines
+            }
+            return SimulatedStep(self, rollout, self.run_dir, sim=run.sim, generators=generators, clients=self.clients)
+        return RolloutOnlyStep(self, rollout, self.run_dir)
 
     async def work(self) -> None:
-        if self.rollout is None:
+        if self.steps is None:
             await super().work()
             return
         async with asyncio.TaskGroup() as tg:
             leases = tg.create_task(self._expire_leases())
-            if self.learner is not None:
-                self.dispenser.held = True  # nothing starts before the weights are ready
-                state = await self.learner.start()
-                tg.create_task(self.learner.publisher.run())
-                held = await self.learner.connect_generators()
-                if state is not None:
-                    self._resume(state)
-                claimed = await asyncio.to_thread(self.learner.claim_incarnation)
-                self.dispenser.incarnation = max(self.dispenser.incarnation, claimed)
-                await self._bring_generators_in_line(held)
-                self.dispenser.held = False
-                self.dispenser.changed()
-            await self._consume()
+            await self.steps.start(tg)
+            await self._consume(self.steps)
             leases.cancel()
-            if self.learner is not None:
-                with contextlib.suppress(TimeoutError):  # let the last version land, within reason
-                    await self.learner.publisher.wait_delivered(self.version, timeout=FINAL_PUSH_S)
-                await self.learner.publisher.close()
+            await self.steps.close()
 
-    def _resume(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: same step and version, the same groups still to run."""
-        self.version = int(state["version"])
-        self.batches = self.last_checkpoint_step = int(state["step"])
-        self.dispenser.load_state(state["dispenser"])
-
-    async def _bring_generators_in_line(self, held: int) -> None:
-        """Before any group starts, every generator must run this trainer's weights.
-
-        A generator may hold a version this trainer never saved (pushed by the run it resumes, after
-        its last checkpoint) or never had (no checkpoint at all). Rolling versions back would let two
-        different weights share a number, so the trainer gives its weights a fresh version above
-        every generator's instead; versions only ever increase."""
-        assert self.learner is not None and self.rollout is not None
-        if held > self.version:
-            log.warning("trainer.generators_ahead", held=held, checkpoint_version=self.version, new_version=held + 1)
-            self.version = held + 1
-        if self.version > 0:
-            self.learner.publish(self.version)
-            await self._tell_env_hosts(PolicyVersion(self.version, self.version - self.rollout.alpha))
-
-    async def _consume(self) -> None:
-        """Take batches as they complete; in rollout-only mode record them instead of training."""
+    async def _consume(self, steps: StepStrategy) -> None:
+        """Take batches as they complete and hand each to the mode's step, until the last one."""
         assert self.rollout is not None
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
         while self.rollout.steps is None or self.batches < self.rollout.steps:
             batch = await self.buffer.take()
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
-            if self.learner is not None:
-                await self._train(batch)
-                continue
-            simulated = self.topology.run.sim.trainer is not None
-            self.dispenser.held = simulated and self.rollout.schedule == "sync"
-            self.dispenser.changed()
-            if self.on_batch is not None:
-                self.on_batch(self.version, batch)
-            else:
-                await asyncio.to_thread(_append_jsonl, self.out_path, self.version, batch)
-            self.batches += 1
-            log.info("trainer.batch", step=self.batches, version=self.version, groups=len(batch))
-            if simulated:
-                await self._simulated_step(batch)
-            elif self.rollout.bump_version_every_batch:
-                await self.bump_version()
-        if self.learner is not None and self.batches > self.last_checkpoint_step:
-            await self._checkpoint()
+            await steps.step(batch)
+        await steps.finish()
         self.done = True
         self.finished.set()
         self.dispenser.done = True
         self.dispenser.changed()
-        await self._tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
+        await self.tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
         log.info("trainer.done", batches=self.batches, version=self.version)
-
-    async def _simulated_step(self, batch: list[GroupDone]) -> None:
-        """Simulation mode (`run.sim.trainer`): the modelled training step on the batch's tokens, a new
-        version, and the weight push: a synchronous push (and the sync schedule, with the dispenser
-        held) waits while every engine receives its copy over the link, generation stopped; an
-        asynchronous one goes on at once while each engine receives in the background and stops only
-        to load from host memory."""
-        from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
-
-        sim = self.topology.run.sim
-        assert sim.trainer is not None and self.rollout is not None
-        model, gpu = MODELS[sim.model], GPUS[sim.trainer.gpu]
-        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
-        await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
-        await self.bump_version()
-        generators = {
-            peer.name: sim.engines[peer.hardware]
-            for peer in self.topology.nodes_with_role(Role.GENERATOR)
-            if peer.hardware in sim.engines
-        }
-        copies = sum(shape.replicas for shape in generators.values())  # each replica receives its own copy
-        cross_s = transfer_s(model, gbps=sim.trainer.link_gbps) * copies
-        if self.rollout.schedule == "sync" or sim.trainer.push == "sync":
-            pushes = [self._sim_push(name, after_s=0.0, pause_s=cross_s) for name in generators]
-            await asyncio.gather(*pushes, self.clock.sleep(cross_s))
-            self.dispenser.held = False
-            self.dispenser.changed()
-        else:
-            for name, shape in generators.items():
-                load_s = model.weight_bytes / shape.gpus / (sim.trainer.host_load_gbs * 1e9)
-                self._background.add(task := asyncio.ensure_future(self._sim_push(name, cross_s, load_s)))
-                task.add_done_callback(self._background.discard)
-
-    async def _sim_push(self, generator: str, after_s: float, pause_s: float) -> None:
-        client = self.clients[generator]
-        try:
-            await client.request(SimWeights(self.version, after_s, pause_s), timeout=SYNC_PUSH_TIMEOUT_S)
-        except RollartError as exc:  # the push is a model: a generator gone is logged, not fatal
-            log.warning("trainer.sim_push_failed", generator=generator, error=str(exc))
-
-    async def _train(self, batch: list[GroupDone]) -> None:
-        """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""
-        assert self.learner is not None and self.rollout is not None
-        sync = self.rollout.schedule == "sync"
-        self.dispenser.held = sync
-        self.dispenser.changed()
-        async with self._step_lock:
-            stats = await self.learner.train(batch, version=self.version)
-            self.trained_s += stats["train_s"]
-            self.batches += 1
-            await self.bump_version()
-            # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
-            await asyncio.to_thread(self.learner.publish, self.version)
-        if sync:
-            try:
-                await self.learner.publisher.wait_delivered(self.version, timeout=SYNC_PUSH_TIMEOUT_S)
-            except TimeoutError:
-                log.warning("trainer.push_not_delivered", version=self.version, timeout_s=SYNC_PUSH_TIMEOUT_S)
-            self.dispenser.held = False
-            self.dispenser.changed()
-        line = self.learner.record(self.batches, self.version, batch, stats)
-        log.info(
-            "trainer.step",
-            step=self.batches,
-            version=self.version,
-            reward=round(line["reward_mean"], 4),
-            success=round(line["success_rate"], 4),
-            loss=round(stats["loss"], 5),
-            train_s=round(stats["train_s"], 3),
-        )
-        every = self.learner.spec.checkpoint_every
-        if every and self.batches % every == 0:
-            await self._checkpoint()
-
-    async def _checkpoint(self) -> None:
-        assert self.learner is not None
-        async with self._step_lock:
-            if self.batches == self.last_checkpoint_step:
-                return
-            buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in self.buffer.peek()]
-            await self.learner.checkpoint(
-                step=self.batches, version=self.version, dispenser=self.dispenser.state_dict(buffered)
-            )
-            self.last_checkpoint_step = self.batches
 
     async def bump_version(self) -> None:
         """The policy moved to a new version: drop and abort what it makes too stale."""
@@ -281,10 +159,10 @@ class TrainerNode(NodeDaemon):
         min_start = self.version - self.rollout.alpha
         for group in self.buffer.drop_stale(self.version):
             self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
-        await self._tell_env_hosts(PolicyVersion(self.version, min_start))
+        await self.tell_env_hosts(PolicyVersion(self.version, min_start))
         self.dispenser.changed()
 
-    async def _tell_env_hosts(self, notice: PolicyVersion) -> None:
+    async def tell_env_hosts(self, notice: PolicyVersion) -> None:
         for session in list(self.server.sessions.values()):
             if session.peer is not None and session.peer.role == Role.ENV_HOST.value and not session.finished:
                 await session.send(notice)
@@ -340,10 +218,8 @@ class TrainerNode(NodeDaemon):
                 return await super().on_role_request(session, msg)
 
     async def drain_work(self) -> None:
-        learner = self.learner
-        if learner is not None and learner.engine is not None and self.batches > self.last_checkpoint_step:
-            await self._checkpoint()
-        if self.rollout is not None:
+        if self.steps is not None:
+            await self.steps.drain()
             log.info(
                 "trainer.summary",
                 version=self.version,
@@ -431,18 +307,3 @@ class TrainerNode(NodeDaemon):
                 "stall_s_max": max(self.learner.stall_s, default=0.0),
             }
         return status
-
-
-def _append_jsonl(path: Path, version: int, batch: list[GroupDone]) -> None:
-    with path.open("ab") as out:
-        for group in batch:
-            out.write(msgspec.json.encode({"version": version, "group": as_record(group)}) + b"\n")
-
-
-def as_record(value: Any) -> Any:
-    """Wire structs are array-like; records on disk name their fields."""
-    if isinstance(value, msgspec.Struct):
-        return {name: as_record(getattr(value, name)) for name in value.__struct_fields__}
-    if isinstance(value, list):
-        return [as_record(item) for item in value]
-    return value

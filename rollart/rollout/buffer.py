@@ -21,12 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from rollart.algorithms.selection import has_signal
 from rollart.protocol.messages import GroupDone
-
-
-def has_signal(group: GroupDone) -> bool:
-    """Whether the group's rewards differ, so that its group-relative advantages are not all zero."""
-    return len({t.reward for t in group.trajectories}) > 1
 
 
 def started_at(group: GroupDone) -> int:
@@ -62,7 +58,7 @@ class SampleBuffer:
         if oldest < version - self.alpha:
             self.refused_stale += 1
             return False, f"stale: a trajectory started at version {oldest}, the policy is at {version}"
-        if self.dynamic_sampling and not has_signal(group):
+        if self.dynamic_sampling and not has_signal([t.reward for t in group.trajectories]):
             self._uniform.append(group)
             self.uniform += 1
         else:

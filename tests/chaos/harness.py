@@ -48,6 +48,7 @@ from typing import Any
 
 import aiohttp
 
+from rollart.rundir import RunDir, read_jsonl
 from tests.chaos.proxy import PartitionProxy
 from tests.support import ROOT, free_ports
 
@@ -340,7 +341,7 @@ nodes:
 
     async def _watch(self, http: aiohttp.ClientSession) -> None:
         """Poll every node's /status and the trainer's metrics file."""
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = RunDir(self.run_dir).metrics
         seen = 0
         last_sample = 0.0
         while True:
@@ -486,7 +487,7 @@ nodes:
         o = self.outcome
         o.checks["exit 0"] = None if o.exit_code == 0 else f"the launcher exited {o.exit_code}"
         blocks: dict[int, list[dict[str, Any]]] = {}
-        timeline = _read_jsonl(self.run_dir / "timeline.jsonl")
+        timeline = _read_jsonl(RunDir(self.run_dir).timeline)
         for (step, _), rows in itertools.groupby(timeline, key=lambda r: (r["step"], r["incarnation"])):
             blocks[step] = list(rows)  # a step trained again by a resumed trainer: the later one counts
         state = self._final_state()
@@ -512,11 +513,11 @@ nodes:
         """The newest checkpoint's trainer state ({} if none)."""
         import torch
 
-        latest = self.run_dir / "checkpoints" / "latest"
-        if not latest.exists():
+        run_dir = RunDir(self.run_dir)
+        folder = run_dir.latest_checkpoint()
+        if folder is None:
             return {}
-        folder = self.run_dir / "checkpoints" / latest.read_text().strip()
-        return torch.load(folder / "trainer.pt", weights_only=False)  # type: ignore[no-any-return]
+        return torch.load(run_dir.trainer_state(folder), weights_only=False)  # type: ignore[no-any-return]
 
     def _check_steps(self, blocks: dict[int, list[dict[str, Any]]], state: dict[str, Any]) -> None:
         o, steps = self.outcome, self.scenario.steps
@@ -565,7 +566,7 @@ nodes:
 
     def _check_versions(self) -> None:
         """The trained lineage's versions, and each generator process's, only increase."""
-        by_step = {row["step"]: row["version"] for row in _read_jsonl(self.run_dir / "metrics.jsonl") if "step" in row}
+        by_step = {row["step"]: row["version"] for row in _read_jsonl(RunDir(self.run_dir).metrics) if "step" in row}
         lineage = [by_step[step] for step in sorted(by_step)]
         problems = []
         if any(b <= a for a, b in itertools.pairwise(lineage)):
@@ -577,14 +578,8 @@ nodes:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a cut last line (a killed writer) is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            rows.append(json.loads(line))
-    return rows
+    """JSON lines; a cut line (a killed writer) is skipped, wherever a resumed one left it."""
+    return read_jsonl(path, lenient=True) if path.exists() else []
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart.rundir import RunDir, read_jsonl
 from tests.support import healthy, http, start_node, wait_for, write_topology
 
 NODES = {
@@ -148,14 +149,10 @@ class Cluster:
         return [r for r in records if r.get("event") in events]
 
     def metrics(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.run_dir / "metrics.jsonl")
+        return read_jsonl(RunDir(self.run_dir).metrics)
 
     def timeline(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.run_dir / "timeline.jsonl")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+        return read_jsonl(RunDir(self.run_dir).timeline)
 
 
 def make_cluster(clusters: list[Cluster], folder: Path, run_yaml: str, nodes: dict[str, str] = NODES) -> Cluster:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rollart.rundir import RunDir
 from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
@@ -41,9 +42,9 @@ def test_run_starts_every_node_and_stops_cleanly_after_duration(tmp_path: Path) 
     assert "all 4 nodes healthy" in out
     assert "all 4 nodes stopped cleanly" in out
     for name in ROLES:
-        log = (tmp_path / "run" / "logs" / f"{name}.log").read_text()
+        log = RunDir(tmp_path / "run").node_log(name).read_text()
         assert '"event": "node.started"' in log and '"event": "node.stopped"' in log
-    token = tmp_path / "run" / "admin.token"
+    token = RunDir(tmp_path / "run").admin_token
     assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) > 20
 
 
@@ -107,5 +108,5 @@ def test_a_node_with_a_configuration_error_stops_the_run_instead_of_restarting(t
     assert proc.returncode == 1, out
     assert "node reward exited with code 2" in out, out
     assert "a configuration error, which a restart would not fix" in out and "restarting" not in out
-    log = (tmp_path / "run" / "logs" / "reward.log").read_text()
+    log = RunDir(tmp_path / "run").node_log("reward").read_text()
     assert "run.reward_modules: cannot import module 'no_such_mod'" in log

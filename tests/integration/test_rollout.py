@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from rollart.rundir import RunDir
 from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
@@ -90,11 +91,11 @@ def launch_and_wait_for_a_batch(topology: Path, ports: dict[str, tuple[int, int]
 
 
 def batches(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "rollout.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in RunDir(run_dir).rollout.read_text().splitlines()]
 
 
 def log_events(run_dir: Path, node: str, event: str) -> list[dict[str, Any]]:
-    lines = (run_dir / "logs" / f"{node}.log").read_text().splitlines()
+    lines = RunDir(run_dir).node_log(node).read_text().splitlines()
     records = [json.loads(line) for line in lines if line.startswith("{")]
     return [r for r in records if r.get("event") == event]
 

@@ -100,7 +100,7 @@ def inprocess(tmp_path: Path, push: str = "async") -> InProcessRun:
 
 @pytest.mark.timeout(300)
 def test_the_same_nodes_run_in_process_on_a_virtual_clock(tmp_path: Path) -> None:
-    from rollart.nodes.trainer import as_record
+    from rollart.nodes.trainer_steps import as_record
 
     done = inprocess(tmp_path)
     assert {type(node).__name__ for node in done.nodes.values()} == {

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from rollart.rundir import RunDir, read_jsonl
 from tests.integration import slurm_cluster
-from tests.integration.cluster import HARDWARE, NODES, read_jsonl, training_yaml
+from tests.integration.cluster import HARDWARE, NODES, training_yaml
 from tests.support import ROOT, http, node_env, wait_for, write_topology
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -85,10 +86,10 @@ class Job:
             raise AssertionError(f"job {self.id} did not end within {timeout} s:\n{self.output()[-3000:]}") from None
 
     def steps(self) -> list[int]:
-        return [line["step"] for line in read_jsonl(self.run_dir / "metrics.jsonl") if "step" in line]
+        return [line["step"] for line in read_jsonl(RunDir(self.run_dir).metrics) if "step" in line]
 
     def events(self, name: str, event: str) -> list[str]:
-        log = self.run_dir / "logs" / f"{name}.log"
+        log = RunDir(self.run_dir).node_log(name)
         return [line for line in log.read_text(errors="replace").splitlines() if f'"event": "{event}"' in line]
 
 
@@ -128,8 +129,8 @@ def test_scancel_drains_every_node_and_the_next_job_resumes(
     for name in NODES:
         assert job.events(name, "node.drain_requested") and job.events(name, "node.stopped"), name
     trained = job.steps()
-    pointer = (job.run_dir / "checkpoints" / "latest").read_text().strip()
-    assert int(pointer.removeprefix("step-")) == trained[-1], (pointer, trained)  # every trained step kept
+    latest = RunDir(job.run_dir).latest_step()
+    assert latest == trained[-1], (latest, trained)  # every trained step kept
 
     job.submit()
     ended = job.end()

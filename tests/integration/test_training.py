@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from rollart.rundir import RunDir
 from tests.integration.cluster import GENERATORS, NODES, SECRET, Cluster, make_cluster, training_yaml
 from tests.support import node_client, wait_for
 
@@ -246,8 +247,7 @@ def test_a_generator_that_misses_versions_catches_up_on_the_newest(
 
 def latest_checkpoint(run_dir: Path) -> int:
     """The step of the checkpoint the `latest` pointer names (0: none yet)."""
-    pointer = run_dir / "checkpoints" / "latest"
-    return int(pointer.read_text().strip().removeprefix("step-")) if pointer.exists() else 0
+    return RunDir(run_dir).latest_step() or 0
 
 
 def watch_until_done(cluster: Cluster, timeout: float) -> list[tuple[int, int]]:
@@ -350,7 +350,7 @@ def test_a_trainer_killed_mid_run_resumes_from_its_checkpoint(
         assert line["staleness_max"] >= 0, line  # no token is newer than the weights trained on
     # The resumed trainer is the run's second: its group ids say so (none can be taken for one the
     # first handed out), and so do its timeline lines, which tell which steps the model descends from.
-    assert (cluster.run_dir / "checkpoints" / "incarnation").read_text().strip() == "1"
+    assert RunDir(cluster.run_dir).incarnation.read_text().strip() == "1"
     timeline = cluster.timeline()
     second = [row for row in timeline if row["incarnation"] == 1]
     assert {row["incarnation"] for row in timeline} == {0, 1}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollart.rundir import RunDir
 from tests.integration.test_rollout import check_trajectory, run_to_completion
 from tests.support import write_topology
 
@@ -39,12 +40,12 @@ def test_rollout_with_the_vllm_backend_collects_complete_groups(tmp_path: Path) 
     nodes = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
     topology, _ = write_topology(tmp_path, nodes, extra_run=rollout)
     run_to_completion(topology, timeout=540)
-    records = [json.loads(line) for line in (tmp_path / "run" / "rollout.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in RunDir(tmp_path / "run").rollout.read_text().splitlines()]
     assert len(records) == 2 * 2
     for record in records:
         assert len(record["group"]["trajectories"]) == 2
         for t in record["group"]["trajectories"]:
             check_trajectory(t)
             assert set(t["generators"]) == {"gen-0"}
-    log = (tmp_path / "run" / "logs" / "gen-0.log").read_text()
+    log = RunDir(tmp_path / "run").node_log("gen-0").read_text()
     assert '"backend": "vllm"' in log  # the generator really ran vLLM

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rollart.cli import _needs_vllm, main
+from rollart.rundir import RunDir
 from rollart.topology import parse_topology
 
 NODES = "nodes:\n  - {name: gen-0, role: generator, port: 17001, admin_port: 17002}\n"
@@ -39,10 +40,11 @@ def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path
     text = f"run:\n  run_dir: {run_dir}\n  rollout: {rollout}\n" + NODES
     topology = parse_topology(text)
     assert finished_step(topology) is None  # no checkpoint yet
-    (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "checkpoints" / "latest").write_text("step-000050\n")
+    files = RunDir(run_dir)
+    files.checkpoints.mkdir(parents=True)
+    files.point_latest_at(files.checkpoint(50))
     assert finished_step(topology) is None  # a restart resumes from step 50
-    (run_dir / "checkpoints" / "latest").write_text("step-000080\n")
+    files.point_latest_at(files.checkpoint(80))
     assert finished_step(topology) == 80
     assert finished_step(parse_topology(text.replace("steps: 80", "steps: 120"))) is None  # more steps asked for
 

@@ -13,12 +13,12 @@ from rollart.algorithms.grpo import (
     GRPOConfig,
     PackedBatch,
     group_advantages,
-    groups_with_signal,
     grpo_loss,
     pack_batch,
     staleness,
     token_logprobs,
 )
+from rollart.algorithms.selection import groups_with_signal
 
 
 @dataclass
@@ -353,7 +353,9 @@ def test_staleness_counts_versions_behind_on_loss_tokens_only() -> None:
     assert staleness(versions, torch.zeros_like(mask), 5) == {"staleness_mean": 0.0, "staleness_max": 0.0}
 
 
-def test_only_groups_whose_rewards_differ_carry_signal() -> None:
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.25, 0.25, 0.25], [0.3, 0.3, 0.2]])
-    assert groups_with_signal(group_advantages(rewards)) == [1, 3]
-    assert groups_with_signal(group_advantages(torch.zeros(2, 4))) == []
+def test_the_groups_with_signal_are_those_whose_advantages_are_not_all_zero() -> None:
+    rewards = [[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.25, 0.25, 0.25], [0.3, 0.3, 0.2]]
+    advantages = group_advantages(torch.tensor(rewards))
+    assert groups_with_signal(rewards) == [1, 3]
+    assert [i for i in range(len(rewards)) if bool(advantages[i].ne(0).any())] == [1, 3]
+    assert groups_with_signal(torch.zeros(2, 4).tolist()) == []

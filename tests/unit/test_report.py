@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollart.cli import main
-from rollart.report import ReportError, build_report, moving_average, read_jsonl
+from rollart.report import ReportError, build_report, moving_average
+from rollart.rundir import RunDir, read_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("reward_success.png", "utilization.png", "timeline.png")
@@ -40,17 +41,18 @@ def _step(step: int) -> dict[str, object]:
 
 def _write_run(run_dir: Path, *, utilization: bool = True, timeline: bool = True) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
+    files = RunDir(run_dir)
     header = {"run": {"name": "synthetic"}}
     baseline = {
         "baseline": True,
         "tasks": {"copy": {"success_rate": 0.05, "reward_mean": 0.25}, "reverse": {"success_rate": 0.0}},
     }
     # A killed run leaves half a line at the end.
-    _write_jsonl(run_dir / "metrics.jsonl", [header, baseline] + [_step(s) for s in range(1, 26)], '{"step": 26, "el')
+    _write_jsonl(files.metrics, [header, baseline] + [_step(s) for s in range(1, 26)], '{"step": 26, "el')
     if utilization:
         samples = [("gen-0", 0.2), ("gen-1", 0.9), ("gen-0", 0.4), ("gen-1", 1.0), ("gen-0", 0.6)]
         _write_jsonl(
-            run_dir / "utilization.jsonl",
+            files.utilization,
             [{"t": 10.0 * i, "generator": g, "busy": b} for i, (g, b) in enumerate(samples)],
         )
     if timeline:
@@ -73,7 +75,7 @@ def _write_run(run_dir: Path, *, utilization: bool = True, timeline: bool = True
                     "spans": spans,
                 }
             )
-        _write_jsonl(run_dir / "timeline.jsonl", trajectories)
+        _write_jsonl(files.timeline, trajectories)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ def test_moving_average_is_the_mean_of_what_is_there_at_the_start() -> None:
 
 
 def test_the_report_has_every_plot_as_a_real_png(report_dir: Path) -> None:
-    assert report_dir.name == "report"
+    assert report_dir == RunDir(report_dir.parent).report
     for name in PLOTS:
         data = (report_dir / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE), name
@@ -126,7 +128,7 @@ def test_busy_falls_back_to_the_metrics_and_missing_logs_still_give_every_plot(t
 
 
 def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path: Path) -> None:
-    path = tmp_path / "metrics.jsonl"
+    path = RunDir(tmp_path).metrics
     path.write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
     with pytest.raises(ReportError, match=r"metrics\.jsonl:2"):
         read_jsonl(path)

@@ -28,14 +28,16 @@ import torch
 from rollart.algorithms.grpo import PackedBatch, pack_batch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
-from rollart.engines.training import TrainerSpec
+from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register_env
 from rollart.envs import registry as registry_module
 from rollart.envs.grid import parse_letter
+from rollart.errors import ConfigError
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.trajectory import ChatRenderer
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
+from rollart.topology import parse_topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,19 @@ def test_epochs_pass_over_the_whole_batch_again_around_the_same_weights(model_di
     assert stats["clipped_frac"] > 0.0
     assert trainer(model_dir, lr=1e-2).train_step(synthetic_batch(), version=4)["clipped_frac"] == 0.0
     assert TrainerSpec(epochs=0).validate() == [("epochs", "must be > 0, got 0")]
+
+
+def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Path) -> None:
+    engine = build_training_engine(TrainerSpec(micro_batch_size=2), model_dir, seed=0)
+    assert isinstance(engine, TorchTrainer) and engine.describe()["backend"] == "torch"
+    with pytest.raises(ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: torch\)"):
+        build_training_engine(TrainerSpec(backend="fsdp9"), model_dir, seed=0)
+    # An unknown backend is refused when the topology loads, with its YAML path and a hint.
+    nodes = "nodes:\n  - {name: trainer, role: trainer, port: 17001, admin_port: 17002}\n"
+    with pytest.raises(
+        ConfigError, match=r"run\.trainer\.backend: unknown training backend 'troch'.*did you mean 'torch'"
+    ):
+        parse_topology("run:\n  trainer: {backend: troch}\n" + nodes)
 
 
 def test_save_then_load_continues_exactly(model_dir: Path, tmp_path: Path) -> None:

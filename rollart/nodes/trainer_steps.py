@@ -1,0 +1,281 @@
+"""What the trainer node does with each batch it takes: one step strategy per mode, chosen once at start.
+
+The node (`rollart.nodes.trainer`) owns the policy version, the SampleBuffer and the dispenser, and
+takes batches; a `StepStrategy` says what a batch is for:
+
+- `TrainStep` (`rollout.mode: train`): the `Learner` trains on it, the version moves on and the
+  weights go to generators without the trainer waiting; with `schedule: sync` the dispenser is held
+  while it trains and until every generator has loaded the new weights (the synchronous baseline).
+  It also brings the generators in line before the first group, and checkpoints.
+- `RolloutOnlyStep` (`rollout-only`): records the batch (to the run folder's `RunDir.rollout`, or
+  to the node's `on_batch`) and, when asked to, counts it as a new policy version, which drops and
+  aborts whatever that version makes too stale, exactly as training would.
+- `SimulatedStep` (`rollout-only` with `run.sim.trainer`): records it too, then costs a modelled
+  training step and weight push on the simulation clock.
+
+`choose_step` picks one from the topology; nothing else asks which mode the node is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+import structlog
+
+from rollart.clock import SimClock
+from rollart.errors import RollartError
+from rollart.protocol.messages import GroupDone, PolicyVersion, SimWeights
+from rollart.rundir import JsonlLog, RunDir
+
+if TYPE_CHECKING:
+    from rollart.nodes.learner import Learner
+    from rollart.protocol import ClientSession
+    from rollart.rollout.buffer import SampleBuffer
+    from rollart.rollout.config import RolloutSpec
+    from rollart.rollout.dispenser import Dispenser
+    from rollart.sim.config import SimSpec
+    from rollart.sim.hardware import EngineShape
+
+log = structlog.get_logger("rollart.trainer")
+
+SYNC_PUSH_TIMEOUT_S = 600.0
+"""The synchronous baseline waits this long for every generator to load a version, then goes on."""
+FINAL_PUSH_S = 30.0
+"""At the end of a run, how long the trainer waits for generators to load the last version."""
+
+
+class TrainerCore(Protocol):
+    """The part of the trainer node a step strategy works on."""
+
+    version: int
+    batches: int
+    trained_s: float
+    dispenser: Dispenser
+    buffer: SampleBuffer
+    on_batch: Callable[[int, list[GroupDone]], None] | None
+
+    async def bump_version(self) -> None: ...
+
+    async def tell_env_hosts(self, notice: PolicyVersion) -> None: ...
+
+
+class StepStrategy(Protocol):
+    """One mode of the trainer node, from its start to its end."""
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        """Before any group starts (long-lived tasks go into `tg`)."""
+
+    async def step(self, batch: list[GroupDone]) -> None:
+        """A batch was taken: use it, and count it in `batches`."""
+
+    async def finish(self) -> None:
+        """The last batch is taken; env-hosts are told next."""
+
+    async def close(self) -> None:
+        """The run is over: let what is in flight land."""
+
+    async def drain(self) -> None:
+        """The node drains: keep what a restart needs."""
+
+
+class TrainStep:
+    """`rollout.mode: train`: a GRPO step per batch, a new version, the weight push, checkpoints."""
+
+    def __init__(self, core: TrainerCore, learner: Learner, rollout: RolloutSpec) -> None:
+        self.core, self.learner, self.rollout = core, learner, rollout
+        self.last_checkpoint_step = 0
+        self._lock = asyncio.Lock()
+        """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        core, learner = self.core, self.learner
+        core.dispenser.held = True  # nothing starts before the weights are ready
+        state = await learner.start()
+        tg.create_task(learner.publisher.run())
+        held = await learner.connect_generators()
+        if state is not None:  # continue from a checkpoint: same step and version, same groups to run
+            core.version = int(state["version"])
+            core.batches = self.last_checkpoint_step = int(state["step"])
+            core.dispenser.load_state(state["dispenser"])
+        claimed = await asyncio.to_thread(learner.claim_incarnation)
+        core.dispenser.incarnation = max(core.dispenser.incarnation, claimed)
+        await self._bring_generators_in_line(held)
+        core.dispenser.held = False
+        core.dispenser.changed()
+
+    async def _bring_generators_in_line(self, held: int) -> None:
+        """Before any group starts, every generator must run this trainer's weights.
+
+        A generator may hold a version this trainer never saved (pushed by the run it resumes, after
+        its last checkpoint) or never had (no checkpoint at all). Rolling versions back would let two
+        different weights share a number, so the trainer gives its weights a fresh version above
+        every generator's instead; versions only ever increase."""
+        core = self.core
+        if held > core.version:
+            log.warning("trainer.generators_ahead", held=held, checkpoint_version=core.version, new_version=held + 1)
+            core.version = held + 1
+        if core.version > 0:
+            self.learner.publish(core.version)
+            await core.tell_env_hosts(PolicyVersion(core.version, core.version - self.rollout.alpha))
+
+    async def step(self, batch: list[GroupDone]) -> None:
+        """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""
+        core, learner = self.core, self.learner
+        sync = self.rollout.schedule == "sync"
+        core.dispenser.held = sync
+        core.dispenser.changed()
+        async with self._lock:
+            stats = await learner.train(batch, version=core.version)
+            core.trained_s += stats["train_s"]
+            core.batches += 1
+            await core.bump_version()
+            # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
+            await asyncio.to_thread(learner.publish, core.version)
+        if sync:
+            try:
+                await learner.publisher.wait_delivered(core.version, timeout=SYNC_PUSH_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("trainer.push_not_delivered", version=core.version, timeout_s=SYNC_PUSH_TIMEOUT_S)
+            core.dispenser.held = False
+            core.dispenser.changed()
+        line = learner.record(core.batches, core.version, batch, stats, incarnation=core.dispenser.incarnation)
+        log.info(
+            "trainer.step",
+            step=core.batches,
+            version=core.version,
+            reward=round(line["reward_mean"], 4),
+            success=round(line["success_rate"], 4),
+            loss=round(stats["loss"], 5),
+            train_s=round(stats["train_s"], 3),
+        )
+        every = learner.spec.checkpoint_every
+        if every and core.batches % every == 0:
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        core = self.core
+        async with self._lock:
+            if core.batches == self.last_checkpoint_step:
+                return
+            buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in core.buffer.peek()]
+            await self.learner.checkpoint(
+                step=core.batches, version=core.version, dispenser=core.dispenser.state_dict(buffered)
+            )
+            self.last_checkpoint_step = core.batches
+
+    async def finish(self) -> None:
+        if self.core.batches > self.last_checkpoint_step:
+            await self._checkpoint()
+
+    async def close(self) -> None:
+        with contextlib.suppress(TimeoutError):  # let the last version land, within reason
+            await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_S)
+        await self.learner.publisher.close()
+
+    async def drain(self) -> None:
+        if self.learner.engine is not None and self.core.batches > self.last_checkpoint_step:
+            await self._checkpoint()
+
+
+class RolloutOnlyStep:
+    """`rollout-only`: record each batch, and with `bump_version_every_batch` count it as a version."""
+
+    def __init__(self, core: TrainerCore, rollout: RolloutSpec, run_dir: RunDir) -> None:
+        self.core, self.rollout = core, rollout
+        self.out = JsonlLog(run_dir.rollout)
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        pass
+
+    async def _record(self, batch: list[GroupDone], *, hold: bool) -> None:
+        core = self.core
+        core.dispenser.held = hold
+        core.dispenser.changed()
+        if core.on_batch is not None:
+            core.on_batch(core.version, batch)
+        else:
+            lines = [{"version": core.version, "group": as_record(group)} for group in batch]
+            await asyncio.to_thread(self.out.write, lines)
+        core.batches += 1
+        log.info("trainer.batch", step=core.batches, version=core.version, groups=len(batch))
+
+    async def step(self, batch: list[GroupDone]) -> None:
+        await self._record(batch, hold=False)
+        if self.rollout.bump_version_every_batch:
+            await self.core.bump_version()
+
+    async def finish(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+
+class SimulatedStep(RolloutOnlyStep):
+    """`run.sim.trainer`: each batch also costs the modelled training step on the batch's tokens, a
+    new version, and the weight push: a synchronous push (and the sync schedule, with the dispenser
+    held) waits while every engine receives its copy over the link, generation stopped; an
+    asynchronous one goes on at once while each engine receives in the background and stops only to
+    load from host memory."""
+
+    def __init__(
+        self,
+        core: TrainerCore,
+        rollout: RolloutSpec,
+        run_dir: RunDir,
+        *,
+        sim: SimSpec,
+        generators: Mapping[str, EngineShape],
+        clients: Mapping[str, ClientSession],
+    ) -> None:
+        super().__init__(core, rollout, run_dir)
+        self.sim, self.generators, self.clients = sim, dict(generators), clients
+        self.clock = SimClock(sim.speedup)
+        self._background: set[asyncio.Future[None]] = set()
+        """Asynchronous weight pushes in flight."""
+
+    async def step(self, batch: list[GroupDone]) -> None:
+        from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
+
+        sim = self.sim
+        assert sim.trainer is not None  # choose_step picks this strategy only then
+        await self._record(batch, hold=self.rollout.schedule == "sync")
+        model, gpu = MODELS[sim.model], GPUS[sim.trainer.gpu]
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
+        await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
+        await self.core.bump_version()
+        copies = sum(shape.replicas for shape in self.generators.values())  # each replica receives its own copy
+        cross_s = transfer_s(model, gbps=sim.trainer.link_gbps) * copies
+        if self.rollout.schedule == "sync" or sim.trainer.push == "sync":
+            pushes = [self._push(name, after_s=0.0, pause_s=cross_s) for name in self.generators]
+            await asyncio.gather(*pushes, self.clock.sleep(cross_s))
+            self.core.dispenser.held = False
+            self.core.dispenser.changed()
+        else:
+            for name, shape in self.generators.items():
+                load_s = model.weight_bytes / shape.gpus / (sim.trainer.host_load_gbs * 1e9)
+                self._background.add(task := asyncio.ensure_future(self._push(name, cross_s, load_s)))
+                task.add_done_callback(self._background.discard)
+
+    async def _push(self, generator: str, after_s: float, pause_s: float) -> None:
+        version = self.core.version
+        try:
+            await self.clients[generator].request(SimWeights(version, after_s, pause_s), timeout=SYNC_PUSH_TIMEOUT_S)
+        except RollartError as exc:  # the push is a model: a generator gone is logged, not fatal
+            log.warning("trainer.sim_push_failed", generator=generator, error=str(exc))
+
+
+def as_record(value: Any) -> Any:
+    """Wire structs are array-like; records on disk name their fields."""
+    if isinstance(value, msgspec.Struct):
+        return {name: as_record(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, list):
+        return [as_record(item) for item in value]
+    return value

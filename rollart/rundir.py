@@ -1,0 +1,181 @@
+"""The run folder (`run.dir` in the topology): every file name in it, and its one JSON-lines format.
+
+    RUN_DIR/
+      metrics.jsonl        the trainer: a baseline line, then one line per training step
+      timeline.jsonl       the trainer: one line per trained trajectory (spans, versions, incarnation)
+      utilization.jsonl    the trainer: generator busy samples
+      rollout.jsonl        rollout-only mode: every batch taken, one line per group
+      checkpoints/
+        step-NNNNNN/       a loadable Hugging Face folder, the optimizer state and `trainer.pt`
+        latest             names the newest complete checkpoint (written last, atomically)
+        incarnation        how many trainer processes of this run started before the current one
+      logs/NODE.log        each node's log lines (the launchers write them)
+      admin.token          the admin token `rollart run` made, when the topology names none
+      job.sbatch           `rollart sbatch`'s job script
+      report/              `rollart report`: plots and report.md
+
+Nothing else in `rollart/`, the tests or the benchmarks spells these names: they ask a `RunDir`.
+JSON lines are written one record per line, each `write` a single append, so a killed writer leaves
+at most a cut last line, which `read_jsonl` drops (a bad line anywhere else is corruption and
+raises). Imports no torch: the launcher and the report use it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollart.errors import RollartError
+
+CHECKPOINT_PREFIX = "step-"
+
+
+class RunDirError(RollartError):
+    """A file of the run folder is missing or corrupt."""
+
+
+class RunDir:
+    """The layout of one run folder; creates nothing until a writer writes."""
+
+    METRICS = "metrics.jsonl"
+    TIMELINE = "timeline.jsonl"
+    UTILIZATION = "utilization.jsonl"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # -- the trainer's records --------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / self.METRICS
+
+    @property
+    def timeline(self) -> Path:
+        return self.path / self.TIMELINE
+
+    @property
+    def utilization(self) -> Path:
+        return self.path / self.UTILIZATION
+
+    @property
+    def rollout(self) -> Path:
+        """Rollout-only mode's record of the batches taken."""
+        return self.path / "rollout.jsonl"
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        """The folder of the checkpoint taken after `step`."""
+        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:06d}"
+
+    def saved_checkpoints(self) -> list[Path]:
+        """The checkpoint folders present, oldest first."""
+        return sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+
+    @property
+    def latest(self) -> Path:
+        """The pointer file naming the newest complete checkpoint."""
+        return self.checkpoints / "latest"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The folder `latest` names, or None when there is no pointer yet."""
+        if not self.latest.exists():
+            return None
+        return self.checkpoints / self.latest.read_text().strip()
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None when there is none (or the pointer is
+        unreadable)."""
+        try:
+            return int(self.latest.read_text().strip().removeprefix(CHECKPOINT_PREFIX))
+        except (OSError, ValueError):
+            return None
+
+    def point_latest_at(self, checkpoint: Path) -> None:
+        """Make `latest` name `checkpoint`, atomically (a kill mid-write leaves the old pointer)."""
+        scratch = self.checkpoints / f".{self.latest.name}.tmp"
+        scratch.write_text(checkpoint.name + "\n")
+        scratch.replace(self.latest)
+
+    @staticmethod
+    def trainer_state(checkpoint: Path) -> Path:
+        """The trainer's state in a checkpoint folder (version, step, RNG, dispenser)."""
+        return checkpoint / "trainer.pt"
+
+    @property
+    def incarnation(self) -> Path:
+        return self.checkpoints / "incarnation"
+
+    # -- what the launchers leave -----------------------------------------------------------------
+
+    @property
+    def admin_token(self) -> Path:
+        """The admin token `rollart run` made for the run it launched (mode 0600)."""
+        return self.path / "admin.token"
+
+    @property
+    def sbatch(self) -> Path:
+        """`rollart sbatch`'s job script, by default."""
+        return self.path / "job.sbatch"
+
+    # -- logs and the report ----------------------------------------------------------------------
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def node_log(self, name: str) -> Path:
+        """A node's log file (or another process's, e.g. `inprocess`)."""
+        return self.logs / f"{name}.log"
+
+    @property
+    def report(self) -> Path:
+        """Where `rollart report` writes its plots and report.md by default."""
+        return self.path / "report"
+
+
+class JsonlLog:
+    """Append-only JSON lines, one write per batch of records (a killed run leaves at most a cut last line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, records: Iterable[Any]) -> None:
+        data = b"".join(msgspec.json.encode(record) + b"\n" for record in records)
+        if data:
+            with self.path.open("ab") as out:
+                out.write(data)
+
+
+def read_jsonl(path: Path, *, lenient: bool = False) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file. A last line that does not parse is a write cut short by a
+    killed run and is dropped; a bad line anywhere else is corruption and raises `RunDirError`,
+    unless `lenient`: a run killed mid-write and then resumed leaves its cut line in the middle, and
+    a reader that checks such a run (the chaos harness) skips every line that does not parse."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lenient or number == len(lines):
+                continue
+            raise RunDirError(f"{path}:{number}: not a JSON object ({exc.msg})") from exc
+        if isinstance(value, dict):
+            records.append(value)
+    return records
