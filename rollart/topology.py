@@ -21,10 +21,12 @@ from typing import Any, Literal, TypeAlias
 import msgspec
 import yaml
 
+from rollart.engines.config import GeneratorSpec
 from rollart.engines.training import TrainerSpec
 from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
-from rollart.rollout.config import GeneratorSpec, ModelSpec, RewardPoolSpec, RolloutSpec
+from rollart.rewards.config import RewardPoolSpec
+from rollart.rollout.config import ModelSpec, RolloutSpec
 from rollart.sim.config import SimSpec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")

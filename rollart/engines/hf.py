@@ -23,127 +23,30 @@ not finished back at the front of the queue as continuations: prompt + tokens so
 it, so a long request ends partly under each version and a swap waits for one decode step, not the slowest request.
 Aborting a queued request (a continuation included) answers it with what it has; aborting a running one marks its
 row, which stops at the next decode step (and the whole batch stops when every row is aborted).
+
+This module is the engine's event-loop side (queue, scheduler, weight staging); one batch in the worker thread is
+`rollart.engines.hf_batch`, and the request and weight checks it shares with the vLLM engine are
+`rollart.engines.checks`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig
 
-from rollart.engines.base import (
-    EngineClosed,
-    EngineLoad,
-    FinishReason,
-    GenerationResult,
-    InvalidRequest,
-    SamplingParams,
-    WeightsMismatch,
-)
+from rollart.engines.base import EngineClosed, EngineLoad, GenerationResult, InvalidRequest, SamplingParams
+from rollart.engines.checks import LoadMeter, check_newer, check_request, check_weights
+from rollart.engines.hf_batch import Request, Row, generate_batch
 from rollart.engines.loading import load_model_and_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future[GenerationResult]
-    aborted: bool = False
-    """Set on the event loop, read by the worker thread between decode steps (a plain bool is enough under the GIL)."""
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """What the pieces run so far generated: more than one piece when a weight swap cut the request."""
-
-    @property
-    def max_new(self) -> int:
-        return self.params.max_tokens - len(self.tokens)
-
-    @property
-    def seed(self) -> int | None:
-        """The seed of the next piece: the request's own for the first. A continuation is re-seeded from how far it
-        got, since the same seed would replay the first piece's random draws; so a request cut by a swap is
-        reproducible for that cut, but does not give the sample it would have without the swap."""
-        p = self.params
-        if p.temperature == 0 or p.seed is None:
-            return None
-        return hash((p.seed, len(self.tokens))) if self.tokens else p.seed
-
-    @property
-    def batch_key(self) -> tuple[object, ...]:
-        """Requests with equal keys can share one `generate` call."""
-        p = self.params
-        if p.temperature == 0:
-            return ("greedy",)
-        if p.seed is not None:
-            return ("seeded", self.request_id)
-        return ("sample", p.temperature, p.top_p)
-
-    def answer(self, finish_reason: FinishReason) -> None:
-        """Give the caller every token generated so far (unless the caller is gone)."""
-        if not self.future.done():
-            prompt_tokens = len(self.prompt_ids) if self.tokens else 0  # a request that never ran processed none
-            self.future.set_result(
-                GenerationResult(
-                    token_ids=self.tokens,
-                    logprobs=self.logprobs,
-                    versions=self.versions,
-                    finish_reason=finish_reason,
-                    prompt_tokens=prompt_tokens,
-                )
-            )
-
-
-@dataclass
-class _Row:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason | None
-    """None: cut short by an abort or a weight swap (the request tells which)."""
-
-
-class _RowStops(StoppingCriteria):
-    """Per row: done at its own max_tokens, at one of its stop tokens (EOS included), or once aborted; every row is
-    done once `swap_pending()` (the scheduler then continues the unfinished ones under the new weights)."""
-
-    def __init__(
-        self, batch: list[_Request], prompt_len: int, eos_ids: frozenset[int], swap_pending: Callable[[], bool]
-    ) -> None:
-        self.batch = batch
-        self.prompt_len = prompt_len
-        self.swap_pending = swap_pending
-        self.stops = [eos_ids | frozenset(r.params.stop_token_ids) for r in batch]
-        self.aborted_at: list[int | None] = [None] * len(batch)
-        """How many tokens a row had when its abort was seen."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        generated = input_ids.shape[1] - self.prompt_len
-        last = input_ids[:, -1].tolist()
-        done = []
-        for i, request in enumerate(self.batch):
-            if request.aborted and self.aborted_at[i] is None:
-                self.aborted_at[i] = generated
-            done.append(request.aborted or generated >= request.max_new or last[i] in self.stops[i])
-        if self.swap_pending():
-            done = [True] * len(done)
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _describe(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
 
 
 class HFEngine:
@@ -169,22 +72,20 @@ class HFEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._targets: dict[str, torch.Tensor] = {}
         """The model's state_dict tensors (sharing storage with the parameters): where new weights are copied."""
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self._aliases: dict[str, str] = {}
         """Names that share storage with an earlier name (tied embeddings): optional in a weight update."""
         self._eos_ids: frozenset[int] = frozenset()
         self._pad_id = 0
-        self._waiting: dict[str, _Request] = {}
-        self._running: dict[str, _Request] = {}
+        self._waiting: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
         self._pending_weights: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._wakeup = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._failure: BaseException | None = None
-        self._started_at = 0.0
-        self._busy_s = 0.0
-        self._batch_started: float | None = None
-        self._generated_tokens = 0
+        self._meter = LoadMeter()
         self.batches_run = 0
         """How many `model.generate` calls have run (one per batch)."""
 
@@ -197,7 +98,7 @@ class HFEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._load)
-        self._started_at = time.monotonic()
+        self._meter.start()
         self._task = asyncio.create_task(self._schedule(), name=f"hf-engine-scheduler:{self._model_path.name}")
         self._task.add_done_callback(self._on_scheduler_done)
 
@@ -227,6 +128,7 @@ class HFEngine:
             else:
                 first_by_storage[key] = name
         self._model, self._tokenizer, self._targets = model, tokenizer, targets
+        self._shapes = {name: tuple(tensor.shape) for name, tensor in targets.items()}
         self._eos_ids, self._pad_id = frozenset(eos), int(pad)
 
     async def close(self) -> None:
@@ -288,7 +190,7 @@ class HFEngine:
             raise InvalidRequest(f"request {request_id!r} is already in flight")
         self._validate(prompt_ids, params)
         future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = _Request(request_id, list(prompt_ids), params, future)
+        self._waiting[request_id] = Request(request_id, list(prompt_ids), params, future)
         self._wakeup.set()
         try:
             return await future
@@ -297,21 +199,10 @@ class HFEngine:
             raise
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        assert self._model is not None
-        vocab = int(self._model.config.vocab_size)
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty")
-        if not all(0 <= token < vocab for token in prompt_ids):
-            raise InvalidRequest(f"the prompt has token ids outside the vocabulary [0, {vocab})")
-        if params.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if params.temperature < 0 or not 0 < params.top_p <= 1:
-            raise InvalidRequest(f"need temperature >= 0 and 0 < top_p <= 1, got {params.temperature}, {params.top_p}")
+        assert self._model is not None  # _check_open passed: the model is loaded
         limit = getattr(self._model.config, "max_position_embeddings", None)
-        if isinstance(limit, int) and len(prompt_ids) + params.max_tokens > limit:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's {limit}"
-            )
+        context = (limit, f"the model's {limit}") if isinstance(limit, int) else None
+        check_request(prompt_ids, params, vocab_size=int(self._model.config.vocab_size), context=context)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; False when there is no such request in flight."""
@@ -335,31 +226,15 @@ class HFEngine:
         requests submitted from now on. The tensors are read when applied, so the caller must not change them
         meanwhile. A tied name (`lm_head.weight` when tied to the embeddings) may be left out."""
         self._check_open()
-        newest = self._pending_weights[0] if self._pending_weights is not None else self._version
-        if version <= newest:
-            raise InvalidRequest(f"weights version {version} is not newer than version {newest}")
-        missing = [name for name in self._targets if name not in weights and name not in self._aliases]
-        unexpected = [name for name in weights if name not in self._targets]
-        wrong_shape = [
-            f"{name} {tuple(tensor.shape)} (model: {tuple(self._targets[name].shape)})"
-            for name, tensor in weights.items()
-            if name in self._targets and tensor.shape != self._targets[name].shape
-        ]
-        problems = []
-        if missing:
-            problems.append(f"missing: {_describe(missing)}")
-        if unexpected:
-            problems.append(f"unexpected: {_describe(unexpected)}")
-        if wrong_shape:
-            problems.append(f"wrong shape: {_describe(wrong_shape)}")
-        for alias, name in self._aliases.items():
-            given_both = alias in weights and name in weights and weights[alias] is not weights[name]
-            if given_both and not await asyncio.to_thread(torch.equal, weights[alias], weights[name]):
-                problems.append(f"{alias} is tied to {name} in this model but differs from it")
-        if problems:
-            raise WeightsMismatch(f"weights for version {version} do not match the model: " + "; ".join(problems))
+        check_newer(version, self._newest_version())
+        # In a thread: comparing a tied pair reads both tensors.
+        await asyncio.to_thread(check_weights, version, weights, self._shapes, self._aliases, equal=torch.equal)
+        check_newer(version, self._newest_version())  # another update may have been staged meanwhile
         self._pending_weights = (version, weights)
         self._wakeup.set()
+
+    def _newest_version(self) -> int:
+        return self._pending_weights[0] if self._pending_weights is not None else self._version
 
     def _apply_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -371,16 +246,7 @@ class HFEngine:
 
     def load(self) -> EngineLoad:
         """How busy the engine is now."""
-        now = time.monotonic()
-        elapsed = now - self._started_at if self._started_at else 0.0
-        busy = self._busy_s + (now - self._batch_started if self._batch_started is not None else 0.0)
-        return EngineLoad(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            busy_fraction=min(1.0, busy / elapsed) if elapsed > 0 else 0.0,
-            generated_tokens=self._generated_tokens,
-            version=self._version,
-        )
+        return self._meter.snapshot(running=len(self._running), waiting=len(self._waiting), version=self._version)
 
     # ---------------------------------------------------------------- scheduler
 
@@ -401,7 +267,7 @@ class HFEngine:
             if self._waiting:
                 await self._run_batch(loop, self._take_batch())
 
-    def _take_batch(self) -> list[_Request]:
+    def _take_batch(self) -> list[Request]:
         key = next(iter(self._waiting.values())).batch_key
         batch = [r for r in self._waiting.values() if r.batch_key == key][: self._max_batch_size]
         for request in batch:
@@ -409,11 +275,11 @@ class HFEngine:
             self._running[request.request_id] = request
         return batch
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop, batch: list[Request]) -> None:
         """Generate for one batch and answer its callers, or queue them again when a weight swap cut them. If the
         scheduler is cancelled meanwhile, the requests stay in `_running`, where `_on_scheduler_done` fails them."""
         version = self._version
-        self._batch_started = started = time.monotonic()
+        self._meter.busy()
         try:
             rows = await loop.run_in_executor(self._executor, self._generate_batch, batch)
         except Exception as error:  # the batch failed: its callers get the error, later batches still run
@@ -423,13 +289,12 @@ class HFEngine:
                     request.future.set_exception(error)
             return
         finally:
-            self._busy_s += time.monotonic() - started
-            self._batch_started = None
+            self._meter.idle()
             self.batches_run += 1
-        continued: dict[str, _Request] = {}
+        continued: dict[str, Request] = {}
         for request, row in zip(batch, rows, strict=True):
             self._running.pop(request.request_id, None)
-            self._generated_tokens += len(row.token_ids)
+            self._meter.generated_tokens += len(row.token_ids)
             request.tokens += row.token_ids
             request.logprobs += row.logprobs
             request.versions += [version] * len(row.token_ids)
@@ -442,73 +307,18 @@ class HFEngine:
         # First in the queue: they are the oldest requests, so the next batch (under the new weights) holds them.
         self._waiting = continued | self._waiting
 
-    # ---------------------------------------------------------------- worker thread
-
-    @contextlib.contextmanager
-    def _seeded(self, seed: int | None) -> Iterator[None]:
-        if seed is None:
-            yield
-            return
-        on_cpu = self._device.type == "cpu"
-        devices = [] if on_cpu else [self._device.index or 0]
-        device_type = "cuda" if on_cpu else self._device.type
-        with torch.random.fork_rng(devices=devices, device_type=device_type):
-            torch.manual_seed(seed)
-            yield
-
-    def _generate_batch(self, batch: list[_Request]) -> list[_Row]:
-        """Run one `generate` for the batch (all rows share sampling settings) and cut each row to its own end."""
-        assert self._model is not None
-        prompts = [r.prompt_ids + r.tokens for r in batch]
-        prompt_len = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(batch), prompt_len), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), prompt_len), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, prompt_len - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[i, prompt_len - len(prompt) :] = 1
-        params = batch[0].params
-        sampling: dict[str, Any] = {"do_sample": False}
-        if params.temperature > 0:
-            sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        config = GenerationConfig(  # type: ignore[no-untyped-call]
-            max_new_tokens=max(r.max_new for r in batch),
-            eos_token_id=sorted(self._eos_ids),
-            pad_token_id=self._pad_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-            use_cache=True,
-            **sampling,
+    def _generate_batch(self, batch: list[Request]) -> list[Row]:
+        """In the worker thread: one `generate` for the batch, cut short by a weight update staged meanwhile."""
+        assert self._model is not None  # started: the scheduler runs only after _load
+        return generate_batch(
+            self._model,
+            batch,
+            eos_ids=self._eos_ids,
+            pad_id=self._pad_id,
+            device=self._device,
+            swap_pending=self._swap_pending,
         )
-        stops = _RowStops(batch, prompt_len, self._eos_ids, lambda: self._pending_weights is not None)
-        with torch.inference_mode(), self._seeded(batch[0].seed):
-            out = self._model.generate(  # type: ignore[operator]
-                input_ids=input_ids.to(self._device),
-                attention_mask=attention_mask.to(self._device),
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([stops]),
-            )
-            generated_BT = out.sequences[:, prompt_len:]
-            # Per step, so only one (batch, vocab) block of log-probs exists at a time.
-            logp_BT = torch.stack(
-                [
-                    torch.log_softmax(scores_BV.float(), dim=-1).gather(-1, generated_BT[:, t : t + 1]).squeeze(-1)
-                    for t, scores_BV in enumerate(out.scores)
-                ],
-                dim=1,
-            )
-        tokens_rows = generated_BT.tolist()
-        logp_rows = logp_BT.tolist()
-        rows = []
-        for i, request in enumerate(batch):
-            limit = min(request.max_new, len(tokens_rows[i]))
-            aborted_at = stops.aborted_at[i]
-            if aborted_at is not None:
-                limit = min(limit, aborted_at)
-            end = limit
-            reason: FinishReason | None = "length" if limit == request.max_new else None
-            for k, token in enumerate(tokens_rows[i][:limit]):
-                if token in stops.stops[i]:
-                    end, reason = k + 1, "stop"
-                    break
-            rows.append(_Row(tokens_rows[i][:end], logp_rows[i][:end], reason))
-        return rows
+
+    def _swap_pending(self) -> bool:
+        """Read by the worker thread between decode steps: new weights wait for the running batch to stop."""
+        return self._pending_weights is not None

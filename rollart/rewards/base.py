@@ -27,7 +27,7 @@ from rollart.errors import ConfigError, RollartError
 
 
 class ScoreInput(msgspec.Struct, frozen=True, kw_only=True):
-    """One thing to score: a trajectory's final response, with what the scorer may compare it to."""
+    """One thing to score: a trajectory's final response and its size, then what the scorer may compare it to."""
 
     task: str
     """Name of the task the trajectory came from (e.g. `gem-math`, `frozenlake`)."""
@@ -35,12 +35,12 @@ class ScoreInput(msgspec.Struct, frozen=True, kw_only=True):
     """The prompt (or the rendered conversation) the response answers."""
     response: str
     """The policy's response text to be scored."""
+    tokens: int = 0
+    """The trajectory's prompt and response tokens (what a reward model's time follows; 0: unknown)."""
     answer: str | None = None
     """The reference answer, for functions that compare against one."""
     env_reward: float | None = None
     """The environment's own reward for the trajectory, for functions that pass or reshape it."""
-    tokens: int = 0
-    """The trajectory's prompt and response tokens (what a reward model's time follows; 0: unknown)."""
     meta: dict[str, Any] = {}
     """Anything else a function needs (msgpack-encodable values only)."""
 

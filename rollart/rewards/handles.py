@@ -7,7 +7,6 @@ and process calls that may fail (a dying worker breaks its pipe at any moment).
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -17,19 +16,10 @@ from multiprocessing.process import BaseProcess
 import structlog
 
 from rollart.rewards.base import ScoreOutput
+from rollart.rewards.stats import State
 from rollart.rewards.worker import Job, WorkerMessage, worker_main
 
 log = structlog.get_logger("rollart.rewards.pool")
-
-
-class State(enum.Enum):
-    """Where a worker is in its life."""
-
-    STARTING = enum.auto()  # spawned, not ready yet (cold start)
-    IDLE = enum.auto()  # ready, no job
-    BUSY = enum.auto()  # running a job
-    RETIRING = enum.auto()  # told to stop (idle timeout, pool close); its exit is expected
-    BROKEN = enum.auto()  # its pipe failed; waiting for the sentinel to report the exit
 
 
 @dataclass(eq=False)

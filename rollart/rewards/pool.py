@@ -35,8 +35,8 @@ import structlog
 from rollart.errors import ConfigError
 from rollart.protocol.errors import RequestTimeout
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
-from rollart.rewards.handles import Request, State, Worker, stop_workers
-from rollart.rewards.stats import PoolMeters, PoolStats
+from rollart.rewards.handles import Request, Worker, stop_workers
+from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.rewards.worker import Done, Failed, Ready, StartFailed
 
 log = structlog.get_logger("rollart.rewards.pool")
@@ -167,15 +167,7 @@ class RewardPool:
 
     def stats(self) -> PoolStats:
         """A snapshot of workers, queue, counters, cold starts and utilization."""
-        count = {s: sum(w.state is s for w in self._workers) for s in State}
-        return self.meters.snapshot(
-            starting=count[State.STARTING],
-            idle=count[State.IDLE],
-            busy=count[State.BUSY],
-            queue_depth=len(self._queue),
-            live_since=[w.spawned_at for w in self._workers],
-            busy_since=[w.busy_since for w in self._workers if w.state is State.BUSY],
-        )
+        return self.meters.snapshot(self._workers, queue_depth=len(self._queue))
 
     async def wait_until(self, predicate: Callable[[PoolStats], bool], *, timeout: float) -> PoolStats:
         """Wait until `predicate(stats())` holds (checked on every change); `RequestTimeout` past `timeout`."""

@@ -8,11 +8,34 @@ trailing window (30 s by default), the figure a scaling policy or the admin page
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import msgspec
+
+
+class State(enum.Enum):
+    """Where a worker is in its life (the simulated pool's workers use the first three)."""
+
+    STARTING = enum.auto()  # spawned, not ready yet (cold start)
+    IDLE = enum.auto()  # ready, no job
+    BUSY = enum.auto()  # running a job
+    RETIRING = enum.auto()  # told to stop (idle timeout, pool close); its exit is expected
+    BROKEN = enum.auto()  # its pipe failed; waiting for the sentinel to report the exit
+
+
+class MeteredWorker(Protocol):
+    """What the meters read of a worker, real or simulated."""
+
+    @property
+    def state(self) -> State: ...
+    @property
+    def spawned_at(self) -> float: ...
+    @property
+    def busy_since(self) -> float: ...
 
 
 class ColdStartStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,32 +140,27 @@ class PoolMeters:
         self.busy = IntervalMeter(window_s)
         self.served = self.failed = self.timed_out = self.crashed = self.peak = 0
 
-    def snapshot(
-        self,
-        *,
-        starting: int,
-        idle: int,
-        busy: int,
-        queue_depth: int,
-        live_since: list[float],
-        busy_since: list[float],
-        now: float | None = None,
-    ) -> PoolStats:
-        """`live_since` / `busy_since`: start times of the workers alive / busy right now; `now` on
-        the same clock (default `time.monotonic()`)."""
+    def snapshot(self, workers: Sequence[MeteredWorker], *, queue_depth: int, now: float | None = None) -> PoolStats:
+        """`workers`: every worker the pool holds (a retiring one is live until it exits); `now` on the clock of
+        their times (default `time.monotonic()`)."""
         now = time.monotonic() if now is None else now
+        starting, idle, busy = (
+            sum(w.state is state for w in workers) for state in (State.STARTING, State.IDLE, State.BUSY)
+        )
+        live_since = [w.spawned_at for w in workers]
+        busy_since = [w.busy_since for w in workers if w.state is State.BUSY]
         return PoolStats(
             live_workers=starting + idle + busy,
             starting_workers=starting,
             busy_workers=busy,
             idle_workers=idle,
             peak_workers=self.peak,
+            cold_starts=self.cold.snapshot(),
+            crashed=self.crashed,
             queue_depth=queue_depth,
             served=self.served,
             failed=self.failed,
             timed_out=self.timed_out,
-            crashed=self.crashed,
-            cold_starts=self.cold.snapshot(),
             utilization=ratio(self.busy.total(busy_since, now), self.live.total(live_since, now)),
             utilization_window=ratio(self.busy.in_window(busy_since, now), self.live.in_window(live_since, now)),
             window_s=self.live.window_s,

@@ -1,7 +1,8 @@
 """Typed settings of rollout: tasks and their mix, groups, redundancy, alpha, the model to use.
 
-Part of the topology's `run` section (`run.model`, `run.rollout`, `run.generator`,
-`run.reward_pool`, `run.env_modules`); checked where the topology is loaded. Imports no torch.
+Part of the topology's `run` section (`run.model`, `run.rollout`, `run.env_modules`); checked where the
+topology is loaded. Imports no torch. `run.generator` is `rollart.engines.config`, `run.reward_pool`
+`rollart.rewards.config`.
 """
 
 from __future__ import annotations
@@ -196,25 +197,3 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
             if task.max_tokens_per_turn < 1:
                 problems.append((f"tasks[{i}].max_tokens_per_turn", f"expected >= 1; got {task.max_tokens_per_turn}"))
         return problems
-
-
-class GeneratorSpec(msgspec.Struct, **_STRUCT):
-    """The inference engine every generator node runs."""
-
-    backend: Literal["vllm", "hf", "sim"] = "vllm"
-    """vllm: vLLM's async engine (`bin/setup-vllm`; `rollart run` sets it up when missing);
-    hf: transformers, for machines without vLLM and for fast tests; sim: simulated (`run.sim`)."""
-    max_batch_size: int = 64
-    """Most requests batched in one step."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-
-
-class RewardPoolSpec(msgspec.Struct, **_STRUCT):
-    """The reward gateway's elastic pool of worker processes."""
-
-    min_workers: int = 0
-    """Workers kept even when idle (0: scale to zero)."""
-    max_workers: int = 2
-    """Most workers at once."""
-    idle_timeout_s: float = 30.0
-    """A worker idle this long retires (never below min_workers)."""

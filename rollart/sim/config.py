@@ -17,6 +17,7 @@ Deadlines in `run.rollout` (generate, env, reward, group) stay in real seconds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
@@ -54,15 +55,20 @@ class SimTrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
 
 
 class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    """A reward model's scoring time and where it runs (`rollart/sim/reward.py`)."""
+    """A reward model's scoring time and where it runs (`rollart/sim/reward.py`): the judge, then where its
+    workers run."""
 
-    placement: Literal["local", "service", "instant"] = "service"
-    """local: `workers` GPUs reserved for the whole run; service: workers started on demand;
-    instant: no reward model, the function's verdict at once (a rule-based reward)."""
     model: str = "qwen2.5-7b"
     """The reward model, a key of the model presets."""
     gpu: str = "H800"
+    """A key of `GPUS`."""
     gpus_per_worker: int = 1
+    """GPUs one worker's model spans (tensor parallel)."""
+    verdict_tokens: int = 16
+    """Tokens the judge writes per trajectory."""
+    placement: Literal["local", "service", "instant"] = "service"
+    """local: `workers` GPUs reserved for the whole run; service: workers started on demand;
+    instant: no reward model, the function's verdict at once (a rule-based reward)."""
     workers: int = 4
     """local: the reserved workers; service: the most it scales to."""
     min_workers: int = 0
@@ -71,18 +77,12 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     """service: from asking for a worker to it serving (the function's start and model load)."""
     idle_timeout_s: float = 30.0
     """service: an idle worker is released after this long."""
-    verdict_tokens: int = 16
-    """Tokens the judge writes per trajectory."""
 
     def validate(self) -> list[tuple[str, str]]:
-        problems: list[tuple[str, str]] = []
-        if self.model not in MODELS:
-            problems.append(("reward.model", f"expected one of {sorted(MODELS)}; got {self.model!r}"))
-        if self.gpu not in GPUS:
-            problems.append(("reward.gpu", f"expected one of {sorted(GPUS)}; got {self.gpu!r}"))
+        """(field, problem) pairs, the fields under `reward.`."""
+        problems = _unknown("reward.model", self.model, MODELS) + _unknown("reward.gpu", self.gpu, GPUS)
         for key in ("gpus_per_worker", "workers", "verdict_tokens"):
-            if getattr(self, key) < 1:
-                problems.append((f"reward.{key}", f"expected an integer >= 1; got {getattr(self, key)}"))
+            problems += _at_least(f"reward.{key}", getattr(self, key), 1)
         if not 0 <= self.min_workers <= self.workers:
             problems.append(("reward.min_workers", f"expected 0 <= min_workers <= workers; got {self.min_workers}"))
         if self.cold_start_s < 0 or self.idle_timeout_s <= 0:
@@ -115,26 +115,31 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
         problems: list[tuple[str, str]] = []
         if self.speedup <= 0:
             problems.append(("speedup", f"expected a value > 0; got {self.speedup}"))
-        if self.model not in MODELS:
-            problems.append(("model", f"expected one of {sorted(MODELS)}; got {self.model!r}"))
+        problems += _unknown("model", self.model, MODELS)
         for kind, shape in self.engines.items():
-            if shape.gpu not in GPUS:
-                problems.append((f"engines.{kind}.gpu", f"expected one of {sorted(GPUS)}; got {shape.gpu!r}"))
+            problems += _unknown(f"engines.{kind}.gpu", shape.gpu, GPUS)
             for key in ("gpus", "replicas"):
-                if getattr(shape, key) < 1:
-                    problems.append((f"engines.{kind}.{key}", f"expected an integer >= 1; got {getattr(shape, key)}"))
+                problems += _at_least(f"engines.{kind}.{key}", getattr(shape, key), 1)
         if not 0 < self.response_length_min_frac <= 1:
             problems.append(
                 ("response_length_min_frac", f"expected a value in (0, 1]; got {self.response_length_min_frac}")
             )
         if self.trainer is not None:
-            if self.trainer.gpu not in GPUS:
-                problems.append(("trainer.gpu", f"expected one of {sorted(GPUS)}; got {self.trainer.gpu!r}"))
+            problems += _unknown("trainer.gpu", self.trainer.gpu, GPUS)
             for key in ("gpus", "mfu", "link_gbps", "host_load_gbs"):
                 if getattr(self.trainer, key) <= 0:
                     problems.append((f"trainer.{key}", f"expected a value > 0; got {getattr(self.trainer, key)}"))
         if self.reward is not None:
             problems += self.reward.validate()
-        if self.max_steps_per_wake < 1:
-            problems.append(("max_steps_per_wake", f"expected an integer >= 1; got {self.max_steps_per_wake}"))
+        problems += _at_least("max_steps_per_wake", self.max_steps_per_wake, 1)
         return problems
+
+
+def _unknown(path: str, name: str, presets: Mapping[str, object]) -> list[tuple[str, str]]:
+    """The problem with a preset name that is not one of `presets`, if it is not."""
+    return [] if name in presets else [(path, f"expected one of {sorted(presets)}; got {name!r}")]
+
+
+def _at_least(path: str, value: int, low: int) -> list[tuple[str, str]]:
+    """The problem with an integer below `low`, if it is."""
+    return [] if value >= low else [(path, f"expected an integer >= {low}; got {value}")]

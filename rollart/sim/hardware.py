@@ -25,10 +25,24 @@ peak FLOPs and bandwidth an engine reaches) are assumptions, stated where they a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import msgspec
 
 from rollart.errors import ConfigError
+
+
+class _Preset(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_P = TypeVar("_P", bound=_Preset)
+
+
+def _by_name(*presets: _P) -> dict[str, _P]:
+    """A preset table: the presets by their names."""
+    return {preset.name: preset for preset in presets}
 
 
 @dataclass(frozen=True)
@@ -43,15 +57,12 @@ class Gpu:
     """Relative to an H20 (1.00), as the paper costs them."""
 
 
-GPUS: dict[str, Gpu] = {
-    gpu.name: gpu
-    for gpu in (
-        Gpu("H800", tflops=989.5, hbm_tb_s=3.35, hbm_gb=80, cost_per_hour=2.85),
-        Gpu("H20", tflops=148.0, hbm_tb_s=4.0, hbm_gb=96, cost_per_hour=1.00),
-        Gpu("H100", tflops=989.5, hbm_tb_s=3.35, hbm_gb=80, cost_per_hour=2.85),
-        Gpu("H200", tflops=989.5, hbm_tb_s=4.8, hbm_gb=141, cost_per_hour=3.40),
-    )
-}
+GPUS: dict[str, Gpu] = _by_name(
+    Gpu("H800", tflops=989.5, hbm_tb_s=3.35, hbm_gb=80, cost_per_hour=2.85),
+    Gpu("H20", tflops=148.0, hbm_tb_s=4.0, hbm_gb=96, cost_per_hour=1.00),
+    Gpu("H100", tflops=989.5, hbm_tb_s=3.35, hbm_gb=80, cost_per_hour=2.85),
+    Gpu("H200", tflops=989.5, hbm_tb_s=4.8, hbm_gb=141, cost_per_hour=3.40),
+)
 
 
 @dataclass(frozen=True)
@@ -77,15 +88,12 @@ class Model:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
 
 
-MODELS: dict[str, Model] = {
-    model.name: model
-    for model in (
-        Model("qwen3-8b", params_b=8.19, layers=36, kv_heads=8, head_dim=128),
-        Model("qwen3-14b", params_b=14.8, layers=40, kv_heads=8, head_dim=128),
-        Model("qwen3-32b", params_b=32.8, layers=64, kv_heads=8, head_dim=128),
-        Model("qwen2.5-7b", params_b=7.62, layers=28, kv_heads=4, head_dim=128),  # the paper's reward LLM
-    )
-}
+MODELS: dict[str, Model] = _by_name(
+    Model("qwen3-8b", params_b=8.19, layers=36, kv_heads=8, head_dim=128),
+    Model("qwen3-14b", params_b=14.8, layers=40, kv_heads=8, head_dim=128),
+    Model("qwen3-32b", params_b=32.8, layers=64, kv_heads=8, head_dim=128),
+    Model("qwen2.5-7b", params_b=7.62, layers=28, kv_heads=4, head_dim=128),  # the paper's reward LLM
+)
 
 
 class EngineShape(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -103,6 +111,16 @@ class EngineShape(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     """Fraction of peak HBM bandwidth reached in decode (assumption)."""
     mem_fraction: float = 0.9
     """Fraction of HBM the engine may use, weights included (vLLM's gpu_memory_utilization)."""
+
+
+def train_step_s(model: Model, gpu: Gpu, *, gpus: int, mfu: float, tokens: int) -> float:
+    """Seconds for one training step (forward and backward) on `tokens` tokens."""
+    return 6 * model.params_b * 1e9 * tokens / (gpus * gpu.tflops * 1e12 * mfu)
+
+
+def transfer_s(model: Model, *, gbps: float) -> float:
+    """Seconds to move the model's weights over a link of `gbps` gigabits per second."""
+    return model.weight_bytes * 8 / (gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -155,13 +173,3 @@ class CostModel:
     def cost_per_hour(self) -> float:
         """Of every replica."""
         return self.shape.gpus * self.shape.replicas * self.gpu.cost_per_hour
-
-
-def train_step_s(model: Model, gpu: Gpu, *, gpus: int, mfu: float, tokens: int) -> float:
-    """Seconds for one training step (forward and backward) on `tokens` tokens."""
-    return 6 * model.params_b * 1e9 * tokens / (gpus * gpu.tflops * 1e12 * mfu)
-
-
-def transfer_s(model: Model, *, gbps: float) -> float:
-    """Seconds to move the model's weights over a link of `gbps` gigabits per second."""
-    return model.weight_bytes * 8 / (gbps * 1e9)

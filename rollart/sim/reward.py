@@ -22,7 +22,6 @@ Utilization is busy worker-seconds over live worker-seconds, as `RewardPool` rep
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 from collections import deque
 from collections.abc import Coroutine
@@ -35,24 +34,18 @@ import structlog
 from rollart.clock import SimClock
 from rollart.protocol.errors import RequestTimeout
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
-from rollart.rewards.stats import PoolMeters, PoolStats
+from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.sim.config import SimRewardSpec
 from rollart.sim.hardware import CostModel, EngineShape
 
 log = structlog.get_logger("rollart.sim.reward")
 
 
-class _State(enum.Enum):
-    STARTING = "starting"
-    IDLE = "idle"
-    BUSY = "busy"
-
-
 @dataclass(eq=False)
 class _Worker:
     wid: int
-    started_at: float
-    state: _State = _State.STARTING
+    spawned_at: float
+    state: State = State.STARTING
     busy_since: float = 0.0
     retire: asyncio.TimerHandle | None = None
 
@@ -132,16 +125,7 @@ class SimRewardPool:
         return output
 
     def stats(self) -> PoolStats:
-        count = {s: sum(w.state is s for w in self._workers) for s in _State}
-        return self.meters.snapshot(
-            starting=count[_State.STARTING],
-            idle=count[_State.IDLE],
-            busy=count[_State.BUSY],
-            queue_depth=len(self._queue),
-            live_since=[w.started_at for w in self._workers],
-            busy_since=[w.busy_since for w in self._workers if w.state is _State.BUSY],
-            now=self.clock.now(),
-        )
+        return self.meters.snapshot(self._workers, queue_depth=len(self._queue), now=self.clock.now())
 
     # -- workers ----------------------------------------------------------------------------------
 
@@ -149,10 +133,10 @@ class SimRewardPool:
         for w in self._workers:
             if not self._queue:
                 break
-            if w.state is _State.IDLE:
+            if w.state is State.IDLE:
                 self._serve(w, self._queue.popleft())
         if self.spec.placement == "service":  # one worker on its way per request waiting, up to `workers`
-            starting = sum(w.state is _State.STARTING for w in self._workers)
+            starting = sum(w.state is State.STARTING for w in self._workers)
             while len(self._queue) > starting and len(self._workers) < self.spec.workers:
                 self._start_worker(cold=True)
                 starting += 1
@@ -173,7 +157,7 @@ class SimRewardPool:
         if w.retire is not None:
             w.retire.cancel()
             w.retire = None
-        w.state, w.busy_since, job.started = _State.BUSY, self.clock.now(), True
+        w.state, w.busy_since, job.started = State.BUSY, self.clock.now(), True
         self._spawn(self._work(w, job))
 
     async def _work(self, w: _Worker, job: _Job) -> None:
@@ -185,23 +169,23 @@ class SimRewardPool:
         self._pump()
 
     def _idle(self, w: _Worker) -> None:
-        w.state = _State.IDLE
+        w.state = State.IDLE
         if self.spec.placement == "service":
             loop = asyncio.get_running_loop()
             w.retire = loop.call_later(self.spec.idle_timeout_s / self.clock.speedup, self._retire, w)
 
     def _retire(self, w: _Worker) -> None:
         w.retire = None
-        if w.state is _State.IDLE and len(self._workers) > self.spec.min_workers:
+        if w.state is State.IDLE and len(self._workers) > self.spec.min_workers:
             self._release(w)
 
     def _release(self, w: _Worker) -> None:
         if w.retire is not None:
             w.retire.cancel()
         now = self.clock.now()
-        if w.state is _State.BUSY:
+        if w.state is State.BUSY:
             self.meters.busy.close(w.busy_since, now)
-        self.meters.live.close(w.started_at, now)
+        self.meters.live.close(w.spawned_at, now)
         self._workers.remove(w)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

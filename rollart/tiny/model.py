@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 if TYPE_CHECKING:
@@ -61,17 +62,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(
-    out_dir: Path,
-    *,
-    seed: int = 0,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 1024,
-) -> Path:
+class TinySizes(msgspec.Struct, frozen=True, kw_only=True):
+    """The tiny model's dimensions; the defaults make about 1 M parameters."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 1024
+
+
+DEFAULT_SIZES = TinySizes()
+"""The default run's tiny model."""
+
+
+def build_tiny_model(out_dir: Path, *, seed: int = 0, sizes: TinySizes = DEFAULT_SIZES) -> Path:
     """Build the tiny Qwen3 model from `seed` and save it (safetensors) with its tokenizer to `out_dir`.
 
     The same seed and sizes give the same weight bytes. A `rollart-model.json` records how it was made."""
@@ -80,13 +86,13 @@ def build_tiny_model(
     tokenizer = build_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
+        hidden_size=sizes.hidden_size,
+        intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.num_layers,
+        num_attention_heads=sizes.num_heads,
+        num_key_value_heads=sizes.num_kv_heads,
+        head_dim=sizes.hidden_size // sizes.num_heads,
+        max_position_embeddings=sizes.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=SPECIAL_TOKENS.index(IM_START),
         eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
@@ -105,12 +111,7 @@ def build_tiny_model(
         "seed": seed,
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": config.vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
+        **msgspec.structs.asdict(sizes),
     }
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir

@@ -14,6 +14,7 @@ import torch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.tiny.model import (
     MARKER_FILE,
+    TinySizes,
     build_tiny_model,
     build_tokenizer,
     ensure_tiny_model,
@@ -22,7 +23,7 @@ from rollart.tiny.model import (
 
 torch.set_num_threads(1)
 
-SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
+SMALL = TinySizes(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 """A smaller model where only the build itself is under test."""
 
 
@@ -118,7 +119,7 @@ def test_ensure_is_safe_when_racing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     real_build = tiny_model.build_tiny_model
 
     def build_in_step(out_dir: Path, *, seed: int = 0) -> Path:
-        real_build(out_dir, seed=seed, **SMALL)
+        real_build(out_dir, seed=seed, sizes=SMALL)
         barrier.wait(timeout=10)  # every builder has finished before any renames
         return out_dir
 

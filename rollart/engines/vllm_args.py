@@ -1,0 +1,143 @@
+"""What the vLLM engine asks of vLLM and reads back: engine arguments and their environment, sampling parameters,
+and the log-probs, finish reasons and weight-version spans of its outputs.
+
+vLLM is imported inside the functions that need it (it lives in its own virtual environment; docs/vllm.md), so
+importing this module works without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollart.engines.base import FinishReason, SamplingParams
+from rollart.errors import RollartError
+
+if TYPE_CHECKING:
+    import torch
+
+FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+"""vLLM's finish reasons that RollArt has; any other ends the request with `VLLMRequestFailed`."""
+_ENV_LOCK = threading.Lock()
+"""vLLM reads its CPU settings from the environment of the process it spawns: one engine start at a time edits it."""
+
+
+class VLLMRequestFailed(RollartError):
+    """vLLM ended a request with an error of its own (finish_reason 'error' or an unknown reason)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """How to start vLLM's engine; `VLLMEngine.__init__` says what each setting means."""
+
+    model_path: Path
+    max_batch_size: int
+    dtype: str | torch.dtype
+    kv_cache_gb: float | None
+    cpu_threads_bind: str | None
+    enforce_eager: bool | None
+    seed: int
+
+
+def create_engine(settings: EngineSettings, created: list[Any]) -> None:
+    """Start vLLM's `AsyncLLM` and append it to `created` (blocks until its engine-core process is up: run it in a
+    thread; `VLLMEngine.start` says why the engine is not returned)."""
+    from vllm import AsyncEngineArgs  # type: ignore[import-not-found,unused-ignore]
+    from vllm.platforms import current_platform  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found,unused-ignore]
+
+    on_cpu = bool(current_platform.is_cpu())
+    env: dict[str, str | None] = {}
+    if on_cpu and settings.kv_cache_gb is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = None  # the legacy variable would override kv_cache_memory_bytes
+    if on_cpu and settings.cpu_threads_bind is not None:
+        # An explicit core list; vLLM then reserves no core of its own (with "auto" it keeps one for its
+        # scheduler process, which on 2 shared cores ran 16 x 32 tokens 5x faster than using both).
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    enforce_eager = on_cpu if settings.enforce_eager is None else settings.enforce_eager
+    kv_cache_bytes = None if settings.kv_cache_gb is None else int(settings.kv_cache_gb * 2**30)
+    args = AsyncEngineArgs(
+        model=str(settings.model_path),
+        dtype=settings.dtype,  # type: ignore[arg-type,unused-ignore]
+        seed=settings.seed,
+        max_num_seqs=settings.max_batch_size,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enforce_eager=enforce_eager,
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    with _environ(env):
+        created.append(AsyncLLM.from_engine_args(args))
+
+
+@contextlib.contextmanager
+def _environ(updates: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (None: unset) environment variables for the duration (the spawned engine core copies them), then
+    restore them."""
+
+    def apply(values: Mapping[str, str | None]) -> None:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    with _ENV_LOCK:
+        saved = {key: os.environ.get(key) for key in updates}
+        apply(updates)
+        try:
+            yield
+        finally:
+            apply(saved)
+
+
+def vllm_sampling_params(params: SamplingParams) -> Any:
+    """vLLM's sampling parameters for `params`: token ids out, one log-prob per sampled token, streamed as deltas."""
+    from vllm import SamplingParams as VLLMSamplingParams  # type: ignore[import-not-found,unused-ignore]
+    from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found,unused-ignore]
+
+    greedy = params.temperature == 0
+    # Every field that shapes the distribution is set, so the log-probs are the behaviour policy's.
+    return VLLMSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        seed=None if greedy else params.seed,
+        stop_token_ids=list(params.stop_token_ids),
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def sampled_logprobs(tokens: list[int], position_logprobs: Any) -> list[float]:
+    """The sampled token's log-prob at each position (`logprobs=0` asks vLLM for exactly that one)."""
+    if position_logprobs is None:
+        raise VLLMRequestFailed("vLLM returned no log-probs (logprobs=0 was asked for)")
+    return [float(entries[token].logprob) for token, entries in zip(tokens, position_logprobs, strict=True)]
+
+
+def span_versions(spans: Any, n_tokens: int) -> list[int] | None:
+    """Per-token versions from vLLM's `weight_versions` spans; None when absent, unlabelled or not covering all."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        try:
+            label = int(span.version)
+        except ValueError:
+            return None
+        versions += [label] * (int(span.end) - int(span.start))
+    return versions if len(versions) == n_tokens else None
