@@ -43,7 +43,8 @@ from typing import TextIO
 import yaml
 
 from rollart.errors import ConfigError
-from rollart.launch.local import after_failure, describe_exit
+from rollart.launch.local import after_failure
+from rollart.launch.terminal import describe_exit
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
