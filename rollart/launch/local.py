@@ -35,6 +35,7 @@ import aiohttp
 
 from rollart.errors import ConfigError
 from rollart.launch.terminal import Terminal, describe_exit
+from rollart.node import read_config_error
 from rollart.topology import NodeSpec, RestartPolicy, Topology
 
 EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -49,6 +50,8 @@ class NodeProcess:
     policy: RestartPolicy
     log_path: Path
     proc: asyncio.subprocess.Process | None = None
+    log_offset: int = 0
+    """Where the log ended when the process started: what it writes comes after."""
     state: str = "starting"
     exit_code: int | None = None
     restarts: collections.deque[float] = field(default_factory=collections.deque)
@@ -190,6 +193,7 @@ class Launcher:
 
     async def _spawn(self, node: NodeProcess) -> None:
         with node.log_path.open("ab") as log_file:
+            node.log_offset = log_file.seek(0, os.SEEK_END)
             node.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -278,7 +282,9 @@ class Launcher:
                 return
             if code == EXIT_CONFIG:
                 node.state = "failed"
-                self.fail(f"{what}: a configuration error, which a restart would not fix")
+                why = f"{what}: a configuration error, which a restart would not fix"
+                message = read_config_error(node.log_path, node.log_offset)
+                self.fail(f"{why}: {message}" if message else why)
                 return
             verdict = after_failure(node.policy, node.restarts, time.monotonic())
             if verdict.action == "stop-all":

@@ -45,6 +45,7 @@ import yaml
 from rollart.errors import ConfigError
 from rollart.launch.local import after_failure
 from rollart.launch.terminal import describe_exit
+from rollart.node import read_config_error
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -337,11 +338,12 @@ class Supervisor:
 
     async def _supervise(self, step: Step) -> None:
         name = step.spec.name
+        log = self.logs / f"{name}.log"
         while not self._stop.is_set():
+            offset = log.stat().st_size if log.exists() else 0  # what this step writes comes after
             step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
             code = await step.proc.wait()
             # srun exits 128 + N when its task was killed by signal N.
-            log = self.logs / f"{name}.log"
             what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
             if self._stop.is_set():
                 self.say(f"{what} while stopping")
@@ -352,7 +354,8 @@ class Supervisor:
                     self.stop(f"{name} finished the run")
                 return
             if code == 2:  # bad configuration: starting it again would fail the same way
-                self.failure = f"{what}: a configuration error; see its log"
+                message = read_config_error(log, offset)
+                self.failure = f"{what}: a configuration error" + (f": {message}" if message else "; see its log")
                 self.stop(self.failure)
                 return
             verdict = after_failure(self.topology.restart_policy(step.spec), step.restarts, time.monotonic())
