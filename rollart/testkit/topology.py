@@ -91,7 +91,9 @@ class TopologyBuilder:
         return plain
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        # Mappings of plain values in flow style on one line (`session: {heartbeat_interval_s: 0.2, ...}`,
+        # a node per line), as the hand-written topologies were: readable, and tests may edit the text.
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None, width=1000)
 
     def write(self, path: Path) -> Path:
         path.write_text(self.to_yaml())
