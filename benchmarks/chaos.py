@@ -7,7 +7,7 @@ Run from the repository root (about 15 minutes; one run per row, one after anoth
 
 Each row is one `rollart run` of the local shape (a trainer, two generators, two env-hosts, a reward
 gateway; the tiny model; transformers generators, or vLLM for the vllm row) training `--steps`
-steps while tests/chaos/harness.py injects one kind of fault at random moments, again and again,
+steps while rollart/testkit/harness.py injects one kind of fault at random moments, again and again,
 each after the cluster recovered from the last (see that module for the kinds and the checks).
 A row's counts:
 
@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
+from rollart.testkit.harness import CONTINUOUS, FAULTS, ChaosRun  # noqa: E402
+from rollart.testkit.outcome import Outcome, Scenario  # noqa: E402
 from rollart.tiny.model import ensure_tiny_model  # noqa: E402
-from tests.chaos.harness import CONTINUOUS, FAULTS, ChaosRun, Outcome, Scenario  # noqa: E402
 
 ROW_ORDER = [*FAULTS, "kill-generator (vllm)"]
 
@@ -131,7 +132,7 @@ def main() -> None:
         + "\n".join(commands)
         + "\n- shape: trainer, 2 generators (behind partition proxies), 2 env-hosts, reward gateway; tiny model; "
         "batch 2 groups of 2, alpha 1, checkpoint every 2 steps; heartbeat deadline 3 s; restart policy on-failure\n"
-        "- what each column means, and each fault: benchmarks/chaos.py and tests/chaos/harness.py\n\n"
+        "- what each column means, and each fault: benchmarks/chaos.py and rollart/testkit/harness.py\n\n"
         + header
         + "\n".join(lines)
         + "\n"

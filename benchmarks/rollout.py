@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,56 +28,49 @@ from pathlib import Path
 from typing import Any
 
 from rollart.rundir import RunDir
+from rollart.testkit.topology import TopologyBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def topology(folder: Path, model: Path, *, stepping: str, sigma: float, steps: int, median_s: float) -> Path:
-    ports = free_ports(2 * len(NODES))
-    nodes = "\n".join(
-        f"  - {{name: {name}, role: {role}, port: {ports[2 * i]}, admin_port: {ports[2 * i + 1]}}}"
-        for i, (name, role) in enumerate(NODES.items())
+    builder = TopologyBuilder(
+        folder / "run",
+        name="bench",
+        drain_timeout_s=5,
+        restart={"policy": "stop-all"},
+        model={"path": model},
+        generator={"backend": "hf"},
+        reward_pool={"min_workers": 1, "max_workers": 1},
+        rollout={
+            "tasks": [
+                {
+                    "name": "lake",
+                    "env": "slow",
+                    "env_kwargs": {
+                        "inner": "frozen-lake",
+                        "size": 3,
+                        "median_s": median_s,
+                        "sigma": sigma,
+                        "cap_s": 10.0,
+                    },
+                    "max_turns": 4,
+                    "max_tokens_per_turn": 12,
+                }
+            ],
+            "group_size": 4,
+            "redundancy": 0,
+            "batch_groups": 4,
+            "alpha": 1,
+            "steps": steps,
+            "groups_per_env_host": 4,
+            "env_stepping": stepping,
+        },
     )
-    text = f"""run:
-  name: bench
-  run_dir: {folder / "run"}
-  drain_timeout_s: 5
-  restart: {{policy: stop-all}}
-  model: {{path: {model}}}
-  generator: {{backend: hf}}
-  reward_pool: {{min_workers: 1, max_workers: 1}}
-  rollout:
-    tasks:
-      - name: lake
-        env: slow
-        env_kwargs: {{inner: frozen-lake, size: 3, median_s: {median_s}, sigma: {sigma}, cap_s: 10.0}}
-        max_turns: 4
-        max_tokens_per_turn: 12
-    group_size: 4
-    redundancy: 0
-    batch_groups: 4
-    alpha: 1
-    steps: {steps}
-    groups_per_env_host: 4
-    env_stepping: {stepping}
-nodes:
-{nodes}
-"""
-    path = folder / "topology.yaml"
-    path.write_text(text)
-    return path
+    for name, role in NODES.items():
+        builder.node(name, role)
+    return builder.write(folder / "topology.yaml")
 
 
 def run_once(model: Path, *, stepping: str, sigma: float, steps: int, median_s: float) -> dict[str, float]:

@@ -6,7 +6,7 @@ Run from the repository root (30 minutes by default, nothing else running):
     .venv/bin/python benchmarks/soak.py                   # writes benchmarks/results/soak.md, .png, .csv
     .venv/bin/python benchmarks/soak.py --minutes 5 --out /tmp/soak.md
 
-The run is tests/chaos/harness.py's topology (trainer, two generators behind partition proxies, two
+The run is rollart/testkit/harness.py's topology (trainer, two generators behind partition proxies, two
 env-hosts, reward gateway; the tiny model) training until stopped, with, in turn every 20-40 s: a
 SIGSTOP hang of a random node past the heartbeat deadline, a 10 s partition of the env-hosts from
 the generators, and a kill -9 of an env-host; and throughout, flaky envs (20% of calls fail, 2%
@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
+from rollart.testkit.harness import ROLES, ChaosRun  # noqa: E402
+from rollart.testkit.outcome import Outcome, Sample, Scenario  # noqa: E402
 from rollart.tiny.model import ensure_tiny_model  # noqa: E402
-from tests.chaos.harness import ROLES, ChaosRun, Outcome, Sample, Scenario  # noqa: E402
 
 WARM_UP_S = 120.0
 FAULTS = ("hang", "partition", "kill-env-host", "env-faults", "reward-crash")

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rollout import free_ports  # benchmarks/rollout.py: this folder is on sys.path when run as a script
 
 from rollart.rundir import RunDir, read_jsonl
+from rollart.testkit.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

@@ -4,6 +4,10 @@ Parses the topology before anything heavy is imported, sets up JSON logging boun
 and its role, then runs the role's daemon on uvloop until it is drained (SIGTERM, SIGINT or
 `POST /drain`). Exit codes: 0 drained cleanly; 2 bad configuration (message on stderr);
 1 the node failed (the error is logged).
+
+A configuration error, found when the topology loads or only when the node starts (a user module
+that does not import), is written to stderr as `CONFIG_ERROR_MARK` + the message, which lands in the
+node's log; `read_config_error` finds it there, so a launcher can print why the node exited 2.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import structlog
 
@@ -22,6 +27,9 @@ from rollart.topology import Topology, load_topology
 
 EXIT_CONFIG = 2
 THREAD_GRACE_S = 2.0
+CONFIG_ERROR_MARK = "rollart-node: configuration error: "
+"""Starts the stderr line of a configuration error (continued by lines of the message that follow)."""
+LOG_TAIL_BYTES = 64 * 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = topology.node(args.node)
         topology.read_secret()  # fail here, with the config error, not inside the loop
     except ConfigError as exc:
-        print(f"rollart-node: {exc}", file=sys.stderr)
+        say_config_error(exc)
         return EXIT_CONFIG
 
     # Library progress bars (model loading and saving) would break the JSON lines of the node's log.
@@ -98,8 +106,38 @@ def main(argv: list[str] | None = None) -> int:
         # import) fails the same way on every restart: say so with the exit status, so launchers
         # and systemd (RestartPreventExitStatus=2) stop instead of restarting it.
         code = EXIT_CONFIG if all(isinstance(cause, ConfigError) for cause in causes) else 1
+        if code == EXIT_CONFIG:
+            for cause in causes:
+                say_config_error(cause)
     _leave_stuck_threads(log, code)
     return code
+
+
+def say_config_error(exc: BaseException) -> None:
+    print(f"{CONFIG_ERROR_MARK}{exc}", file=sys.stderr, flush=True)
+
+
+def read_config_error(log: Path, offset: int = 0) -> str | None:
+    """The configuration errors a node wrote to its log after `offset` (where the log ended when the
+    process started: an earlier run's errors are not this one's), "; "-joined; None if there are none."""
+    try:
+        with log.open("rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(offset, size - LOG_TAIL_BYTES))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    messages: list[list[str]] = []
+    open_message = False
+    for line in tail.splitlines():
+        if line.startswith(CONFIG_ERROR_MARK):
+            messages.append([line.removeprefix(CONFIG_ERROR_MARK)])
+            open_message = True
+        elif open_message and line.strip() and not line.startswith("{"):  # a message of several lines
+            messages[-1].append(line)
+        else:  # a JSON log line, or a blank one, ends a message
+            open_message = False
+    return "; ".join("\n".join(lines) for lines in messages) or None
 
 
 def _leave_stuck_threads(log: structlog.typing.FilteringBoundLogger, code: int) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import free_ports
+from rollart.testkit.ports import free_ports
 
 
 @pytest.fixture

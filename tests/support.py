@@ -1,10 +1,11 @@
-"""Helpers for tests that run nodes: free ports, topology files, admin HTTP, waiting on processes."""
+"""Helpers for tests that run nodes: topology files, admin HTTP, waiting on processes.
+
+Free ports and the topology builder are rollart/testkit's (benchmarks use them too)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,20 +16,22 @@ from typing import Any
 
 from rollart.protocol import ClientSession, Identity, SessionConfig, tcp_connector
 from rollart.protocol.messages import APP
+from rollart.testkit.ports import free_ports
+from rollart.testkit.topology import TopologyBuilder
+
+__all__ = [
+    "ROOT",
+    "free_ports",
+    "healthy",
+    "http",
+    "node_client",
+    "node_env",
+    "start_node",
+    "wait_for",
+    "write_topology",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """N distinct ports that were free a moment ago (bound to port 0 together, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def write_topology(
@@ -41,24 +44,19 @@ def write_topology(
 ) -> tuple[Path, dict[str, tuple[int, int]]]:
     """Write a topology with the given {name: role} nodes on free ports; returns its path and ports.
 
-    `extra_run` is YAML appended to the `run:` section (indented by two spaces)."""
-    ports = free_ports(2 * len(roles))
-    nodes, assigned = [], {}
-    for i, (name, role) in enumerate(roles.items()):
-        port, admin = ports[2 * i], ports[2 * i + 1]
-        assigned[name] = (port, admin)
-        kind = (hardware or {}).get(name, "cpu")
-        nodes.append(f"  - {{name: {name}, role: {role}, hardware: {kind}, port: {port}, admin_port: {admin}}}")
-    text = (
-        f"run:\n  name: test\n  run_dir: {folder / 'run'}\n  drain_timeout_s: 5\n"
-        f"  restart: {{policy: {restart}, backoff_base_s: 0.2}}\n"
-        "  session: {heartbeat_interval_s: 0.2, heartbeat_deadline_s: 2.0}\n"
-        f"{extra_run}"
-        "nodes:\n" + "\n".join(nodes) + "\n"
-    )
-    path = folder / "topology.yaml"
-    path.write_text(text)
-    return path, assigned
+    `extra_run` is keys of the `run:` section as YAML (indented by two spaces), which replace those
+    set here."""
+    builder = TopologyBuilder(
+        folder / "run",
+        name="test",
+        drain_timeout_s=5,
+        restart={"policy": restart, "backoff_base_s": 0.2},
+        session={"heartbeat_interval_s": 0.2, "heartbeat_deadline_s": 2.0},
+    ).run_section(extra_run)
+    for name, role in roles.items():
+        builder.node(name, role, hardware=(hardware or {}).get(name, "cpu"))
+    path = builder.write(folder / "topology.yaml")
+    return path, {name: (given.port, given.admin_port) for name, given in builder.ports().items()}
 
 
 def node_env(secret: str = "test-secret", token: str = "test-token") -> dict[str, str]:

@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
+from rollart.testkit.topology import TopologyBuilder
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from rollout import free_ports  # noqa: E402 - benchmarks/rollout.py
 
 from rollart.rundir import RunDir  # noqa: E402
 
@@ -95,14 +95,10 @@ def run(
     with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
         folder = keep or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        ports = free_ports(2 * len(nodes))
-        placed = [node | {"port": ports[2 * i], "admin_port": ports[2 * i + 1]} for i, node in enumerate(nodes)]
-        spec = {
-            "run": {"name": "paper", "run_dir": str(folder / "run"), "drain_timeout_s": 5} | run_spec,
-            "nodes": placed,
-        }
-        path = folder / "topology.yaml"
-        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        builder = TopologyBuilder(folder / "run", name="paper", drain_timeout_s=5).run_section(**run_spec)
+        for node in nodes:
+            builder.node(**node)
+        path = builder.write(folder / "topology.yaml")
         env = {k: v for k, v in os.environ.items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
         result = subprocess.run(
             [sys.executable, "-m", "rollart.cli", "run", str(path)],

@@ -11,6 +11,9 @@ and waits for them to exit; a node still running after its drain timeout is kill
 When the topology provides no shared secret or admin token, the launcher makes fresh ones for
 this run and passes them to the nodes in their environment; the admin token is also written to
 `RUN_DIR/admin.token` (mode 0600) for the admin tools.
+
+This module only supervises; what the run shows on the terminal is drawn by `Terminal`
+(rollart/launch/terminal.py), fed the nodes' states.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from typing import Any, Literal, TextIO
 import aiohttp
 
 from rollart.errors import ConfigError
+from rollart.launch.terminal import Terminal, describe_exit
+from rollart.node import read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, RestartPolicy, Topology
 
 EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2
 POLL_S = 0.5
-NON_TTY_EVERY_S = 5.0  # without a terminal, print the status block this often
 
 
 @dataclass
@@ -47,17 +51,12 @@ class NodeProcess:
     policy: RestartPolicy
     log_path: Path
     proc: asyncio.subprocess.Process | None = None
+    log_offset: int = 0
+    """Where the log ended when the process started: what it writes comes after."""
     state: str = "starting"
     exit_code: int | None = None
     restarts: collections.deque[float] = field(default_factory=collections.deque)
     status: dict[str, Any] | None = None
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
 
 
 def kill_group(pid: int) -> None:
@@ -138,8 +137,8 @@ class Launcher:
         self.topology_path = topology_path
         self.duration = duration
         self.start_timeout = start_timeout
-        self.out = out
-        self.tty = out.isatty()
+        self.terminal = Terminal(out, topology.run.name)
+        self.say = self.terminal.say
         self.run_dir = topology.run_dir()
         self.nodes = [
             NodeProcess(spec, topology.restart_policy(spec), RunDir(self.run_dir).node_log(spec.name))
@@ -151,9 +150,6 @@ class Launcher:
         self._stop = asyncio.Event()
         self._healthy = asyncio.Event()
         self._started_at = time.monotonic()
-        self._lines_drawn = 0
-        self._last_print = -NON_TTY_EVERY_S
-        self._baseline_said = False
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -163,11 +159,11 @@ class Launcher:
         if finished is not None:
             aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{int(time.time())}")
             self.run_dir.rename(aside)
-            self._say(f"{self.run_dir} holds a finished run (checkpoint at step {finished}); moved it to {aside}")
+            self.say(f"{self.run_dir} holds a finished run (checkpoint at step {finished}); moved it to {aside}")
         RunDir(self.run_dir).logs.mkdir(parents=True, exist_ok=True)
         model = Path(run.model.path)
         if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():
-            self._say(f"building the tiny default model in {model} (first run only)")
+            self.say(f"building the tiny default model in {model} (first run only)")
             from rollart.tiny.model import ensure_tiny_model
 
             ensure_tiny_model(model, seed=run.model.seed, prepare=self._warm_up)
@@ -189,12 +185,13 @@ class Launcher:
             return
         from rollart.tiny.warmup import format_warmup
 
-        self._say(f"format warm-up: {steps} supervised steps on random valid actions (the reply format, no solutions)")
+        self.say(f"format warm-up: {steps} supervised steps on random valid actions (the reply format, no solutions)")
         summary = format_warmup(folder, run.rollout.tasks, steps=steps, seed=run.model.seed)
-        self._say(f"format warm-up done in {summary['seconds']} s, final loss {summary['final_loss']}")
+        self.say(f"format warm-up done in {summary['seconds']} s, final loss {summary['final_loss']}")
 
     async def _spawn(self, node: NodeProcess) -> None:
         with node.log_path.open("ab") as log_file:
+            node.log_offset = log_file.seek(0, os.SEEK_END)
             node.proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -219,7 +216,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
-        self._say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {RunDir(self.run_dir).logs}")
+        self.say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {RunDir(self.run_dir).logs}")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
                 for node in self.nodes:
@@ -235,7 +232,7 @@ class Launcher:
                     poller.cancel()
                     watcher.cancel()
                     await asyncio.gather(*supervisors)
-                    self._render(final=True)
+                    self.terminal.render(self.nodes, final=True)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -248,7 +245,7 @@ class Launcher:
 
     def fail(self, reason: str) -> None:
         self.failure = self.failure or reason
-        self._say(f"error: {reason}")
+        self.say(f"error: {reason}")
         self.stop(reason)
 
     async def _watch_start(self) -> None:
@@ -259,7 +256,7 @@ class Launcher:
             late = [n.spec.name for n in self.nodes if n.state not in ("running", "paused")]
             self.fail(f"nodes {', '.join(late)} not healthy {self.start_timeout:g} s after start; see their logs")
             return
-        self._say(f"all {len(self.nodes)} nodes healthy after {time.monotonic() - self._started_at:.1f} s")
+        self.say(f"all {len(self.nodes)} nodes healthy after {time.monotonic() - self._started_at:.1f} s")
 
     async def _stop_after(self, seconds: float) -> None:
         await self._healthy.wait()
@@ -279,11 +276,13 @@ class Launcher:
             what = f"node {node.spec.name} {describe_exit(code)} (log: {node.log_path})"
             if code == 0:
                 node.state = "exited"
-                self._say(f"{what}: it drained on request and is not restarted")
+                self.say(f"{what}: it drained on request and is not restarted")
                 return
             if code == EXIT_CONFIG:
                 node.state = "failed"
-                self.fail(f"{what}: a configuration error, which a restart would not fix")
+                why = f"{what}: a configuration error, which a restart would not fix"
+                message = read_config_error(node.log_path, node.log_offset)
+                self.fail(f"{why}: {message}" if message else why)
                 return
             verdict = after_failure(node.policy, node.restarts, time.monotonic())
             if verdict.action == "stop-all":
@@ -292,11 +291,11 @@ class Launcher:
                 return
             if verdict.action == "leave":
                 node.state = "dead"
-                self._say(f"{what}; {verdict.why}")
+                self.say(f"{what}; {verdict.why}")
                 return
             delay = verdict.delay
             node.state = f"restarting in {delay:.1f}s"
-            self._say(f"{what}; {verdict.why}")
+            self.say(f"{what}; {verdict.why}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), delay)
             if self._stop.is_set():
@@ -306,7 +305,7 @@ class Launcher:
             await self._spawn(node)
 
     async def _shutdown(self) -> None:
-        self._say(f"stopping: {self.stop_reason}; draining every node")
+        self.say(f"stopping: {self.stop_reason}; draining every node")
         running = [n for n in self.nodes if n.proc is not None and n.proc.returncode is None]
         for node in running:
             assert node.proc is not None
@@ -320,7 +319,7 @@ class Launcher:
         for node in running:
             assert node.proc is not None
             if node.proc.returncode is None:
-                self._say(f"node {node.spec.name} did not exit within {grace:g} s of SIGTERM: killing it")
+                self.say(f"node {node.spec.name} did not exit within {grace:g} s of SIGTERM: killing it")
                 kill_group(node.proc.pid)
                 await node.proc.wait()
 
@@ -334,7 +333,7 @@ class Launcher:
             finished = [n.spec.name for n in self.nodes if n.status and n.status.get("done")]
             if finished:
                 self.stop(f"{', '.join(finished)} finished the run")
-            self._render()
+            self.terminal.render(self.nodes)
             await asyncio.sleep(POLL_S)
 
     async def _poll_node(self, http: aiohttp.ClientSession, node: NodeProcess) -> None:
@@ -350,65 +349,6 @@ class Launcher:
         if node.state == "starting" or node.state in ("running", "paused"):
             node.state = node.status["state"] if node.status else node.state
 
-    def _training_bar(self) -> list[str]:
-        """The trainer's progress bar (step, rewards, staleness, throughput, generator busy)."""
-        for node in self.nodes:
-            training = (node.status or {}).get("training")
-            rollout = (node.status or {}).get("rollout") or {}
-            if not training:
-                continue
-            if training.get("baseline") and not self._baseline_said:
-                self._baseline_said = True
-                parts = [
-                    f"{task} success {b['success_rate']:.3f} reward {b['reward_mean']:.3f}"
-                    for task, b in training["baseline"].items()
-                ]
-                self._say("random-policy baseline (uniformly random valid actions): " + "; ".join(parts))
-            from tqdm import tqdm
-
-            steps, elapsed = rollout.get("steps"), time.monotonic() - self._started_at
-            # total None (no step limit) draws a counter instead of a bar; the stubs only allow floats.
-            bar = tqdm.format_meter(rollout.get("batches", 0), steps, elapsed, ncols=60, prefix="  training")  # type: ignore[arg-type]
-            return [bar, f"  {node.status.get('progress', '')}" if node.status else ""]
-        return []
-
-    def _render(self, *, final: bool = False) -> None:
-        lines = [*self._training_bar(), *(self._line(node) for node in self.nodes)]
-        elapsed = time.monotonic() - self._started_at
-        header = f"[{elapsed:6.1f}s] {self.topology.run.name}: " + (
-            "stopped" if final else "Ctrl-C drains and stops every node"
-        )
-        if self.tty:
-            if self._lines_drawn:
-                self.out.write(f"\x1b[{self._lines_drawn}F\x1b[J")
-            self.out.write("\n".join([header, *lines]) + "\n")
-            self._lines_drawn = len(lines) + 1
-        elif final or elapsed - self._last_print >= NON_TTY_EVERY_S:
-            self._last_print = elapsed
-            self.out.write("\n".join([header, *lines]) + "\n")
-        self.out.flush()
-
-    def _line(self, node: NodeProcess) -> str:
-        status = node.status or {}
-        sessions = status.get("sessions", {})
-        all_sessions = sessions.get("outgoing", []) + sessions.get("incoming", [])
-        up = sum(1 for s in all_sessions if s.get("state") == "up")
-        queues = ",".join(f"{k}={v}" for k, v in status.get("queues", {}).items()) or "-"
-        pid = node.proc.pid if node.proc else "-"
-        uptime = f"{status['uptime_s']:.0f}s" if "uptime_s" in status else "-"
-        progress = f"  {status['progress']}" if status.get("progress") else ""
-        return (
-            f"  {node.spec.name:<16} {node.spec.role.value:<15} {node.state:<22} pid {pid!s:<7} up {uptime:<6} "
-            f"sessions {up}/{len(all_sessions)} up  queues {queues}  restarts {len(node.restarts)}{progress}"
-        )
-
-    def _say(self, text: str) -> None:
-        if self.tty and self._lines_drawn:
-            self.out.write(f"\x1b[{self._lines_drawn}F\x1b[J")
-            self._lines_drawn = 0
-        self.out.write(text + "\n")
-        self.out.flush()
-
     def _report(self) -> None:
         if not RunDir(self.run_dir).metrics.exists():
             return
@@ -417,22 +357,15 @@ class Launcher:
         try:
             out = build_report(self.run_dir)
         except (ReportError, OSError, ValueError) as exc:
-            self._say(f"could not build the run report: {exc}")
+            self.say(f"could not build the run report: {exc}")
             return
-        self._say(f"run report: {out / 'report.md'} (plots beside it)")
+        self.say(f"run report: {out / 'report.md'} (plots beside it)")
 
     def _summary(self) -> int:
         self._report()
-        if self.failure:
-            self._say(f"run failed: {self.failure}")
-            return EXIT_NODE_FAILED
         unclean = [n for n in self.nodes if n.exit_code not in (0, None)]
-        for node in unclean:
-            self._say(f"node {node.spec.name} {describe_exit(node.exit_code or 0)} (log: {node.log_path})")
-        if unclean:
-            return EXIT_NODE_FAILED
-        self._say(f"all {len(self.nodes)} nodes stopped cleanly")
-        return EXIT_OK
+        self.terminal.summary(self.failure, unclean, len(self.nodes))
+        return EXIT_NODE_FAILED if self.failure or unclean else EXIT_OK
 
 
 def _connectable(host: str) -> str:

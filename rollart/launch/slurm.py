@@ -43,7 +43,9 @@ from typing import TextIO
 import yaml
 
 from rollart.errors import ConfigError
-from rollart.launch.local import after_failure, describe_exit
+from rollart.launch.local import after_failure
+from rollart.launch.terminal import describe_exit
+from rollart.node import read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 
@@ -284,7 +286,7 @@ class Supervisor:
             "--exact",
             f"--cpus-per-task={p.cpus}",
             f"--job-name={p.name}",
-            f"--output={self.logs / (p.name + '.log')}",
+            f"--output={self.run_files.node_log(p.name)}",
             "--open-mode=append",
             "--kill-on-bad-exit=1",
         ]
@@ -338,11 +340,12 @@ class Supervisor:
 
     async def _supervise(self, step: Step) -> None:
         name = step.spec.name
+        log = self.run_files.node_log(name)
         while not self._stop.is_set():
+            offset = log.stat().st_size if log.exists() else 0  # what this step writes comes after
             step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
             code = await step.proc.wait()
             # srun exits 128 + N when its task was killed by signal N.
-            log = self.run_files.node_log(name)
             what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
             if self._stop.is_set():
                 self.say(f"{what} while stopping")
@@ -353,7 +356,8 @@ class Supervisor:
                     self.stop(f"{name} finished the run")
                 return
             if code == 2:  # bad configuration: starting it again would fail the same way
-                self.failure = f"{what}: a configuration error; see its log"
+                message = read_config_error(log, offset)
+                self.failure = f"{what}: a configuration error" + (f": {message}" if message else "; see its log")
                 self.stop(self.failure)
                 return
             verdict = after_failure(self.topology.restart_policy(step.spec), step.restarts, time.monotonic())

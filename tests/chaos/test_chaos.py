@@ -1,4 +1,4 @@
-"""Faults injected into a real training run (tests/chaos/harness.py): every kind, one after another
+"""Faults injected into a real training run (rollart/testkit/harness.py): every kind, one after another
 in one run, with flaky environments and crashing reward workers throughout. The run must reach its
 step count with nothing lost or trained twice, alpha kept, versions increasing, every fault
 recovered from and every node healthy at the end. Slow: about four minutes here. The table of
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import CONTINUOUS, FAULTS, ChaosRun, Scenario
+from rollart.testkit.harness import CONTINUOUS, FAULTS, ChaosRun
+from rollart.testkit.outcome import Scenario
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -110,3 +110,28 @@ def test_a_node_with_a_configuration_error_stops_the_run_instead_of_restarting(t
     assert "a configuration error, which a restart would not fix" in out and "restarting" not in out
     log = RunDir(tmp_path / "run").node_log("reward").read_text()
     assert "run.reward_modules: cannot import module 'no_such_mod'" in log
+    assert "run.reward_modules: cannot import module 'no_such_mod'" in out, out  # not only in the log
+
+
+def test_the_launcher_prints_the_error_of_a_node_that_fails_its_configuration(tmp_path: Path) -> None:
+    # An env-host imports the users' env modules when it prepares its tasks: the message is in its
+    # log, and the launcher shows it next to the exit status, so the user need not open the log.
+    run = (
+        "  env_modules: [no_such_env_module]\n"
+        "  model: {build_tiny_if_missing: false}\n"
+        "  rollout: {tasks: [{name: lake, env: frozen-lake}]}\n"
+    )
+    topology, _ = write_topology(tmp_path, {"env-0": "env-host"}, extra_run=run)
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    # A message from an earlier run in the same log is not this run's.
+    (tmp_path / "run" / "logs" / "env-0.log").write_text("rollart-node: configuration error: an old one\n")
+    proc = launch(topology)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    failed = next(line for line in out.splitlines() if line.startswith("error: node env-0 exited with code 2"))
+    assert "a configuration error, which a restart would not fix: " in failed, out
+    assert "run.env_modules: cannot import env module 'no_such_env_module'" in failed, out
+    assert "an old one" not in out, out

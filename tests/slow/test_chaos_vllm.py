@@ -1,5 +1,5 @@
 """Fault injection with vLLM generators: kill -9 of a generator (its vLLM engine with it) during a
-training run, again and again (tests/chaos/harness.py). The launcher restarts it, the engine starts
+training run, again and again (rollart/testkit/harness.py). The launcher restarts it, the engine starts
 again and loads the trainer's current weights, and the run completes with nothing lost or trained
 twice. Needs vLLM: run bin/setup-vllm, then `.venv-vllm/bin/python -m pytest tests/slow` (CI does).
 """
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import ChaosRun, Scenario
+from rollart.testkit.harness import ChaosRun
+from rollart.testkit.outcome import Scenario
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]

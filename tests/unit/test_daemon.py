@@ -14,8 +14,7 @@ from rollart.nodes.trainer import TrainerNode
 from rollart.protocol import Session
 from rollart.protocol.errors import RemoteError
 from rollart.protocol.messages import Echo, Notice
-from rollart.topology import parse_topology
-from tests.support import free_ports
+from rollart.testkit.topology import TopologyBuilder
 
 
 class SlowGenerator(GeneratorNode):
@@ -33,13 +32,7 @@ class SlowGenerator(GeneratorNode):
 
 
 def topology(tmp_path: Path) -> Any:
-    p = free_ports(4)
-    return parse_topology(
-        f"run: {{run_dir: {tmp_path}, drain_timeout_s: 5}}\n"
-        "nodes:\n"
-        f"  - {{name: trainer, role: trainer, port: {p[0]}, admin_port: {p[1]}}}\n"
-        f"  - {{name: gen-0, role: generator, port: {p[2]}, admin_port: {p[3]}}}\n"
-    )
+    return TopologyBuilder(tmp_path, drain_timeout_s=5).node("trainer", "trainer").node("gen-0", "generator").topology()
 
 
 async def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path: Path) -> None:

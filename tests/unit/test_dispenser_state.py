@@ -122,7 +122,7 @@ async def test_rerun_groups_still_wait_for_admission() -> None:
 
 
 async def test_every_seed_drawn_is_accounted_for_across_a_restart() -> None:
-    # What tests/chaos/harness.py checks after a run: a seed drawn is trained, owed, or given up.
+    # What rollart/testkit/harness.py checks after a run: a seed drawn is trained, owed, or given up.
     dispenser = Dispenser(spec(group_attempts=1), buffered=lambda: 0)
     first, second, third = await grants(dispenser, 3)
     dispenser.reissue(first.group_id, "every trajectory failed", failed=True)  # its only try: given up

@@ -22,11 +22,9 @@ owed (in the final checkpoint's retry line), or was given up on its last try (no
 trajectory obeyed alpha; versions only increased (the trained lineage, and each generator process);
 every node was healthy when the trainer finished; every fault recovered.
 
-The trained lineage: a restarted trainer resumes from its last checkpoint and trains the later
-steps again, so `timeline.jsonl` may hold a step twice (each line names the trainer's incarnation);
-the last incarnation's record of each step is the one the final model descends from.
-
-Used by tests/chaos/test_chaos.py, benchmarks/chaos.py (the table) and benchmarks/soak.py.
+The scenario, the outcome and the checks are rollart/testkit/outcome.py's. Used by
+tests/chaos/test_chaos.py, tests/slow/test_chaos_vllm.py, benchmarks/chaos.py (the table) and
+benchmarks/soak.py.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import random
 import signal
@@ -42,15 +39,20 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from rollart.rundir import RunDir, read_jsonl
-from tests.chaos.proxy import PartitionProxy
-from tests.support import ROOT, free_ports
+from rollart.rundir import RunDir
+from rollart.testkit.outcome import Injection, Outcome, Sample, Scenario, check_run, write_outcome
+from rollart.testkit.proxy import PartitionProxy
+from rollart.testkit.topology import TopologyBuilder
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository: the run's working directory, on the nodes' PYTHONPATH (for `PLUGINS`)."""
+PLUGINS = "tests.chaos.plugins"
+"""The faulty env and reward modules, loaded by the nodes by name as a user's modules would be."""
 
 FAULTS = (
     "kill-generator",
@@ -71,90 +73,7 @@ ROLES["reward"] = "reward-gateway"
 HEARTBEAT_DEADLINE_S = 3.0
 PARTITION_S = 10.0
 RECOVERY_TIMEOUT_S = 240.0
-END_HEALTH_S = 3.0
-"""Every node's last answer before the trainer was done must be this recent, and healthy."""
 ENV_FAIL, ENV_HANG, REWARD_CRASH = 0.2, 0.02, 0.1
-
-
-@dataclass
-class Scenario:
-    """One run: which faults, how long, on which generator backend."""
-
-    name: str
-    faults: tuple[str, ...]
-    """Injected in turn (`FAULTS`); continuous ones are on for the whole run."""
-    steps: int | None = 12
-    duration_s: float | None = None
-    """Stop the run after this long (a soak); with `steps` None it runs until then."""
-    gap_s: tuple[float, float] = (3.0, 10.0)
-    """Random pause between a recovery and the next injection."""
-    backend: str = "hf"
-    checkpoint_every: int = 2
-    quiet_steps: int = 10
-    """No fault is injected in the run's last this many steps: each one must be recovered from while
-    the run still trains (a vLLM generator takes 30-50 s to start again here, the run a step a second)."""
-    seed: int = 0
-    sample_s: float = 0.5
-
-
-@dataclass
-class Injection:
-    kind: str
-    target: str
-    at: float
-    """time.monotonic() of the injection."""
-    healed: float | None = None
-    """When a hang or partition ended (the process continued, the network healed)."""
-    whole: float | None = None
-    """When every node answered running with every session up again."""
-    stepped: float | None = None
-    """When the trainer finished a step after that."""
-
-    @property
-    def recovery_s(self) -> float | None:
-        return None if self.stepped is None else self.stepped - self.at
-
-
-@dataclass
-class Sample:
-    """One node's resources at one moment (the soak's plot)."""
-
-    t: float
-    node: str
-    pid: int
-    rss_mb: float
-    fds: int
-    tasks: int
-
-
-@dataclass
-class Outcome:
-    scenario: Scenario
-    exit_code: int | None
-    injections: list[Injection]
-    continuous: Counter[str]
-    """Continuous faults that took effect, by kind: "env-faults", env calls that failed or timed out
-    (the env-hosts' count); "reward-crash", reward workers that died (the plugin's log)."""
-    checks: dict[str, str | None] = field(default_factory=dict)
-    """Check name -> None when it held, else what was wrong."""
-    steps_trained: int = 0
-    trajectories: int = 0
-    lost: int = 0
-    """Trajectories lost: groups of seeds drawn but neither trained, owed nor given up, times G."""
-    duplicated: int = 0
-    abandoned: int = 0
-    samples: list[Sample] = field(default_factory=list)
-    restarts: Counter[str] = field(default_factory=Counter)
-    wall_s: float = 0.0
-    folder: Path = Path()
-
-    @property
-    def ok(self) -> bool:
-        return all(problem is None for problem in self.checks.values())
-
-    def explain(self) -> str:
-        failed = {name: problem for name, problem in self.checks.items() if problem is not None}
-        return "; ".join(f"{name}: {problem}" for name, problem in failed.items()) or "all checks held"
 
 
 TASKS = (  # tests/integration/cluster.py's two tasks: (name, env, env kwargs, profile, turns, tokens per turn)
@@ -163,26 +82,27 @@ TASKS = (  # tests/integration/cluster.py's two tasks: (name, env, env kwargs, p
 )
 
 
-def task_yaml(scenario: Scenario) -> str:
-    """The run's tasks (YAML flow mappings), made faulty as the scenario says."""
-    lines = []
+def tasks(scenario: Scenario) -> list[dict[str, Any]]:
+    """The run's tasks, made faulty as the scenario says."""
+    out = []
     for name, inner, inner_kwargs, profile, turns, tokens in TASKS:
         env, kwargs = inner, inner_kwargs
         if "env-faults" in scenario.faults:  # rollart.envs.flaky around the task's env, as a user's env
             env = "user-flaky"
             kwargs = {"inner": inner, **inner_kwargs, "reset_failure": ENV_FAIL, "step_failure": ENV_FAIL}
             kwargs |= {"hang_prob": ENV_HANG, "hang_s": 6.0}
-        task = {
-            "name": name,
-            "env": env,
-            "env_kwargs": kwargs,
-            "profile": profile,
-            "max_turns": turns,
-            "max_tokens_per_turn": tokens,
-            "reward": "crashy-env-reward" if "reward-crash" in scenario.faults else "env-reward",
-        }
-        lines.append(f"      - {json.dumps(task)}")
-    return "\n".join(lines)
+        out.append(
+            {
+                "name": name,
+                "env": env,
+                "env_kwargs": kwargs,
+                "profile": profile,
+                "max_turns": turns,
+                "max_tokens_per_turn": tokens,
+                "reward": "crashy-env-reward" if "reward-crash" in scenario.faults else "env-reward",
+            }
+        )
+    return out
 
 
 class ChaosRun:
@@ -218,59 +138,58 @@ class ChaosRun:
 
     def write_topology(self) -> Path:
         s = self.scenario
-        ports = iter(free_ports(3 * len(ROLES)))
-        nodes = []
-        for name, role in ROLES.items():
-            port, admin = next(ports), next(ports)
-            self.ports[name] = (port, admin)
-            hardware = {"gen-compute": "compute", "gen-bandwidth": "bandwidth"}.get(name, "cpu")
-            line = f"  - {{name: {name}, role: {role}, hardware: {hardware}, port: {port}, admin_port: {admin}"
-            if role == "generator":  # peers dial the proxy; the generator listens behind it
-                listen = next(ports)
-                self.proxies[name] = PartitionProxy(port, listen)
-                line += f", listen_port: {listen}"
-            nodes.append(line + "}")
-        steps = "null" if s.steps is None else s.steps
-        redundancy = 2 if "env-faults" in s.faults else 0  # a group needs 2 trajectories of 4: most flaky episodes fail
-        text = (
-            f"""run:
-  name: chaos-{s.name}
-  run_dir: {self.run_dir}
-  drain_timeout_s: 10
-  restart: {{policy: on-failure, max_restarts: 1000, window_s: 600, backoff_base_s: 0.5, backoff_cap_s: 4}}
-  session: {{heartbeat_interval_s: 0.5, heartbeat_deadline_s: {HEARTBEAT_DEADLINE_S}}}
-  env_modules: [tests.chaos.plugins]
-  reward_modules: [tests.chaos.plugins]
-  model: {{path: {self.model}}}
-  generator: {{backend: {s.backend}}}
-  reward_pool: {{min_workers: 1, max_workers: 2, idle_timeout_s: 30}}
-  trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {s.checkpoint_every}, threads: 1,
-             weight_transport: tcp}}
-  rollout:
-    mode: train
-    schedule: async
-    tasks:
-{task_yaml(s)}
-    group_size: 2
-    redundancy: {redundancy}
-    batch_groups: 2
-    alpha: 1
-    steps: {steps}
-    groups_per_env_host: 2
-    generate_timeout_s: 20
-    env_timeout_s: 2
-    reward_timeout_s: 10
-    group_timeout_s: 120
-    group_attempts: 10
-    seed: {s.seed}
-nodes:
-"""
-            + "\n".join(nodes)
-            + "\n"
+        builder = TopologyBuilder(
+            self.run_dir,
+            name=f"chaos-{s.name}",
+            drain_timeout_s=10,
+            restart={
+                "policy": "on-failure",
+                "max_restarts": 1000,
+                "window_s": 600,
+                "backoff_base_s": 0.5,
+                "backoff_cap_s": 4,
+            },
+            session={"heartbeat_interval_s": 0.5, "heartbeat_deadline_s": HEARTBEAT_DEADLINE_S},
+            env_modules=[PLUGINS],
+            reward_modules=[PLUGINS],
+            model={"path": self.model},
+            generator={"backend": s.backend},
+            reward_pool={"min_workers": 1, "max_workers": 2, "idle_timeout_s": 30},
+            trainer={
+                "lr": 0.002,
+                "micro_batch_size": 16,
+                "checkpoint_every": s.checkpoint_every,
+                "threads": 1,
+                "weight_transport": "tcp",
+            },
+            rollout={
+                "mode": "train",
+                "schedule": "async",
+                "tasks": tasks(s),
+                "group_size": 2,
+                # a group needs 2 trajectories of 4: most flaky episodes fail
+                "redundancy": 2 if "env-faults" in s.faults else 0,
+                "batch_groups": 2,
+                "alpha": 1,
+                "steps": s.steps,
+                "groups_per_env_host": 2,
+                "generate_timeout_s": 20,
+                "env_timeout_s": 2,
+                "reward_timeout_s": 10,
+                "group_timeout_s": 120,
+                "group_attempts": 10,
+                "seed": s.seed,
+            },
         )
-        path = self.folder / "topology.yaml"
-        path.write_text(text)
-        return path
+        for name, role in ROLES.items():
+            hardware = {"gen-compute": "compute", "gen-bandwidth": "bandwidth"}.get(name, "cpu")
+            # peers dial the proxy; the generator listens behind it
+            builder.node(name, role, hardware=hardware, behind_proxy=role == "generator")
+        for name, given in builder.ports().items():
+            self.ports[name] = (given.port, given.admin_port)
+            if given.listen_port is not None:
+                self.proxies[name] = PartitionProxy(given.port, given.listen_port)
+        return builder.write(self.folder / "topology.yaml")
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "ROLLART_CHAOS_LOG": str(self.fault_log)}
@@ -319,25 +238,11 @@ nodes:
                 await proxy.close()
         self.outcome.wall_s = time.monotonic() - started
         self._count_continuous()
-        self.check()
-        self._write_outcome()
+        end = self.done_at or (self.step_times[-1] if self.step_times else 0.0)
+        versions = self.generator_versions
+        check_run(self.outcome, self.run_dir, nodes=ROLES, end=end, health=self.health, generator_versions=versions)
+        write_outcome(self.outcome, self.folder / "outcome.json", self.health)
         return self.outcome
-
-    def _write_outcome(self) -> None:
-        """FOLDER/outcome.json: the checks and every fault, to read a failed run afterwards."""
-        o = self.outcome
-        record = {
-            "scenario": self.scenario.name,
-            "exit_code": o.exit_code,
-            "checks": o.checks,
-            "injections": [
-                {"kind": i.kind, "target": i.target, "recovery_s": i.recovery_s, "whole_s": i.whole and i.whole - i.at}
-                for i in o.injections
-            ],
-            "continuous": dict(o.continuous),
-            "health_at_end": {name: problem for name, (_, problem) in self.health.items()},
-        }
-        (self.folder / "outcome.json").write_text(json.dumps(record, indent=2) + "\n")
 
     async def _watch(self, http: aiohttp.ClientSession) -> None:
         """Poll every node's /status and the trainer's metrics file."""
@@ -374,7 +279,7 @@ nodes:
     async def _status(self, http: aiohttp.ClientSession, name: str) -> dict[str, Any] | None:
         try:
             async with http.get(f"http://127.0.0.1:{self.ports[name][1]}/status") as response:
-                return await response.json() if response.status == 200 else None  # type: ignore[no-any-return]
+                return await response.json() if response.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
 
@@ -479,110 +384,3 @@ nodes:
         if self.fault_log.exists():
             for line in self.fault_log.read_text().splitlines():
                 self.outcome.continuous[line.split()[2]] += 1
-
-    # -- the checks -----------------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Fill `outcome.checks` from the run's records (see the module docstring)."""
-        o = self.outcome
-        o.checks["exit 0"] = None if o.exit_code == 0 else f"the launcher exited {o.exit_code}"
-        blocks: dict[int, list[dict[str, Any]]] = {}
-        timeline = _read_jsonl(RunDir(self.run_dir).timeline)
-        for (step, _), rows in itertools.groupby(timeline, key=lambda r: (r["step"], r["incarnation"])):
-            blocks[step] = list(rows)  # a step trained again by a resumed trainer: the later one counts
-        state = self._final_state()
-        self._check_steps(blocks, state)
-        lineage = [row for step in sorted(blocks) for row in blocks[step]]
-        trained_seeds = self._check_duplicates(lineage)
-        self._check_lost(trained_seeds, state)
-        stale = [r["trajectory_id"] for r in lineage if r["started_at_version"] < r["taken_at_version"] - 1]
-        o.checks["alpha bound"] = None if not stale else f"started over alpha=1 versions before their batch: {stale}"
-        self._check_versions()
-        end = self.done_at or (self.step_times[-1] if self.step_times else 0.0)
-        sick = {
-            name: problem if at > end - END_HEALTH_S else f"last answered {end - at:.1f} s before the end"
-            for name in ROLES
-            for at, problem in [self.health.get(name, (0.0, "never answered"))]
-            if problem != "ok" or at <= end - END_HEALTH_S
-        }
-        o.checks["every node healthy at the end"] = None if not sick else str(sick)
-        stuck = [f"{i.kind} on {i.target}" for i in o.injections if i.recovery_s is None]
-        o.checks["every fault recovered"] = None if not stuck else f"no recovery within the run: {stuck}"
-
-    def _final_state(self) -> dict[str, Any]:
-        """The newest checkpoint's trainer state ({} if none)."""
-        import torch
-
-        run_dir = RunDir(self.run_dir)
-        folder = run_dir.latest_checkpoint()
-        if folder is None:
-            return {}
-        return torch.load(run_dir.trainer_state(folder), weights_only=False)  # type: ignore[no-any-return]
-
-    def _check_steps(self, blocks: dict[int, list[dict[str, Any]]], state: dict[str, Any]) -> None:
-        o, steps = self.outcome, self.scenario.steps
-        final = state.get("step")
-        o.steps_trained, o.trajectories = len(blocks), sum(len(rows) for rows in blocks.values())
-        if steps is None:
-            o.checks["reached its step count"] = None if blocks and final == max(blocks) else "no final checkpoint"
-        elif sorted(blocks) != list(range(1, steps + 1)) or final != steps:
-            trained = _ranges(sorted(blocks))
-            o.checks["reached its step count"] = f"trained {trained}, last checkpoint at step {final}; want 1-{steps}"
-        else:
-            o.checks["reached its step count"] = None
-        short = {
-            step: (len({r["group_id"] for r in rows}), len(rows))
-            for step, rows in blocks.items()
-            if len({r["group_id"] for r in rows}) != 2 or len(rows) != 4
-        }
-        o.checks["full batches (2 groups of 2)"] = None if not short else f"(groups, trajectories) by step: {short}"
-
-    def _check_duplicates(self, lineage: list[dict[str, Any]]) -> Counter[int]:
-        """Trajectory ids and seeds trained more than once; returns how often each seed was trained."""
-        o = self.outcome
-        twice = {tid: n for tid, n in Counter(row["trajectory_id"] for row in lineage).items() if n > 1}
-        seeds = Counter(row["seed"] for row in {row["group_id"]: row for row in lineage}.values())
-        seeds_twice = {seed: n for seed, n in seeds.items() if n > 1}
-        o.duplicated = sum(n - 1 for n in twice.values()) + 2 * sum(n - 1 for n in seeds_twice.values())
-        o.checks["no trajectory trained twice"] = None if not twice else f"trained more than once: {twice}"
-        o.checks["no seed trained twice"] = None if not seeds_twice else f"trained more than once: {seeds_twice}"
-        return seeds
-
-    def _check_lost(self, trained: Counter[int], state: dict[str, Any]) -> None:
-        """Every seed the dispenser drew was trained, is owed (to run again) or was given up."""
-        o = self.outcome
-        if not state:
-            o.checks["nothing lost"] = "no checkpoint to account for the seeds drawn"
-            return
-        dispenser = state["dispenser"]
-        base = self.scenario.seed * 1_000_003
-        drawn = set(range(base + 1, dispenser["next_seed"] + 1))
-        owed = {seed for _, seed, _ in dispenser["retry"]}
-        given_up = set(dispenser.get("abandoned_seeds", []))
-        o.abandoned = len(given_up)
-        lost = drawn - set(trained) - owed - given_up
-        o.lost = 2 * len(lost)
-        o.checks["nothing lost"] = None if not lost else f"seeds never trained, owed or given up: {sorted(lost)}"
-
-    def _check_versions(self) -> None:
-        """The trained lineage's versions, and each generator process's, only increase."""
-        by_step = {row["step"]: row["version"] for row in _read_jsonl(RunDir(self.run_dir).metrics) if "step" in row}
-        lineage = [by_step[step] for step in sorted(by_step)]
-        problems = []
-        if any(b <= a for a, b in itertools.pairwise(lineage)):
-            problems.append(f"trained lineage versions {lineage}")
-        for (name, pid), seen in self.generator_versions.items():
-            if any(b < a for a, b in itertools.pairwise(seen)):
-                problems.append(f"{name} (pid {pid}) went from {max(seen)} back to a lower version")
-        self.outcome.checks["versions only increase"] = "; ".join(problems) or None
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a cut line (a killed writer) is skipped, wherever a resumed one left it."""
-    return read_jsonl(path, lenient=True) if path.exists() else []
-
-
-def _ranges(numbers: list[int]) -> str:
-    if not numbers:
-        return "none"
-    return f"{numbers[0]}-{numbers[-1]} ({len(numbers)})"

@@ -1,0 +1,12 @@
+"""Tools for testing a RollArt deployment, shared by tests/ and benchmarks/.
+
+- `ports.free_ports`: loopback ports that were free a moment ago;
+- `topology.TopologyBuilder`: a topology built in code (nodes on free ports, `run` overrides) and
+  written as YAML, instead of YAML assembled with f-strings;
+- `proxy.PartitionProxy`: a TCP forwarder that cuts the network between roles;
+- `harness.ChaosRun`: fault injection into a real training run, and `outcome`'s checks that
+  nothing was lost or trained twice.
+
+The top layer, like `rollart.launch`: it may import anything in rollart, and nothing in rollart
+imports it.
+"""
