@@ -16,7 +16,7 @@ A reply without a valid action is not an error: the env answers with a small neg
 limit is hit. An env that fails for real raises; `EnvRunner` turns that into `EnvFailure`.
 
 Envs are plain blocking code: no network, no nodes, no engines, no torch. Run them through
-`rollart.envs.runner.EnvRunner` from async code.
+`rollart.envexec.EnvRunner` (or an env worker process) from async code.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from typing import Any
 import structlog
 
 from rollart.clock import SimClock
-from rollart.envs import EnvFailure, EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
+from rollart.envexec import EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
+from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import ClientSession, Session

@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from rollart.envs import (
-    EnvFailure,
+from rollart.envexec import (
     EnvRunner,
     EnvWorkerPool,
     WorkerEnvRunner,
@@ -29,6 +28,7 @@ from rollart.envs import (
     child_environ,
     is_builtin,
 )
+from rollart.envs import EnvFailure
 from rollart.errors import ConfigError
 from rollart.nodes.env_host import EnvHostNode
 from rollart.protocol.memory import MemoryNetwork
@@ -268,7 +268,7 @@ async def test_an_env_in_a_worker_sees_no_secret_of_its_env_host(
 def test_workers_die_with_their_env_host_even_when_it_is_killed() -> None:
     script = (
         "import asyncio\n"
-        "from rollart.envs import EnvWorkerPool\n"
+        "from rollart.envexec import EnvWorkerPool\n"
         "async def main():\n"
         "    async with EnvWorkerPool(processes=2) as pool:\n"
         "        print('PIDS', *pool.pids(), flush=True)\n"

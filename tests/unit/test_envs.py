@@ -20,24 +20,24 @@ from typing import Any
 
 import pytest
 
+from rollart.envexec import EnvRunner
 from rollart.envs import (
     DIRECTIONS,
     FORMAT_PENALTY,
     Env,
     EnvFailure,
-    EnvRunner,
     Info,
     StepResult,
     import_env_modules,
     last_boxed,
     make_env,
     parse_choice,
-    position_match,
     register_env,
     registered_envs,
 )
 from rollart.envs import registry as registry_module
 from rollart.errors import ConfigError
+from rollart.tasks import position_match
 
 Pos = tuple[int, int]
 
@@ -310,7 +310,8 @@ def test_register_refuses_duplicates_unless_overwrite() -> None:
 @pytest.mark.usefixtures("scratch_registry")
 def test_import_env_modules_registers_user_envs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_envs_ok.py").write_text(
-        "from rollart.envs import CopyReverseEnv, register_env\n"
+        "from rollart.envs import register_env\n"
+        "from rollart.tasks import CopyReverseEnv\n"
         "class Short(CopyReverseEnv):\n"
         "    pass\n"
         "register_env('short-reverse', lambda: Short(min_len=2, max_len=2))\n"
@@ -595,7 +596,7 @@ async def test_runner_reports_injected_failures() -> None:
 def test_slow_env_waits_a_lognormal_time_and_passes_everything_through() -> None:
     import statistics
 
-    from rollart.envs import SlowEnv
+    from rollart.tasks import SlowEnv
 
     plain = make_env("copy-reverse")
     delays = []
@@ -613,7 +614,7 @@ async def test_closing_a_runner_whose_cancelled_call_still_runs_does_not_wait_fo
 
     closed = threading.Event()
 
-    from rollart.envs import CopyReverseEnv
+    from rollart.tasks import CopyReverseEnv
 
     class Sleepy(CopyReverseEnv):
         def step(self, action: str) -> Any:
@@ -655,7 +656,7 @@ CLASSIC = "SFFF/FHFH/FFFH/HFFG"
     ],
 )
 def test_parse_letter(reply: str, expected: str | None) -> None:
-    from rollart.envs.grid import parse_letter
+    from rollart.tasks.grid import parse_letter
 
     assert parse_letter(reply) == expected
 

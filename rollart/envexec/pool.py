@@ -1,7 +1,7 @@
 """EnvWorkerPool: a few long-lived env worker processes, each hosting many envs, that can be killed.
 
 An env in a thread of the env-host cannot be stopped once it hangs, and it shares the node's
-memory, CPU and secrets. An env in a worker process (`rollart.envs.worker`) runs under resource
+memory, CPU and secrets. An env in a worker process (`rollart.envexec.worker`) runs under resource
 limits, with an environment that holds none of the node's credentials, and a call past its
 deadline kills its process. Starting an interpreter costs about 0.25 s, and an env-host runs
 dozens of trajectories at once, each seconds long, so workers are not started per env: the pool
@@ -55,11 +55,10 @@ import msgspec
 import structlog
 
 from rollart.clock import SimClock
-from rollart.envs.base import EnvFailure
-from rollart.envs.handles import EnvWorker, PendingCall, WorkerState, consume
-from rollart.envs.isolation import WorkerLimits, child_environ, exit_cause
-from rollart.envs.process_runner import WorkerEnvRunner
-from rollart.envs.wire import (
+from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
+from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
+from rollart.envexec.process_runner import WorkerEnvRunner
+from rollart.envexec.wire import (
     CallReply,
     Close,
     Failed,
@@ -72,10 +71,11 @@ from rollart.envs.wire import (
     frame,
     request_encoder,
 )
-from rollart.envs.worker import BOOTSTRAP, WorkerConfig
+from rollart.envexec.worker import BOOTSTRAP, WorkerConfig
+from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
 
-log = structlog.get_logger("rollart.envs.pool")
+log = structlog.get_logger("rollart.envexec.pool")
 
 RETIRE_AT = 0.5
 """Share of `cpu_time_s` after which a worker takes no new envs and is replaced."""

@@ -33,9 +33,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from rollart.envs.base import Env
-from rollart.envs.registry import import_env_modules, make_env, registered_factories
-from rollart.envs.wire import (
+from rollart.envexec.wire import (
     HEADER,
     CallReply,
     Close,
@@ -53,10 +51,17 @@ from rollart.envs.wire import (
     reply_encoder,
     request_decoder,
 )
+from rollart.envs.base import Env
+from rollart.envs.registry import import_env_modules, make_env, registered_factories
 from rollart.errors import ConfigError
 
-BOOTSTRAP = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rollart.envs.worker import main; main(sys.argv[2])"
+BOOTSTRAP = "\n".join(
+    [
+        "import json, sys",
+        "sys.path[:] = json.loads(sys.argv[1])",
+        "from rollart.envexec.worker import main",
+        "main(sys.argv[2])",
+    ]
 )
 """The `python -c` program of a worker: the parent's import path first, then `main`."""
 

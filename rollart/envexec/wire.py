@@ -1,4 +1,4 @@
-"""What an env-host and its env worker processes say to each other (`rollart.envs.pool`, `.worker`).
+"""What an env-host and its env worker processes say to each other (`rollart.envexec.pool`, `.worker`).
 
 One socket pair per worker; each message is a 4-byte big-endian length, then a msgpack-encoded
 struct of the tagged unions below (array-like: a list, its tag first). Every call carries a

@@ -11,7 +11,7 @@ worker died, and how; the runner is broken or closed), and `CancelledError` pass
 
 The differences are where the env lives. A call past its deadline kills the worker process, so
 the hung env stops for good; the runner is broken afterwards, as is every runner whose env lived
-in that worker (see `rollart.envs.pool` for that trade-off). A call whose caller was cancelled
+in that worker (see `rollart.envexec.pool` for that trade-off). A call whose caller was cancelled
 goes on in the worker under the same deadline, enforced by the pool whether anyone waits or not.
 The observation, reward and flags come back as `str`, `float` and `bool`; the info dict crosses
 as msgpack (numbers, strings, lists, dicts; anything else as its `str`).
@@ -24,13 +24,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rollart.clock import SimClock
+from rollart.envexec.runner import CLOSE_GRACE_S
+from rollart.envexec.wire import Close, Failed, Made, Request, Reset, ResetDone, Step, StepDone
 from rollart.envs.base import EnvFailure, Info, StepResult
-from rollart.envs.runner import CLOSE_GRACE_S
-from rollart.envs.wire import Close, Failed, Made, Request, Reset, ResetDone, Step, StepDone
 
 if TYPE_CHECKING:
-    from rollart.envs.handles import EnvWorker
-    from rollart.envs.pool import EnvWorkerPool
+    from rollart.envexec.handles import EnvWorker
+    from rollart.envexec.pool import EnvWorkerPool
 
 
 class WorkerEnvRunner:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from rollart.envs.wire import HEADER, MAX_REPLY_BYTES, CallReply, Ready, Reply, reply_decoder
+from rollart.envexec.wire import HEADER, MAX_REPLY_BYTES, CallReply, Ready, Reply, reply_decoder
 
 RECV_BYTES = 1 << 18
 
