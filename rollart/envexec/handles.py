@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from rollart.envexec.wire import HEADER, MAX_REPLY_BYTES, CallReply, Ready, Reply, reply_decoder
+from rollart.envexec.wire import HEADER, MAX_REPLY_BYTES, Closed, Made, Ready, Reply, ResetDone, StepDone, reply_decoder
 
 RECV_BYTES = 1 << 18
 
@@ -45,8 +45,11 @@ class PendingCall:
     env_id: int
     env_name: str
     op: str
+    answer: type[Made | ResetDone | StepDone | Closed]
+    """The reply that answers it (besides `Failed`); any other fails the call."""
     timeout_s: float
-    future: asyncio.Future[CallReply]
+    future: asyncio.Future[Any]
+    """Gets `answer` or `Failed` (typed where `EnvWorkerPool.submit` hands it out)."""
     timer: asyncio.TimerHandle | None = None
     timed_out: bool = False
     """Its deadline passed and its worker was killed for it."""

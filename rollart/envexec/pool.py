@@ -49,7 +49,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -59,17 +59,22 @@ from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
 from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
 from rollart.envexec.process_runner import WorkerEnvRunner
 from rollart.envexec.wire import (
-    CallReply,
+    OPS,
     Close,
+    Closed,
     Failed,
     Made,
     Make,
     Ready,
     Reply,
     Request,
+    ResetDone,
     StartFailed,
+    StepDone,
+    WorkerReplyError,
     frame,
     request_encoder,
+    tag_of,
 )
 from rollart.envexec.worker import BOOTSTRAP, WorkerConfig
 from rollart.envs.base import EnvFailure
@@ -85,6 +90,8 @@ START_TIMEOUT_S = 60.0
 """How long `start` waits for the workers to import the env modules."""
 MAX_START_FAILURES = 3
 """Workers in a row that die before they are ready, after which the pool starts no more."""
+
+Answer = TypeVar("Answer", Made, ResetDone, StepDone, Closed)
 
 
 class EnvWorkerPool:
@@ -202,7 +209,7 @@ class EnvWorkerPool:
             raise
         left = max(deadline - self._loop.time(), 0.001)
         future = self.submit(
-            worker, env_id, name, "make", lambda call: Make(call, env_id, name, kwargs or {}), timeout_s=left
+            worker, env_id, name, lambda call: Make(call, env_id, name, kwargs or {}), Made, timeout_s=left
         )
         try:
             reply = await asyncio.shield(future)
@@ -211,7 +218,6 @@ class EnvWorkerPool:
             raise
         if isinstance(reply, Failed):
             raise EnvFailure(f"env {name!r}: make() raised {reply.error}")
-        assert isinstance(reply, Made)
         return WorkerEnvRunner(self, worker, env_id, name, reply, timeout_s=timeout_s, clock=clock)
 
     def submit(
@@ -219,17 +225,19 @@ class EnvWorkerPool:
         worker: EnvWorker,
         env_id: int,
         env_name: str,
-        op: str,
         request: Callable[[int], Request],
+        answer: type[Answer],
         *,
         timeout_s: float,
-    ) -> asyncio.Future[CallReply]:
-        """Send `request(call_id)` to `worker`. The future fails with `EnvFailure` if the worker dies
-        first; past `timeout_s` without a reply the worker is killed, whether or not anyone waits."""
+    ) -> asyncio.Future[Answer | Failed]:
+        """Send `request(call_id)` to `worker`; the future gets its `answer` (or `Failed`). It fails
+        with `EnvFailure` if the worker dies first, `WorkerReplyError` if the worker answers with
+        another kind of reply; past `timeout_s` without a reply the worker is killed, whether or not
+        anyone waits."""
         assert self._loop is not None
-        future: asyncio.Future[CallReply] = self._loop.create_future()
+        future: asyncio.Future[Answer | Failed] = self._loop.create_future()
         future.add_done_callback(consume)
-        call = PendingCall(next(self._call_ids), worker, env_id, env_name, op, timeout_s, future)
+        call = PendingCall(next(self._call_ids), worker, env_id, env_name, OPS[answer], answer, timeout_s, future)
         if worker.state is WorkerState.DEAD:
             future.set_exception(EnvFailure(call.failure()))
             return future
@@ -397,11 +405,23 @@ class EnvWorkerPool:
             return
         if call.timer is not None:
             call.timer.cancel()
-        if call.op == "close" or (call.op == "make" and isinstance(reply, Failed)):
+        answered = isinstance(reply, call.answer | Failed)
+        if call.op == "close" or (call.op == "make" and not isinstance(reply, Made)):
             worker.envs.discard(call.env_id)
         if not call.future.done():
-            call.future.set_result(reply)
+            if answered:
+                call.future.set_result(reply)
+            else:  # the call fails, and the env with it (its runner is broken); the worker serves on
+                call.future.set_exception(self._wrong_reply(call, reply))
         self._retire_if_done(worker)
+
+    def _wrong_reply(self, call: PendingCall, reply: Reply) -> WorkerReplyError:
+        worker, got, due = call.worker, tag_of(reply), tag_of(call.answer)
+        log.warning("env_pool.wrong_reply", worker=worker.wid, pid=worker.pid, call=call.op, got=got)
+        return WorkerReplyError(
+            f"env {call.env_name!r}: {call.op}() failed: its {worker.describe()} answered with a {got!r} "
+            f"reply where {due!r} or 'failed' was due: {_shown(reply)}"
+        )
 
     def _on_deadline(self, call: PendingCall) -> None:
         worker = call.worker
@@ -426,4 +446,10 @@ class EnvWorkerPool:
         """A `make` whose caller was cancelled: close the env once it is built."""
         if made.cancelled() or made.exception() is not None or not isinstance(made.result(), Made):
             return
-        self.submit(worker, env_id, name, "close", lambda call: Close(call, env_id), timeout_s=timeout_s)
+        self.submit(worker, env_id, name, lambda call: Close(call, env_id), Closed, timeout_s=timeout_s)
+
+
+def _shown(reply: Reply, limit: int = 200) -> str:
+    """What a worker sent, for an error message: its repr, cut short (a hostile worker may send megabytes)."""
+    text = repr(reply)
+    return text if len(text) <= limit else text[:limit] + "..."
