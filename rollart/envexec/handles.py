@@ -18,7 +18,8 @@ from typing import Any
 
 import msgspec
 
-from rollart.envexec.wire import HEADER, MAX_REPLY_BYTES, Closed, Made, Ready, Reply, ResetDone, StepDone, reply_decoder
+from rollart.envexec.wire import MAX_REPLY_BYTES, Closed, Made, Ready, Reply, ResetDone, StepDone, reply_decoder
+from rollart.protocol.framing import HEADER_BYTES, frame_length
 
 RECV_BYTES = 1 << 18
 
@@ -150,14 +151,14 @@ class EnvWorker:
         inbox = self.inbox
         inbox += data
         replies: list[Reply] = []
-        while len(inbox) >= HEADER.size:
-            (size,) = HEADER.unpack_from(inbox)
+        while len(inbox) >= HEADER_BYTES:
+            size = frame_length(inbox)
             if size > MAX_REPLY_BYTES:
                 return replies, f"it sent a {size}-byte reply (at most {MAX_REPLY_BYTES})"
-            if len(inbox) < HEADER.size + size:
+            if len(inbox) < HEADER_BYTES + size:
                 break
-            payload = bytes(inbox[HEADER.size : HEADER.size + size])
-            del inbox[: HEADER.size + size]
+            payload = bytes(inbox[HEADER_BYTES : HEADER_BYTES + size])
+            del inbox[: HEADER_BYTES + size]
             try:
                 replies.append(reply_decoder.decode(payload))
             except msgspec.DecodeError as exc:

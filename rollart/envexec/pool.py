@@ -72,13 +72,13 @@ from rollart.envexec.wire import (
     StartFailed,
     StepDone,
     WorkerReplyError,
-    frame,
     request_encoder,
     tag_of,
 )
 from rollart.envexec.worker import BOOTSTRAP, WorkerConfig
 from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
+from rollart.protocol.framing import message_frame
 
 log = structlog.get_logger("rollart.envexec.pool")
 
@@ -243,7 +243,7 @@ class EnvWorkerPool:
             return future
         worker.calls[call.call_id] = call
         call.timer = self._loop.call_later(timeout_s, self._on_deadline, call)
-        worker.send(frame(request_encoder.encode(request(call.call_id))), self._loop)
+        worker.send(message_frame(request_encoder.encode(request(call.call_id))), self._loop)
         return future
 
     def forget(self, worker: EnvWorker, env_id: int) -> None:

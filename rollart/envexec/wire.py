@@ -1,7 +1,8 @@
 """What an env-host and its env worker processes say to each other (`rollart.envexec.pool`, `.worker`).
 
-One socket pair per worker; each message is a 4-byte big-endian length, then a msgpack-encoded
-struct of the tagged unions below (array-like: a list, its tag first). Every call carries a
+One socket pair per worker; each message is a message frame of `rollart.protocol.framing` (a
+4-byte big-endian length, then the payload), its payload a msgpack-encoded struct of the tagged
+unions below (array-like: a list, its tag first); bulk frames are not used. Every call carries a
 call id, unique in the pool, that its reply repeats; `env` is the id the pool gave the env.
 
     pool -> worker   Make(call, env, name, kwargs)          build `make_env(name, **kwargs)` there
@@ -21,15 +22,11 @@ their CPU limit (see the pool's docstring).
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import msgspec
 
 from rollart.envs.base import EnvFailure
-
-HEADER = struct.Struct(">I")
-"""The length prefix of every frame."""
 
 MAX_REPLY_BYTES = 64 * 2**20
 """The longest reply the pool reads from a worker; a longer one is a broken (or hostile) worker."""
@@ -139,10 +136,6 @@ def tag_of(reply: Reply | type[Reply]) -> str:
     """A reply's (or reply type's) wire tag (`"step-done"`), for messages about it."""
     kind = reply if isinstance(reply, type) else type(reply)
     return str(kind.__struct_config__.tag)
-
-
-def frame(payload: bytes) -> bytes:
-    return HEADER.pack(len(payload)) + payload
 
 
 def _plain(value: Any) -> Any:
