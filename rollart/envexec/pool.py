@@ -22,17 +22,12 @@ that worker fails with `EnvFailure("... its env worker 2 (pid 4711) died: killed
 (cpu_time_s 60 exceeded)")`, and the other envs it hosted refuse their next call with that
 cause, so each of those trajectories fails (its group's redundancy covers some) while the
 env-host and every other worker go on. The pool starts a replacement at once. More processes
-mean fewer bystanders per failure and more memory; a raising env, MemoryError included, is an
-ordinary failure of that call and kills nobody.
+mean fewer bystanders per failure and more memory. A raising env (MemoryError included) and a
+reply of the wrong kind for its call (`WorkerReplyError`) fail that call alone and kill nobody.
 
-Limits are per worker, as the kernel keeps them: `memory_mb` is the address space of the
-interpreter, the env modules and every hosted env with its thread stack (`RLIMIT_AS`);
-`open_files` counts every descriptor of the process (`RLIMIT_NOFILE`); `cpu_time_s` is CPU time
-summed over the worker's life (`RLIMIT_CPU`). So that the CPU limit stops runaway envs and not
-merely old workers, a worker that has used `RETIRE_AT` of it takes no new envs, a fresh worker
-takes its place, and it is stopped once its last env is closed. A spinning call is stopped by
-its deadline first; the CPU limit catches what no deadline sees (threads an env leaves running,
-native code on many cores).
+Limits are per worker, as the kernel keeps them (`rollart.envexec.isolation`). So that the CPU
+limit stops runaway envs and not merely old workers, a worker that has used `RETIRE_AT` of it
+takes no new envs, a fresh worker takes its place, and it is stopped once its last env is closed.
 
 Everything is driven by the event loop, with no thread and no polling: each worker's socket and
 its process (a pidfd) are watched with `add_reader`; deadlines are `call_later` timers.
@@ -42,22 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-import msgspec
 import structlog
 
 from rollart.clock import SimClock
 from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
 from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
 from rollart.envexec.process_runner import WorkerEnvRunner
+from rollart.envexec.spawn import start_worker
 from rollart.envexec.wire import (
     OPS,
     Close,
@@ -71,11 +62,8 @@ from rollart.envexec.wire import (
     ResetDone,
     StartFailed,
     StepDone,
-    WorkerReplyError,
     request_encoder,
-    tag_of,
 )
-from rollart.envexec.worker import BOOTSTRAP, WorkerConfig
 from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
 from rollart.protocol.framing import message_frame
@@ -277,35 +265,15 @@ class EnvWorkerPool:
     def _spawn(self) -> EnvWorker:
         """Start one worker (`OSError` if the OS refuses); its socket and its exit are watched from here on."""
         assert self._loop is not None
-        parent, child = socket.socketpair()
-        config = WorkerConfig(
-            fd=child.fileno(),
-            parent_pid=os.getpid(),
+        worker = start_worker(
+            next(self._wids),
+            self._loop,
             env_modules=self.env_modules,
-            cpu_time_s=self.limits.cpu_time_s,
-            memory_mb=self.limits.memory_mb,
-            open_files=self.limits.open_files,
+            limits=self.limits,
+            environ=self.environ,
+            on_readable=self._on_readable,
+            on_exit=self._on_exit,
         )
-        argv = [sys.executable, "-c", BOOTSTRAP, json.dumps(sys.path), msgspec.json.encode(config).decode()]
-        try:
-            # From the loop's thread, which lives as long as the process: PR_SET_PDEATHSIG fires
-            # when the thread that started the worker ends.
-            proc = subprocess.Popen(argv, env=self.environ, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()  # only the worker holds its end now, so its death reads as EOF here
-        parent.setblocking(False)
-        loop = self._loop
-        worker = EnvWorker(next(self._wids), proc, parent, loop.create_future(), loop.create_future())
-        worker.ready.add_done_callback(consume)
-        loop.add_reader(parent.fileno(), self._on_readable, worker)
-        try:
-            worker.pidfd = os.pidfd_open(worker.pid)
-            loop.add_reader(worker.pidfd, self._on_exit, worker)
-        except (AttributeError, OSError):  # no pidfds (not Linux): a thread waits for the exit
-            loop.run_in_executor(None, proc.wait).add_done_callback(lambda _: self._on_exit(worker))
         self._workers.append(worker)
         self.counts["started"] += 1
         log.info("env_pool.worker_started", worker=worker.wid, pid=worker.pid)
@@ -399,29 +367,10 @@ class EnvWorkerPool:
         if isinstance(reply, StartFailed):
             worker.start_error = reply.reason
             return
-        worker.cpu_s = reply.cpu_s
-        call = worker.calls.pop(reply.call, None)
-        if call is None:  # the pool never sent it: a confused worker; nothing waits for this
-            return
-        if call.timer is not None:
-            call.timer.cancel()
-        answered = isinstance(reply, call.answer | Failed)
-        if call.op == "close" or (call.op == "make" and not isinstance(reply, Made)):
-            worker.envs.discard(call.env_id)
-        if not call.future.done():
-            if answered:
-                call.future.set_result(reply)
-            else:  # the call fails, and the env with it (its runner is broken); the worker serves on
-                call.future.set_exception(self._wrong_reply(call, reply))
+        call = worker.settle(reply)
+        if call is not None and call.failed_by is not None:
+            log.warning("env_pool.wrong_reply", worker=worker.wid, pid=worker.pid, call=call.op, got=call.failed_by)
         self._retire_if_done(worker)
-
-    def _wrong_reply(self, call: PendingCall, reply: Reply) -> WorkerReplyError:
-        worker, got, due = call.worker, tag_of(reply), tag_of(call.answer)
-        log.warning("env_pool.wrong_reply", worker=worker.wid, pid=worker.pid, call=call.op, got=got)
-        return WorkerReplyError(
-            f"env {call.env_name!r}: {call.op}() failed: its {worker.describe()} answered with a {got!r} "
-            f"reply where {due!r} or 'failed' was due: {_shown(reply)}"
-        )
 
     def _on_deadline(self, call: PendingCall) -> None:
         worker = call.worker
@@ -447,9 +396,3 @@ class EnvWorkerPool:
         if made.cancelled() or made.exception() is not None or not isinstance(made.result(), Made):
             return
         self.submit(worker, env_id, name, lambda call: Close(call, env_id), Closed, timeout_s=timeout_s)
-
-
-def _shown(reply: Reply, limit: int = 200) -> str:
-    """What a worker sent, for an error message: its repr, cut short (a hostile worker may send megabytes)."""
-    text = repr(reply)
-    return text if len(text) <= limit else text[:limit] + "..."
