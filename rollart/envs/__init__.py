@@ -2,7 +2,8 @@
 
 | module | what |
 |---|---|
-| `base` | `Env` (reset/step in text), `EnvFailure`, the format-penalty rule, answer parsing helpers |
+| `base` | `Env` (reset/step in text), `EnvFailure`, the format-penalty rule, `parse_choice` |
+| `answers` | `last_boxed`: the answer in a reply, one rule for envs and rewards |
 | `registry` | `register_env`, `make_env`, `run.env_modules` |
 | `adapters` | the `gem:<id>` and `gym:<id>` families (GEM and Gymnasium envs, if those are installed) |
 | `handle` | `EnvHandle`: an env as a trajectory drives it (async, failures contained) |
@@ -17,6 +18,7 @@ See `docs/envs.md`.
 """
 
 from rollart.envs.adapters import GemEnv, GymnasiumTextEnv
+from rollart.envs.answers import last_boxed
 from rollart.envs.base import (
     DIRECTIONS,
     FORMAT_PENALTY,
@@ -25,7 +27,6 @@ from rollart.envs.base import (
     Info,
     Profile,
     StepResult,
-    last_boxed,
     parse_choice,
 )
 from rollart.envs.handle import EnvHandle

@@ -236,6 +236,39 @@ def test_last_boxed_balances_braces() -> None:
     assert last_boxed("no box") is None
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{left} then \\boxed{up", "left"),  # the case envs and rewards disagreed on
+        ("\\boxed{41} no wait, \\boxed{42}", "42"),  # the last complete box
+        ("\\boxed{42} and \\boxed{\\frac{1}{2", "42"),  # an unterminated one takes nothing back
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces kept
+        ("x \\boxed{a{b{c}}d} y", "a{b{c}}d"),
+        ("\\boxed{a \\boxed{b} c}", "b"),  # a box inside a box is opened last
+        ("\\boxed{}", ""),  # complete and empty: an answer, if not a valid one
+        ("no box at all", None),
+        ("\\boxed{unterminated", None),
+        ("\\boxed{a{b}", None),  # its inner brace closes, the box does not
+        ("boxed{x}", None),  # no backslash, no box
+    ],
+)
+def test_last_boxed_is_the_last_complete_box_for_envs_and_rewards(text: str, expected: str | None) -> None:
+    from rollart.rewards import exact_answer
+    from rollart.rewards import last_boxed as rewards_last_boxed
+    from rollart.rewards.base import ScoreInput
+
+    assert last_boxed(text) == expected
+    assert rewards_last_boxed is last_boxed  # one implementation, so they cannot disagree
+    # What the env accepts as an action is what exact-answer grades:
+    accepted = parse_choice(text, DIRECTIONS)
+    scored = exact_answer(ScoreInput(task="t", prompt="", response=text, answer="reference"))
+    if expected is None:
+        assert accepted is None and scored.details["format_error"] is True
+    else:
+        assert scored.details["extracted"] == expected and "format_error" not in scored.details
+        assert accepted == (expected if expected in DIRECTIONS else None)
+
+
 def test_copy_reverse_rewards() -> None:
     env = make_env("copy-reverse")
     obs, info = env.reset(seed=5)
