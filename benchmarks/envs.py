@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
-from rollart.envs import EnvHandle, EnvRunner, EnvWorkerPool, make_env  # noqa: E402
+from rollart.envexec import EnvRunner, EnvWorkerPool  # noqa: E402
+from rollart.envs import EnvHandle, make_env  # noqa: E402
 
 ENV, STEPS, ROUNDS, TIMEOUT_S = "frozen-lake", 6, 5, 30.0
 Open = Callable[[], Awaitable[EnvHandle]]

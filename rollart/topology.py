@@ -23,10 +23,11 @@ import yaml
 
 from rollart.engines.config import GeneratorSpec
 from rollart.engines.training import TrainerSpec
+from rollart.envs.registry import unknown_env
 from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
 from rollart.rewards.config import RewardPoolSpec
-from rollart.rollout.config import ModelSpec, RolloutSpec
+from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -320,6 +321,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     problems += _check_restart("run.restart", run.restart)
     if run.rollout is not None:
         problems += [(f"run.rollout.{field}", problem) for field, problem in run.rollout.validate()]
+        problems += _check_env_names(run.rollout.tasks, run.env_modules)
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
     problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
     if run.generator.backend == "sim":
@@ -355,6 +357,23 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         if node.restart is not None:
             problems += _check_restart(f"{at}.restart", node.restart)
     return problems
+
+
+def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tuple[str, str]]:
+    """Each task's env, and the `inner` env a wrapper (`flaky`) names, against the registry: a typo
+    is refused here, not in an env-host's log. Only what is known without running anyone's code:
+    RollArt's built-ins and the `gem:`/`gym:` prefixes (standard library only). With
+    `run.env_modules` nothing is checked (a user module may register any name, and it is imported
+    only in env workers); nor is a family's id (importing GEM or Gymnasium is the env-host's job)."""
+    if env_modules:
+        return []
+    named = [
+        (f"run.rollout.tasks[{i}].{key}", name)
+        for i, task in enumerate(tasks)
+        for key, name in (("env", task.env), ("env_kwargs.inner", task.env_kwargs.get("inner")))
+        if isinstance(name, str)
+    ]
+    return [(at, problem) for at, name in named if (problem := unknown_env(name)) is not None]
 
 
 def _check_restart(at: str, policy: RestartPolicy) -> list[tuple[str, str]]:

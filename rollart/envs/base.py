@@ -16,7 +16,7 @@ A reply without a valid action is not an error: the env answers with a small neg
 limit is hit. An env that fails for real raises; `EnvRunner` turns that into `EnvFailure`.
 
 Envs are plain blocking code: no network, no nodes, no engines, no torch. Run them through
-`rollart.envs.runner.EnvRunner` from async code.
+`rollart.envexec.EnvRunner` (or an env worker process) from async code.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from rollart.envs.answers import last_boxed
 from rollart.errors import ConfigError, RollartError
 
 Profile = Literal["prefill-heavy", "decode-heavy"]
@@ -89,30 +90,13 @@ def resolve_seed(seed: int | None) -> int:
     return random.SystemRandom().randrange(2**63) if seed is None else seed
 
 
-_BOXED = re.compile(r"\\boxed\{")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text` (braces inside it balanced), or None."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    for start in reversed(starts):
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
-
-
 def parse_choice(text: str, choices: Iterable[str]) -> str | None:
     """Find which of `choices` (lowercase words) a reply picks, case-insensitively.
 
-    The last `\\boxed{...}` decides when there is one: its content must be a choice. Without a
-    box, a reply that names exactly one distinct choice as a whole word picks it ("Left." or
-    "I go left"); naming none or several ("up, then left") picks nothing.
+    The last complete `\\boxed{...}` (`rollart.envs.answers.last_boxed`) decides when there is one:
+    its content must be a choice. Without a box, a reply that names exactly one distinct choice as
+    a whole word picks it ("Left." or "I go left"); naming none or several ("up, then left") picks
+    nothing.
     """
     options = {c.lower() for c in choices}
     boxed = last_boxed(text)

@@ -92,18 +92,16 @@ def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs:
         raise ConfigError(f"env {name!r}: {exc}; it accepts: {', '.join(accepted) or 'no arguments'}") from None
 
 
-def make_env(name: str, **kwargs: Any) -> Env:
-    """Build the env registered as `name` (or `prefix:id`) with `kwargs`."""
+def unknown_env(name: str) -> str | None:
+    """What is wrong with `name` as an env name now (None: it names a registered env or family).
+
+    "unknown env 'frozen-lakes'. Did you mean 'frozen-lake'? Registered envs: ..."; the message
+    `make_env` raises, and the one the topology loader reports before any env-host starts."""
     prefix, sep, env_id = name.partition(":")
     if sep and prefix in _families:
-        factory = _families[prefix]
-        if not env_id:
-            raise ConfigError(f"env {name!r}: give an id after {prefix!r}:, e.g. {prefix}:<id>")
-        _check_kwargs(name, factory, (env_id,), kwargs)
-        return factory(env_id, **kwargs)
+        return None if env_id else f"env {name!r}: give an id after {prefix!r}:, e.g. {prefix}:<id>"
     if name in _envs:
-        _check_kwargs(name, _envs[name], (), kwargs)
-        return _envs[name](**kwargs)
+        return None
     parts = [f"unknown env {name!r}."]
     close = difflib.get_close_matches(name, list(_envs), n=1)
     if close:
@@ -111,7 +109,21 @@ def make_env(name: str, **kwargs: Any) -> Env:
     parts.append(f"Registered envs: {', '.join(registered_envs()) or 'none'}")
     if _families:
         parts.append(f"(and {', '.join(f'{p}:<id>' for p in sorted(_families))})")
-    raise ConfigError(" ".join(parts))
+    return " ".join(parts)
+
+
+def make_env(name: str, **kwargs: Any) -> Env:
+    """Build the env registered as `name` (or `prefix:id`) with `kwargs`."""
+    problem = unknown_env(name)
+    if problem is not None:
+        raise ConfigError(problem)
+    prefix, sep, env_id = name.partition(":")
+    if sep and prefix in _families:
+        factory = _families[prefix]
+        _check_kwargs(name, factory, (env_id,), kwargs)
+        return factory(env_id, **kwargs)
+    _check_kwargs(name, _envs[name], (), kwargs)
+    return _envs[name](**kwargs)
 
 
 def import_env_modules(modules: list[str]) -> None:

@@ -6,7 +6,7 @@ again. Generation calls go through the `LLMProxy` (hardware affinity, stickiness
 scores come from the reward gateway. When the trainer announces a new policy version, every
 trajectory started before `version - alpha` is aborted here at once.
 
-Envs run where `run.rollout.env_workers` puts them (`rollart.envs.opener`): user envs in env
+Envs run where `run.rollout.env_workers` puts them (`rollart.envexec.opener`): user envs in env
 worker processes, without the node's secrets and under resource limits; RollArt's own in
 threads. The workers are stopped when the env-host's work ends (drain, or the run is over).
 """
@@ -22,7 +22,8 @@ from typing import Any
 import structlog
 
 from rollart.clock import SimClock
-from rollart.envs import EnvFailure, EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
+from rollart.envexec import EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
+from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import ClientSession, Session

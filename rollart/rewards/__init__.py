@@ -6,6 +6,7 @@ built-in functions (`exact-answer`, `env-reward`, `tiny-rm`); torch is imported 
 `tiny-rm` first runs. See docs/rewards.md.
 """
 
+from rollart.envs.answers import last_boxed
 from rollart.rewards.base import (
     RewardError,
     RewardFn,
@@ -17,7 +18,7 @@ from rollart.rewards.base import (
     registered_rewards,
     unregister_reward,
 )
-from rollart.rewards.functions import env_reward, exact_answer, last_boxed, tiny_rm
+from rollart.rewards.functions import env_reward, exact_answer, tiny_rm
 from rollart.rewards.pool import RewardPool
 from rollart.rewards.stats import ColdStartStats, PoolStats
 

@@ -1,7 +1,8 @@
 """The built-in reward functions, registered by `rollart.rewards` on import.
 
-- `exact-answer`: the last `\\boxed{...}` of the response against the reference answer, with
-  partial credit for matching characters (math and reasoning tasks);
+- `exact-answer`: the last complete `\\boxed{...}` of the response (`rollart.envs.answers`, the
+  rule the envs read actions by) against the reference answer, with partial credit for matching
+  characters (math and reasoning tasks);
 - `env-reward`: the environment's own reward, passed through (games such as FrozenLake);
 - `tiny-rm`: a tiny, seeded, *untrained* torch network over the response's bytes. It stands in
   for a reward model so that the pool's model-serving path (a torch model built once per worker,
@@ -16,34 +17,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from rollart.envs.answers import last_boxed
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput
 from rollart.rewards.worker import in_reward_worker
 
 if TYPE_CHECKING:
     import torch
 
-_BOXED = "\\boxed{"
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text` (nested braces kept), or None if absent or unclosed."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth = 1
-    begin = start + len(_BOXED)
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:i]
-    return None  # truncated: the last box never closes, so there is no final answer to grade
-
 
 def exact_answer(item: ScoreInput) -> ScoreOutput:
-    """1.0 for the reference answer in the last `\\boxed{}`, partial credit for equal positions, 0 for no box."""
+    """1.0 for the reference answer in the last complete `\\boxed{}`, partial credit for equal
+    positions, 0 for no complete box."""
     if item.answer is None or not item.answer.strip():
         raise RewardError(f"exact-answer: task {item.task!r} gave no reference answer (ScoreInput.answer is empty)")
     answer = item.answer.strip()

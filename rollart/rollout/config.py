@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from rollart.envexec.config import EnvWorkersSpec
+
 Profile = Literal["prefill-heavy", "decode-heavy"]
 
 _STRUCT = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
@@ -70,36 +72,6 @@ class SamplingSpec(msgspec.Struct, **_STRUCT):
 
     temperature: float = 1.0
     top_p: float = 1.0
-
-
-class EnvWorkersSpec(msgspec.Struct, **_STRUCT):
-    """Where env code runs: env worker processes with resource limits, or the env-host itself
-    (`rollart.envs.opener`, `rollart.envs.pool`; docs/envs.md)."""
-
-    isolation: Literal["auto", "process", "thread"] = "auto"
-    """auto: envs of run.env_modules and the gem:/gym: families in worker processes, RollArt's
-    built-ins in threads of the env-host; process: every blocking env in worker processes; thread:
-    every env in the env-host (no isolation). Simulated envs (`sim`) run on the event loop in all."""
-    processes: int = 4
-    """Worker processes per env-host; each hosts many envs, and a hung or crashed env ends the others in its worker."""
-    cpu_time_s: int = 60
-    """CPU seconds of one worker over its life (RLIMIT_CPU); a worker past half of it is replaced."""
-    memory_mb: int = 4096
-    """Address space of one worker in MiB (RLIMIT_AS): its interpreter, the env modules, its envs."""
-    open_files: int = 1024
-    """Open file descriptors of one worker (RLIMIT_NOFILE)."""
-    pass_env: list[str] = []
-    """Environment variables passed to workers although their names look like credentials (an env's
-    own API key); never run.secret_env or run.admin_token_env."""
-
-    def validate(self) -> list[tuple[str, str]]:
-        """(field, problem) pairs for values that are well-typed but unusable."""
-        lows = (("processes", 1), ("cpu_time_s", 1), ("memory_mb", 128), ("open_files", 16))
-        return [
-            (key, f"expected an integer >= {low}; got {getattr(self, key)}")
-            for key, low in lows
-            if getattr(self, key) < low
-        ]
 
 
 class RolloutSpec(msgspec.Struct, **_STRUCT):

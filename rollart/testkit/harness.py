@@ -9,7 +9,7 @@ the scenario's faults at random moments, one after another:
     hang         SIGSTOP of each node in turn for the heartbeat deadline + 2 s, then SIGCONT
     partition    env-hosts cut off from the generators for 10 s (`PartitionProxy`), then healed
     env-faults   every env reset and step fails with probability 0.2 and hangs past env_timeout_s
-                 with probability 0.02 (`rollart.envs.flaky` as a user's env, in env worker
+                 with probability 0.02 (`rollart.tasks.flaky` as a user's env, in env worker
                  processes, killed when a call hangs; continuous)
     reward-crash reward workers die mid-request with probability 0.1 (continuous)
 
@@ -87,7 +87,7 @@ def tasks(scenario: Scenario) -> list[dict[str, Any]]:
     out = []
     for name, inner, inner_kwargs, profile, turns, tokens in TASKS:
         env, kwargs = inner, inner_kwargs
-        if "env-faults" in scenario.faults:  # rollart.envs.flaky around the task's env, as a user's env
+        if "env-faults" in scenario.faults:  # rollart.tasks.flaky around the task's env, as a user's env
             env = "user-flaky"
             kwargs = {"inner": inner, **inner_kwargs, "reset_failure": ENV_FAIL, "step_failure": ENV_FAIL}
             kwargs |= {"hang_prob": ENV_HANG, "hang_s": 6.0}

@@ -1,7 +1,7 @@
 """Faulty parts for fault-injection runs, loaded as a user's own modules would be
 (`run.env_modules` and `run.reward_modules: [tests.chaos.plugins]`).
 
-`user-flaky` is `rollart.envs.flaky` registered again by this module: a user's env, so env-hosts
+`user-flaky` is `rollart.tasks.flaky` registered again by this module: a user's env, so env-hosts
 run it in env worker processes (`run.rollout.env_workers.isolation: auto`), where a call that
 hangs past its deadline gets its worker killed.
 
@@ -19,8 +19,8 @@ import random
 import time
 
 from rollart.envs import register_env
-from rollart.envs.flaky import FlakyEnv
 from rollart.rewards import ScoreInput, ScoreOutput, get_reward, register_reward
+from rollart.tasks.flaky import FlakyEnv
 
 register_env("user-flaky", FlakyEnv)
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 
-from rollart.envs import (
-    EnvFailure,
+from rollart.envexec import (
     EnvRunner,
     EnvWorkerPool,
     WorkerEnvRunner,
@@ -29,6 +28,8 @@ from rollart.envs import (
     child_environ,
     is_builtin,
 )
+from rollart.envexec.wire import WorkerReplyError
+from rollart.envs import EnvFailure
 from rollart.errors import ConfigError
 from rollart.nodes.env_host import EnvHostNode
 from rollart.protocol.memory import MemoryNetwork
@@ -119,6 +120,25 @@ async def test_a_raising_env_fails_its_call_and_the_worker_serves_on(make_pool: 
     await bad.close()
     with pytest.raises(EnvFailure, match=r"make\(\) raised ConfigError: unknown env 'no-such-env'"):
         await pool.open("no-such-env", timeout_s=5)
+
+
+async def test_a_reply_of_the_wrong_kind_fails_its_call_and_the_pool_goes_on(make_pool: MakePool) -> None:
+    pool = await make_pool()
+    liar, pid = await episode(pool, on_step="lie")  # its worker answers the step with `Closed`
+    good, same_pid = await episode(pool)
+    with pytest.raises(WorkerReplyError) as failed:
+        await liar.step("x")
+    message = str(failed.value)
+    assert f"env 'test-worker': step() failed: its env worker 0 (pid {pid}) answered with a 'closed' reply" in message
+    assert "where 'step-done' or 'failed' was due: Closed(call=" in message
+    assert isinstance(failed.value, EnvFailure)  # a failed env call to its trajectory, like any other
+    assert liar.broken
+    with pytest.raises(EnvFailure, match=r"step\(\) refused: the env is broken"):
+        await liar.step("y")
+    assert await good.step("x") == ("you said x", 1.0, False, False, {"pid": pid, "answer": "x"})
+    assert same_pid == pid and pool.pids() == [pid] and pool.counts["died"] == 0
+    await liar.close()
+    await good.close()
 
 
 async def test_a_hung_step_kills_its_worker_and_the_pool_serves_new_envs(make_pool: MakePool) -> None:
@@ -268,7 +288,7 @@ async def test_an_env_in_a_worker_sees_no_secret_of_its_env_host(
 def test_workers_die_with_their_env_host_even_when_it_is_killed() -> None:
     script = (
         "import asyncio\n"
-        "from rollart.envs import EnvWorkerPool\n"
+        "from rollart.envexec import EnvWorkerPool\n"
         "async def main():\n"
         "    async with EnvWorkerPool(processes=2) as pool:\n"
         "        print('PIDS', *pool.pids(), flush=True)\n"

@@ -20,24 +20,24 @@ from typing import Any
 
 import pytest
 
+from rollart.envexec import EnvRunner
 from rollart.envs import (
     DIRECTIONS,
     FORMAT_PENALTY,
     Env,
     EnvFailure,
-    EnvRunner,
     Info,
     StepResult,
     import_env_modules,
     last_boxed,
     make_env,
     parse_choice,
-    position_match,
     register_env,
     registered_envs,
 )
 from rollart.envs import registry as registry_module
 from rollart.errors import ConfigError
+from rollart.tasks import position_match
 
 Pos = tuple[int, int]
 
@@ -236,6 +236,39 @@ def test_last_boxed_balances_braces() -> None:
     assert last_boxed("no box") is None
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\\boxed{left} then \\boxed{up", "left"),  # the case envs and rewards disagreed on
+        ("\\boxed{41} no wait, \\boxed{42}", "42"),  # the last complete box
+        ("\\boxed{42} and \\boxed{\\frac{1}{2", "42"),  # an unterminated one takes nothing back
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces kept
+        ("x \\boxed{a{b{c}}d} y", "a{b{c}}d"),
+        ("\\boxed{a \\boxed{b} c}", "b"),  # a box inside a box is opened last
+        ("\\boxed{}", ""),  # complete and empty: an answer, if not a valid one
+        ("no box at all", None),
+        ("\\boxed{unterminated", None),
+        ("\\boxed{a{b}", None),  # its inner brace closes, the box does not
+        ("boxed{x}", None),  # no backslash, no box
+    ],
+)
+def test_last_boxed_is_the_last_complete_box_for_envs_and_rewards(text: str, expected: str | None) -> None:
+    from rollart.rewards import exact_answer
+    from rollart.rewards import last_boxed as rewards_last_boxed
+    from rollart.rewards.base import ScoreInput
+
+    assert last_boxed(text) == expected
+    assert rewards_last_boxed is last_boxed  # one implementation, so they cannot disagree
+    # What the env accepts as an action is what exact-answer grades:
+    accepted = parse_choice(text, DIRECTIONS)
+    scored = exact_answer(ScoreInput(task="t", prompt="", response=text, answer="reference"))
+    if expected is None:
+        assert accepted is None and scored.details["format_error"] is True
+    else:
+        assert scored.details["extracted"] == expected and "format_error" not in scored.details
+        assert accepted == (expected if expected in DIRECTIONS else None)
+
+
 def test_copy_reverse_rewards() -> None:
     env = make_env("copy-reverse")
     obs, info = env.reset(seed=5)
@@ -310,7 +343,8 @@ def test_register_refuses_duplicates_unless_overwrite() -> None:
 @pytest.mark.usefixtures("scratch_registry")
 def test_import_env_modules_registers_user_envs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "user_envs_ok.py").write_text(
-        "from rollart.envs import CopyReverseEnv, register_env\n"
+        "from rollart.envs import register_env\n"
+        "from rollart.tasks import CopyReverseEnv\n"
         "class Short(CopyReverseEnv):\n"
         "    pass\n"
         "register_env('short-reverse', lambda: Short(min_len=2, max_len=2))\n"
@@ -595,7 +629,7 @@ async def test_runner_reports_injected_failures() -> None:
 def test_slow_env_waits_a_lognormal_time_and_passes_everything_through() -> None:
     import statistics
 
-    from rollart.envs import SlowEnv
+    from rollart.tasks import SlowEnv
 
     plain = make_env("copy-reverse")
     delays = []
@@ -613,7 +647,7 @@ async def test_closing_a_runner_whose_cancelled_call_still_runs_does_not_wait_fo
 
     closed = threading.Event()
 
-    from rollart.envs import CopyReverseEnv
+    from rollart.tasks import CopyReverseEnv
 
     class Sleepy(CopyReverseEnv):
         def step(self, action: str) -> Any:
@@ -655,7 +689,7 @@ CLASSIC = "SFFF/FHFH/FFFH/HFFG"
     ],
 )
 def test_parse_letter(reply: str, expected: str | None) -> None:
-    from rollart.envs.grid import parse_letter
+    from rollart.tasks.grid import parse_letter
 
     assert parse_letter(reply) == expected
 

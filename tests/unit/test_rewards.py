@@ -58,11 +58,20 @@ def test_exact_answer_scores_the_last_box_with_partial_credit(response: str, ans
     assert out.details["exact"] is (reward == 1.0)
 
 
-@pytest.mark.parametrize("response", ["42", "\\boxed{42", "\\boxed{1} and \\boxed{\\frac{1}{2}"])
+@pytest.mark.parametrize("response", ["42", "\\boxed{42", "\\boxed{4\\boxed{2"])
 def test_exact_answer_without_a_closed_box_is_a_format_error(response: str) -> None:
     out = exact_answer(item(response, answer="42"))
     assert out.reward == 0.0
     assert out.details["format_error"] is True
+
+
+def test_exact_answer_grades_the_last_complete_box_as_the_envs_read_it() -> None:
+    # A reply cut off inside a second box keeps its first, complete answer (it was a format error
+    # here while the envs accepted it as an action: one rule now, `rollart.envs.answers`).
+    out = exact_answer(item("\\boxed{42} then \\boxed{\\frac{1}{2}", answer="42"))
+    assert out.reward == 1.0 and out.details == {"extracted": "42", "exact": True}
+    out = exact_answer(item("\\boxed{1} and \\boxed{\\frac{1}{2}", answer="42"))
+    assert out.reward == 0.0 and out.details == {"extracted": "1", "exact": False}
 
 
 def test_last_boxed_keeps_nested_braces() -> None:

@@ -9,8 +9,9 @@ import statistics
 import pytest
 
 from rollart.clock import SimClock, virtual_event_loop
-from rollart.envs import EnvFailure, EnvRunner, make_env
-from rollart.envs.sim import SimEnv
+from rollart.envexec import EnvRunner
+from rollart.envs import EnvFailure, make_env
+from rollart.tasks.sim import SimEnv
 
 
 def episode(env: SimEnv, seed: int) -> list[tuple[str, float, bool, float]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import msgspec
@@ -327,3 +330,71 @@ def test_a_listen_port_is_bound_and_checked_in_place_of_the_port_peers_dial() ->
     assert (node.port, node.bind_port) == (7101, 7301)
     clash = _yaml([_node("a", "trainer", 7100, 7200), _node("g", "generator", 7101, 7201, listen_port=7200)])
     assert "nodes[1].listen_port: port 7200 on 127.0.0.1 is already used by nodes[0].admin_port" in _error(clash)
+
+
+# -- env names, checked at load where that runs nobody's code --------------------------------
+
+
+def _tasks(*tasks: dict[str, Any], **run: Any) -> str:
+    return _yaml(_nodes(), run={"rollout": {"tasks": list(tasks)}, **run})
+
+
+def test_an_unknown_builtin_env_is_refused_at_load_with_its_path_and_a_hint(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "local.yaml"
+    path.write_text(_tasks({"name": "lake", "env": "frozen-lakes"}))
+    with pytest.raises(ConfigError) as caught:
+        load_topology(path)
+    message = str(caught.value)
+    expected = f"{path}: run.rollout.tasks[0].env: unknown env 'frozen-lakes'. Did you mean 'frozen-lake'?"
+    assert message.startswith(expected + " Registered envs: ")
+    assert "sokoban" in message and "(and gem:<id>, gym:<id>)" in message
+
+
+def test_every_env_name_is_checked_the_wrapped_ones_too() -> None:
+    text = _tasks(
+        {"name": "a", "env": "frozen-lake"},
+        {"name": "b", "env": "flaky", "env_kwargs": {"inner": "sokobam"}},
+        {"name": "c", "env": "gym:"},
+        {"name": "d", "env": "gems:math"},
+    )
+    lines = _error(text).splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "run.rollout.tasks[1].env_kwargs.inner",
+        "run.rollout.tasks[2].env",
+        "run.rollout.tasks[3].env",
+    ]
+    assert "unknown env 'sokobam'. Did you mean 'sokoban'?" in lines[0]
+    assert lines[1].endswith("env 'gym:': give an id after 'gym':, e.g. gym:<id>")
+    assert "unknown env 'gems:math'." in lines[2]
+
+
+def test_names_known_only_to_user_modules_or_families_are_left_to_the_env_host() -> None:
+    # A family's id would need GEM or Gymnasium imported; a user module's names need its code run.
+    families = parse_topology(_tasks({"name": "a", "env": "gym:NoSuchEnv-v0"}, {"name": "b", "env": "gem:x"}))
+    assert families.run.rollout is not None
+    assert [t.env for t in families.run.rollout.tasks] == ["gym:NoSuchEnv-v0", "gem:x"]
+    user = parse_topology(_tasks({"name": "a", "env": "maze"}, env_modules=["my_pkg.my_envs"]))
+    assert user.run.rollout is not None and user.run.rollout.tasks[0].env == "maze"
+
+
+def test_loading_a_topology_imports_no_torch_and_no_env_module() -> None:
+    script = (
+        "import sys\n"
+        "from rollart.errors import ConfigError\n"
+        "from rollart.topology import load_topology, parse_topology\n"
+        "load_topology('configs/local.yaml')\n"
+        "bad = 'nodes: [{name: t, role: trainer, port: 7100, admin_port: 7200}]\\n'\n"
+        "bad += 'run: {env_modules: [no_such_user_module], rollout: {tasks: [{name: a, env: maze}]}}'\n"
+        "parse_topology(bad)\n"
+        "try:\n"
+        "    parse_topology(bad.replace('env_modules: [no_such_user_module], ', '').replace('maze', 'frozen-lakes'))\n"
+        "except ConfigError as exc:\n"
+        "    assert 'Did you mean' in str(exc), exc\n"
+        "named = ('torch', 'transformers', 'gymnasium', 'gem', 'no_such_user_module')\n"
+        "heavy = sorted(m for m in named if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "HEAVY []", out.stderr

@@ -31,10 +31,10 @@ from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register_env
 from rollart.envs import registry as registry_module
-from rollart.envs.grid import parse_letter
 from rollart.errors import ConfigError
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.trajectory import ChatRenderer
+from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology

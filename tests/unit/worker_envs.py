@@ -3,7 +3,8 @@
 `make_env("test-worker", on_step=...)` plays two-step episodes and misbehaves on its first step
 the way `on_step` says: "ok" (it does not), "raise", "hang", "exit" (`os._exit(3)`), "segfault"
 (reads address 0), "spin" (burns CPU for ever), "burn" (burns CPU until its process has used
-1.2 s), "allocate" (1 GiB), "open-files" (100 files, kept open).
+1.2 s), "allocate" (1 GiB), "open-files" (100 files, kept open), "lie" (its worker answers the
+step with a `Closed` reply: a broken worker, see `_lying_call` below).
 Its reset's info carries its pid; with `show_environ=True` its observation is a JSON list of what
 the process can see of its environment: `os.environ`'s names and `/proc/self/environ`.
 """
@@ -16,6 +17,8 @@ import os
 import time
 from typing import Any
 
+from rollart.envexec import worker as worker_module
+from rollart.envexec.wire import CallReply, Close, Closed, Make, Reset, Step
 from rollart.envs import Env, Info, StepResult, register_env
 
 
@@ -69,3 +72,19 @@ class WorkerTestEnv(Env):
 
 
 register_env("test-worker", WorkerTestEnv)
+
+_honest_call = worker_module.EnvHost.call
+
+
+def _lying_call(self: worker_module.EnvHost, request: Make | Reset | Step | Close) -> CallReply:
+    """The worker's own call, except that the step of a `on_step="lie"` env is answered with a
+    `Closed` reply: what a broken (or hostile) worker could send. Affects the worker processes
+    only, which import this module; the env-host never runs `EnvHost`."""
+    reply = _honest_call(self, request)
+    env = self.envs.get(request.env)
+    if isinstance(request, Step) and isinstance(env, WorkerTestEnv) and env.on_step == "lie":
+        return Closed(request.call, reply.cpu_s)
+    return reply
+
+
+worker_module.EnvHost.call = _lying_call  # type: ignore[method-assign]

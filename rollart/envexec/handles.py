@@ -18,9 +18,25 @@ from typing import Any
 
 import msgspec
 
-from rollart.envs.wire import HEADER, MAX_REPLY_BYTES, CallReply, Ready, Reply, reply_decoder
+from rollart.envexec.wire import (
+    MAX_REPLY_BYTES,
+    CallReply,
+    Closed,
+    Failed,
+    Made,
+    Ready,
+    Reply,
+    ResetDone,
+    StepDone,
+    WorkerReplyError,
+    reply_decoder,
+    tag_of,
+)
+from rollart.protocol.framing import HEADER_BYTES, frame_length
 
 RECV_BYTES = 1 << 18
+SHOWN_CHARS = 200
+"""How much of a wrong reply an error message shows."""
 
 
 class WorkerState(enum.Enum):
@@ -45,11 +61,16 @@ class PendingCall:
     env_id: int
     env_name: str
     op: str
+    answer: type[Made | ResetDone | StepDone | Closed]
+    """The reply that answers it (besides `Failed`); any other fails the call."""
     timeout_s: float
-    future: asyncio.Future[CallReply]
+    future: asyncio.Future[Any]
+    """Gets `answer` or `Failed` (typed where `EnvWorkerPool.submit` hands it out)."""
     timer: asyncio.TimerHandle | None = None
     timed_out: bool = False
     """Its deadline passed and its worker was killed for it."""
+    failed_by: str | None = None
+    """The tag of the wrong reply its worker answered it with, if it did."""
 
     def failure(self) -> str:
         """What the call's `EnvFailure` says once its worker is dead."""
@@ -60,6 +81,16 @@ class PendingCall:
                 f"its {worker.describe()} was killed"
             )
         return f"env {self.env_name!r}: {self.op}() failed: its {worker.describe()} died: {worker.death}"
+
+    def wrong_reply(self, reply: Reply) -> WorkerReplyError:
+        """The error of this call when its worker answered with `reply`, which is not its `answer`."""
+        shown = repr(reply)
+        if len(shown) > SHOWN_CHARS:  # a hostile worker may send megabytes
+            shown = shown[:SHOWN_CHARS] + "..."
+        return WorkerReplyError(
+            f"env {self.env_name!r}: {self.op}() failed: its {self.worker.describe()} answered with a "
+            f"{tag_of(reply)!r} reply where {tag_of(self.answer)!r} or 'failed' was due: {shown}"
+        )
 
 
 @dataclass(eq=False)
@@ -147,19 +178,40 @@ class EnvWorker:
         inbox = self.inbox
         inbox += data
         replies: list[Reply] = []
-        while len(inbox) >= HEADER.size:
-            (size,) = HEADER.unpack_from(inbox)
+        while len(inbox) >= HEADER_BYTES:
+            size = frame_length(inbox)
             if size > MAX_REPLY_BYTES:
                 return replies, f"it sent a {size}-byte reply (at most {MAX_REPLY_BYTES})"
-            if len(inbox) < HEADER.size + size:
+            if len(inbox) < HEADER_BYTES + size:
                 break
-            payload = bytes(inbox[HEADER.size : HEADER.size + size])
-            del inbox[: HEADER.size + size]
+            payload = bytes(inbox[HEADER_BYTES : HEADER_BYTES + size])
+            del inbox[: HEADER_BYTES + size]
             try:
                 replies.append(reply_decoder.decode(payload))
             except msgspec.DecodeError as exc:
                 return replies, f"it sent a reply that is not valid: {exc}"
         return replies, None
+
+    def settle(self, reply: CallReply) -> PendingCall | None:
+        """Complete the call `reply` answers: its result, or `WorkerReplyError` for a reply of another
+        kind than its `answer` (the call and its env fail; the worker serves on). The call, or None
+        for a reply to no call sent (a confused worker; nothing waits for it)."""
+        self.cpu_s = reply.cpu_s
+        call = self.calls.pop(reply.call, None)
+        if call is None:
+            return None
+        if call.timer is not None:
+            call.timer.cancel()
+        if call.op == "close" or (call.op == "make" and not isinstance(reply, Made)):
+            self.envs.discard(call.env_id)
+        if not isinstance(reply, call.answer | Failed):
+            call.failed_by = tag_of(reply)
+        if not call.future.done():
+            if call.failed_by is None:
+                call.future.set_result(reply)
+            else:
+                call.future.set_exception(call.wrong_reply(reply))
+        return call
 
     def release(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stop watching its socket and process, and close them (after it exited)."""

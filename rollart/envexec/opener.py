@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from rollart.clock import SimClock
+from rollart.envexec.config import Isolation
+from rollart.envexec.pool import EnvWorkerPool
+from rollart.envexec.runner import EnvRunner
 from rollart.envs.base import EnvFailure, Profile
-from rollart.envs.pool import EnvWorkerPool
+from rollart.envs.handle import EnvHandle
 from rollart.envs.registry import import_env_modules, make_env, registered_factories
-from rollart.envs.runner import EnvHandle, EnvRunner
 from rollart.errors import ConfigError
 
-Isolation = Literal["auto", "process", "thread"]
 Placement = Literal["loop", "thread", "process"]
 
 PROBE_TIMEOUT_S = 60.0

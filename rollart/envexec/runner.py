@@ -24,8 +24,8 @@ A call that times out leaves the runner *broken*: every later `reset`/`step` rai
 `close()` only lets go of the thread. A hung thread cannot be killed in Python: it keeps running
 (and keeps its thread) until the env's code returns, and interpreter exit waits for it. Here a
 timeout bounds how long a trajectory waits, not how long the env runs; an env in an env worker
-process (`WorkerEnvRunner`, `rollart.envs.pool`), with the same interface, is killed with its
-process, under resource limits. `EnvHandle` is the interface both have.
+process (`WorkerEnvRunner`, `rollart.envexec.pool`), with the same interface, is killed with its
+process, under resource limits. `EnvHandle` (`rollart.envs.handle`) is the interface both have.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from rollart.clock import SimClock
 from rollart.envs.base import Env, EnvFailure, Info, StepResult
@@ -50,25 +50,6 @@ def _contain(fn: Callable[..., T], *args: Any) -> T:
         raise
     except BaseException as exc:
         raise RuntimeError(f"{type(exc).__name__} raised inside the env: {exc}") from exc
-
-
-class EnvHandle(Protocol):
-    """An env as a trajectory drives it: `EnvRunner` (in the env-host) or `WorkerEnvRunner` (in an
-    env worker process). Only `EnvFailure` and `CancelledError` come out of its calls."""
-
-    name: str
-
-    @property
-    def max_turns(self) -> int: ...
-
-    @property
-    def system_prompt(self) -> str: ...
-
-    async def reset(self, seed: int | None = None) -> tuple[str, Info]: ...
-
-    async def step(self, action: str) -> StepResult: ...
-
-    async def close(self) -> None: ...
 
 
 CLOSE_GRACE_S = 0.2

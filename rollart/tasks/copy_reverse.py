@@ -21,7 +21,8 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, last_boxed, not_running, require, resolve_seed
+from rollart.envs.answers import last_boxed
+from rollart.envs.base import FORMAT_PENALTY, Env, Info, StepResult, not_running, require, resolve_seed
 
 SYSTEM_PROMPT = "Write the given string reversed inside \\boxed{}. Example: abc -> \\boxed{cba}"
 COPY_SYSTEM_PROMPT = "Write the given string inside \\boxed{}. Example: abc -> \\boxed{abc}"

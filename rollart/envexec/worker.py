@@ -33,10 +33,7 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from rollart.envs.base import Env
-from rollart.envs.registry import import_env_modules, make_env, registered_factories
-from rollart.envs.wire import (
-    HEADER,
+from rollart.envexec.wire import (
     CallReply,
     Close,
     Closed,
@@ -49,14 +46,21 @@ from rollart.envs.wire import (
     StartFailed,
     Step,
     StepDone,
-    frame,
     reply_encoder,
     request_decoder,
 )
+from rollart.envs.base import Env
+from rollart.envs.registry import import_env_modules, make_env, registered_factories
 from rollart.errors import ConfigError
+from rollart.protocol.framing import HEADER_BYTES, frame_length, message_frame
 
-BOOTSTRAP = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); from rollart.envs.worker import main; main(sys.argv[2])"
+BOOTSTRAP = "\n".join(
+    [
+        "import json, sys",
+        "sys.path[:] = json.loads(sys.argv[1])",
+        "from rollart.envexec.worker import main",
+        "main(sys.argv[2])",
+    ]
 )
 """The `python -c` program of a worker: the parent's import path first, then `main`."""
 
@@ -124,10 +128,10 @@ class EnvHost:
 
     def send(self, reply: msgspec.Struct) -> None:
         try:
-            data = frame(reply_encoder.encode(reply))
+            data = message_frame(reply_encoder.encode(reply))
         except Exception as exc:  # an info that msgpack cannot carry, or whose str() raises: the env's fault
             failed = Failed(getattr(reply, "call", -1), f"the result could not be sent: {exc}", time.process_time())
-            data = frame(reply_encoder.encode(failed))
+            data = message_frame(reply_encoder.encode(failed))
         with self._send_lock:
             try:
                 self.sock.sendall(data)
@@ -235,7 +239,7 @@ def serve(sock: socket.socket, config: WorkerConfig) -> NoReturn:
     host.send(Ready(os.getpid(), user_envs))
     stream = sock.makefile("rb")
     while True:
-        (size,) = HEADER.unpack(_read_exactly(stream, HEADER.size))
+        size = frame_length(_read_exactly(stream, HEADER_BYTES))
         host.handle(request_decoder.decode(_read_exactly(stream, size)))
 
 

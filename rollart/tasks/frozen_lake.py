@@ -38,7 +38,7 @@ import random
 from collections import deque
 
 from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.envs.grid import Actions, GridEnv, Pos, shift
+from rollart.tasks.grid import Actions, GridEnv, Pos, shift
 
 _MAX_REJECTED_BOARDS = 100
 

@@ -1,7 +1,8 @@
-"""What an env-host and its env worker processes say to each other (`rollart.envs.pool`, `.worker`).
+"""What an env-host and its env worker processes say to each other (`rollart.envexec.pool`, `.worker`).
 
-One socket pair per worker; each message is a 4-byte big-endian length, then a msgpack-encoded
-struct of the tagged unions below (array-like: a list, its tag first). Every call carries a
+One socket pair per worker; each message is a message frame of `rollart.protocol.framing` (a
+4-byte big-endian length, then the payload), its payload a msgpack-encoded struct of the tagged
+unions below (array-like: a list, its tag first); bulk frames are not used. Every call carries a
 call id, unique in the pool, that its reply repeats; `env` is the id the pool gave the env.
 
     pool -> worker   Make(call, env, name, kwargs)          build `make_env(name, **kwargs)` there
@@ -12,20 +13,20 @@ call id, unique in the pool, that its reply repeats; `env` is the id the pool ga
                      Failed(call, error)                    the call raised; `error` says what
 
 Replies come from code the env-host does not trust, so they are msgpack decoded into these
-types, never pickled, and a frame longer than `MAX_REPLY_BYTES` ends the worker. Every reply
+types, never pickled, and a frame longer than `MAX_REPLY_BYTES` ends the worker. Each direction has
+its own decoder of its own union; a reply of the wrong kind for its call (`ANSWERS`) fails that call
+with `WorkerReplyError`, never an assertion. Every reply
 carries `cpu_s`, the worker's CPU seconds so far, which the pool uses to retire workers before
 their CPU limit (see the pool's docstring).
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import msgspec
 
-HEADER = struct.Struct(">I")
-"""The length prefix of every frame."""
+from rollart.envs.base import EnvFailure
 
 MAX_REPLY_BYTES = 64 * 2**20
 """The longest reply the pool reads from a worker; a longer one is a broken (or hostile) worker."""
@@ -113,8 +114,28 @@ Reply = Ready | StartFailed | Made | ResetDone | StepDone | Closed | Failed
 CallReply = Made | ResetDone | StepDone | Closed | Failed
 
 
-def frame(payload: bytes) -> bytes:
-    return HEADER.pack(len(payload)) + payload
+ANSWERS: dict[str, type[Made | ResetDone | StepDone | Closed]] = {
+    "make": Made,
+    "reset": ResetDone,
+    "step": StepDone,
+    "close": Closed,
+}
+"""The reply each call (by its op) is answered with, unless it failed (`Failed`)."""
+
+
+class WorkerReplyError(EnvFailure):
+    """An env worker answered a call with a reply of the wrong kind (a broken or hostile worker):
+    it fails that call, naming the worker and what it sent; the pool and the worker go on."""
+
+
+OPS = {answer: op for op, answer in ANSWERS.items()}
+"""The op (`"reset"`) whose answer a reply type is."""
+
+
+def tag_of(reply: Reply | type[Reply]) -> str:
+    """A reply's (or reply type's) wire tag (`"step-done"`), for messages about it."""
+    kind = reply if isinstance(reply, type) else type(reply)
+    return str(kind.__struct_config__.tag)
 
 
 def _plain(value: Any) -> Any:

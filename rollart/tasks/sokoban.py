@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 
 from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.envs.grid import Actions, GridEnv, Pos, shift
+from rollart.tasks.grid import Actions, GridEnv, Pos, shift
 
 
 class SokobanEnv(GridEnv):

@@ -11,7 +11,7 @@ worker died, and how; the runner is broken or closed), and `CancelledError` pass
 
 The differences are where the env lives. A call past its deadline kills the worker process, so
 the hung env stops for good; the runner is broken afterwards, as is every runner whose env lived
-in that worker (see `rollart.envs.pool` for that trade-off). A call whose caller was cancelled
+in that worker (see `rollart.envexec.pool` for that trade-off). A call whose caller was cancelled
 goes on in the worker under the same deadline, enforced by the pool whether anyone waits or not.
 The observation, reward and flags come back as `str`, `float` and `bool`; the info dict crosses
 as msgpack (numbers, strings, lists, dicts; anything else as its `str`).
@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollart.clock import SimClock
+from rollart.envexec.runner import CLOSE_GRACE_S
+from rollart.envexec.wire import Close, Closed, Failed, Made, Request, Reset, ResetDone, Step, StepDone
 from rollart.envs.base import EnvFailure, Info, StepResult
-from rollart.envs.runner import CLOSE_GRACE_S
-from rollart.envs.wire import Close, Failed, Made, Request, Reset, ResetDone, Step, StepDone
 
 if TYPE_CHECKING:
-    from rollart.envs.handles import EnvWorker
-    from rollart.envs.pool import EnvWorkerPool
+    from rollart.envexec.handles import EnvWorker
+    from rollart.envexec.pool import EnvWorkerPool
+
+Done = TypeVar("Done", ResetDone, StepDone)
 
 
 class WorkerEnvRunner:
@@ -77,13 +79,11 @@ class WorkerEnvRunner:
         return self._closed
 
     async def reset(self, seed: int | None = None) -> tuple[str, Info]:
-        reply = await self._call("reset", lambda call: Reset(call, self.env_id, seed))
-        assert isinstance(reply, ResetDone)
+        reply = await self._call("reset", lambda call: Reset(call, self.env_id, seed), ResetDone)
         return reply.obs, reply.info
 
     async def step(self, action: str) -> StepResult:
-        reply = await self._call("step", lambda call: Step(call, self.env_id, action))
-        assert isinstance(reply, StepDone)
+        reply = await self._call("step", lambda call: Step(call, self.env_id, action), StepDone)
         return reply.obs, reply.reward, reply.terminated, reply.truncated, reply.info
 
     async def close(self) -> None:
@@ -100,7 +100,7 @@ class WorkerEnvRunner:
         busy = self._running is not None and not self._running.done()
         env_id = self.env_id
         close = self.pool.submit(
-            self.worker, env_id, self.name, "close", lambda call: Close(call, env_id), timeout_s=self.timeout_s
+            self.worker, env_id, self.name, lambda call: Close(call, env_id), Closed, timeout_s=self.timeout_s
         )
         try:
             reply = await (asyncio.wait_for(asyncio.shield(close), CLOSE_GRACE_S) if busy else asyncio.shield(close))
@@ -109,25 +109,24 @@ class WorkerEnvRunner:
         if isinstance(reply, Failed):
             raise EnvFailure(f"env {self.name!r}: close() raised {reply.error}")
 
-    async def _call(self, op: str, request: Callable[[int], Request]) -> ResetDone | StepDone:
+    async def _call(self, op: str, request: Callable[[int], Request], answer: type[Done]) -> Done:
         if self._closed:
             raise EnvFailure(f"env {self.name!r}: {op}() refused: the runner is closed")
         if self._broken is not None:
             raise EnvFailure(f"env {self.name!r}: {op}() refused: the env is broken ({self._broken})")
         if (ended := self.worker.ended) is not None:
             raise EnvFailure(f"env {self.name!r}: {op}() refused: its {self.worker.describe()} died: {ended}")
-        future = self.pool.submit(self.worker, self.env_id, self.name, op, request, timeout_s=self.timeout_s)
+        future = self.pool.submit(self.worker, self.env_id, self.name, request, answer, timeout_s=self.timeout_s)
         self._running = future
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         try:
             reply = await asyncio.shield(future)
-        except EnvFailure as exc:  # timed out (its worker killed) or the worker died
+        except EnvFailure as exc:  # timed out (its worker killed), the worker died, or it answered nonsense
             self._broken = str(exc)
             raise
         if isinstance(reply, Failed):
             raise EnvFailure(f"env {self.name!r}: {op}() raised {reply.error}")
-        assert isinstance(reply, ResetDone | StepDone)
         await self._wait_out(reply.wait_s, deadline, op)
         return reply
 

@@ -1,7 +1,7 @@
 """EnvWorkerPool: a few long-lived env worker processes, each hosting many envs, that can be killed.
 
 An env in a thread of the env-host cannot be stopped once it hangs, and it shares the node's
-memory, CPU and secrets. An env in a worker process (`rollart.envs.worker`) runs under resource
+memory, CPU and secrets. An env in a worker process (`rollart.envexec.worker`) runs under resource
 limits, with an environment that holds none of the node's credentials, and a call past its
 deadline kills its process. Starting an interpreter costs about 0.25 s, and an env-host runs
 dozens of trajectories at once, each seconds long, so workers are not started per env: the pool
@@ -22,17 +22,12 @@ that worker fails with `EnvFailure("... its env worker 2 (pid 4711) died: killed
 (cpu_time_s 60 exceeded)")`, and the other envs it hosted refuse their next call with that
 cause, so each of those trajectories fails (its group's redundancy covers some) while the
 env-host and every other worker go on. The pool starts a replacement at once. More processes
-mean fewer bystanders per failure and more memory; a raising env, MemoryError included, is an
-ordinary failure of that call and kills nobody.
+mean fewer bystanders per failure and more memory. A raising env (MemoryError included) and a
+reply of the wrong kind for its call (`WorkerReplyError`) fail that call alone and kill nobody.
 
-Limits are per worker, as the kernel keeps them: `memory_mb` is the address space of the
-interpreter, the env modules and every hosted env with its thread stack (`RLIMIT_AS`);
-`open_files` counts every descriptor of the process (`RLIMIT_NOFILE`); `cpu_time_s` is CPU time
-summed over the worker's life (`RLIMIT_CPU`). So that the CPU limit stops runaway envs and not
-merely old workers, a worker that has used `RETIRE_AT` of it takes no new envs, a fresh worker
-takes its place, and it is stopped once its last env is closed. A spinning call is stopped by
-its deadline first; the CPU limit catches what no deadline sees (threads an env leaves running,
-native code on many cores).
+Limits are per worker, as the kernel keeps them (`rollart.envexec.isolation`). So that the CPU
+limit stops runaway envs and not merely old workers, a worker that has used `RETIRE_AT` of it
+takes no new envs, a fresh worker takes its place, and it is stopped once its last env is closed.
 
 Everything is driven by the event loop, with no thread and no polling: each worker's socket and
 its process (a pidfd) are watched with `add_reader`; deadlines are `call_later` timers.
@@ -42,40 +37,38 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-import msgspec
 import structlog
 
 from rollart.clock import SimClock
-from rollart.envs.base import EnvFailure
-from rollart.envs.handles import EnvWorker, PendingCall, WorkerState, consume
-from rollart.envs.isolation import WorkerLimits, child_environ, exit_cause
-from rollart.envs.process_runner import WorkerEnvRunner
-from rollart.envs.wire import (
-    CallReply,
+from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
+from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
+from rollart.envexec.process_runner import WorkerEnvRunner
+from rollart.envexec.spawn import start_worker
+from rollart.envexec.wire import (
+    OPS,
     Close,
+    Closed,
     Failed,
     Made,
     Make,
     Ready,
     Reply,
     Request,
+    ResetDone,
     StartFailed,
-    frame,
+    StepDone,
     request_encoder,
 )
-from rollart.envs.worker import BOOTSTRAP, WorkerConfig
+from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
+from rollart.protocol.framing import message_frame
 
-log = structlog.get_logger("rollart.envs.pool")
+log = structlog.get_logger("rollart.envexec.pool")
 
 RETIRE_AT = 0.5
 """Share of `cpu_time_s` after which a worker takes no new envs and is replaced."""
@@ -85,6 +78,8 @@ START_TIMEOUT_S = 60.0
 """How long `start` waits for the workers to import the env modules."""
 MAX_START_FAILURES = 3
 """Workers in a row that die before they are ready, after which the pool starts no more."""
+
+Answer = TypeVar("Answer", Made, ResetDone, StepDone, Closed)
 
 
 class EnvWorkerPool:
@@ -202,7 +197,7 @@ class EnvWorkerPool:
             raise
         left = max(deadline - self._loop.time(), 0.001)
         future = self.submit(
-            worker, env_id, name, "make", lambda call: Make(call, env_id, name, kwargs or {}), timeout_s=left
+            worker, env_id, name, lambda call: Make(call, env_id, name, kwargs or {}), Made, timeout_s=left
         )
         try:
             reply = await asyncio.shield(future)
@@ -211,7 +206,6 @@ class EnvWorkerPool:
             raise
         if isinstance(reply, Failed):
             raise EnvFailure(f"env {name!r}: make() raised {reply.error}")
-        assert isinstance(reply, Made)
         return WorkerEnvRunner(self, worker, env_id, name, reply, timeout_s=timeout_s, clock=clock)
 
     def submit(
@@ -219,23 +213,25 @@ class EnvWorkerPool:
         worker: EnvWorker,
         env_id: int,
         env_name: str,
-        op: str,
         request: Callable[[int], Request],
+        answer: type[Answer],
         *,
         timeout_s: float,
-    ) -> asyncio.Future[CallReply]:
-        """Send `request(call_id)` to `worker`. The future fails with `EnvFailure` if the worker dies
-        first; past `timeout_s` without a reply the worker is killed, whether or not anyone waits."""
+    ) -> asyncio.Future[Answer | Failed]:
+        """Send `request(call_id)` to `worker`; the future gets its `answer` (or `Failed`). It fails
+        with `EnvFailure` if the worker dies first, `WorkerReplyError` if the worker answers with
+        another kind of reply; past `timeout_s` without a reply the worker is killed, whether or not
+        anyone waits."""
         assert self._loop is not None
-        future: asyncio.Future[CallReply] = self._loop.create_future()
+        future: asyncio.Future[Answer | Failed] = self._loop.create_future()
         future.add_done_callback(consume)
-        call = PendingCall(next(self._call_ids), worker, env_id, env_name, op, timeout_s, future)
+        call = PendingCall(next(self._call_ids), worker, env_id, env_name, OPS[answer], answer, timeout_s, future)
         if worker.state is WorkerState.DEAD:
             future.set_exception(EnvFailure(call.failure()))
             return future
         worker.calls[call.call_id] = call
         call.timer = self._loop.call_later(timeout_s, self._on_deadline, call)
-        worker.send(frame(request_encoder.encode(request(call.call_id))), self._loop)
+        worker.send(message_frame(request_encoder.encode(request(call.call_id))), self._loop)
         return future
 
     def forget(self, worker: EnvWorker, env_id: int) -> None:
@@ -269,35 +265,15 @@ class EnvWorkerPool:
     def _spawn(self) -> EnvWorker:
         """Start one worker (`OSError` if the OS refuses); its socket and its exit are watched from here on."""
         assert self._loop is not None
-        parent, child = socket.socketpair()
-        config = WorkerConfig(
-            fd=child.fileno(),
-            parent_pid=os.getpid(),
+        worker = start_worker(
+            next(self._wids),
+            self._loop,
             env_modules=self.env_modules,
-            cpu_time_s=self.limits.cpu_time_s,
-            memory_mb=self.limits.memory_mb,
-            open_files=self.limits.open_files,
+            limits=self.limits,
+            environ=self.environ,
+            on_readable=self._on_readable,
+            on_exit=self._on_exit,
         )
-        argv = [sys.executable, "-c", BOOTSTRAP, json.dumps(sys.path), msgspec.json.encode(config).decode()]
-        try:
-            # From the loop's thread, which lives as long as the process: PR_SET_PDEATHSIG fires
-            # when the thread that started the worker ends.
-            proc = subprocess.Popen(argv, env=self.environ, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()  # only the worker holds its end now, so its death reads as EOF here
-        parent.setblocking(False)
-        loop = self._loop
-        worker = EnvWorker(next(self._wids), proc, parent, loop.create_future(), loop.create_future())
-        worker.ready.add_done_callback(consume)
-        loop.add_reader(parent.fileno(), self._on_readable, worker)
-        try:
-            worker.pidfd = os.pidfd_open(worker.pid)
-            loop.add_reader(worker.pidfd, self._on_exit, worker)
-        except (AttributeError, OSError):  # no pidfds (not Linux): a thread waits for the exit
-            loop.run_in_executor(None, proc.wait).add_done_callback(lambda _: self._on_exit(worker))
         self._workers.append(worker)
         self.counts["started"] += 1
         log.info("env_pool.worker_started", worker=worker.wid, pid=worker.pid)
@@ -391,16 +367,9 @@ class EnvWorkerPool:
         if isinstance(reply, StartFailed):
             worker.start_error = reply.reason
             return
-        worker.cpu_s = reply.cpu_s
-        call = worker.calls.pop(reply.call, None)
-        if call is None:  # the pool never sent it: a confused worker; nothing waits for this
-            return
-        if call.timer is not None:
-            call.timer.cancel()
-        if call.op == "close" or (call.op == "make" and isinstance(reply, Failed)):
-            worker.envs.discard(call.env_id)
-        if not call.future.done():
-            call.future.set_result(reply)
+        call = worker.settle(reply)
+        if call is not None and call.failed_by is not None:
+            log.warning("env_pool.wrong_reply", worker=worker.wid, pid=worker.pid, call=call.op, got=call.failed_by)
         self._retire_if_done(worker)
 
     def _on_deadline(self, call: PendingCall) -> None:
@@ -426,4 +395,4 @@ class EnvWorkerPool:
         """A `make` whose caller was cancelled: close the env once it is built."""
         if made.cancelled() or made.exception() is not None or not isinstance(made.result(), Made):
             return
-        self.submit(worker, env_id, name, "close", lambda call: Close(call, env_id), timeout_s=timeout_s)
+        self.submit(worker, env_id, name, lambda call: Close(call, env_id), Closed, timeout_s=timeout_s)

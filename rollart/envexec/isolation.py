@@ -3,6 +3,13 @@
 The environment a worker starts with is the env-host's without the node's credentials
 (`child_environ`); its limits are `WorkerLimits`, set by the worker itself with
 `resource.setrlimit`; `exit_cause` turns its exit status into words that name the limit it hit.
+
+Limits are per worker, as the kernel keeps them: `memory_mb` is the address space of the
+interpreter, the env modules and every hosted env with its thread stack (`RLIMIT_AS`);
+`open_files` counts every descriptor of the process (`RLIMIT_NOFILE`); `cpu_time_s` is CPU time
+summed over the worker's life (`RLIMIT_CPU`), and the pool retires a worker at half of it. A
+spinning call is stopped by its deadline first; the CPU limit catches what no deadline sees
+(threads an env leaves running, native code on many cores).
 """
 
 from __future__ import annotations
