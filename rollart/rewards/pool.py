@@ -32,8 +32,7 @@ from typing import cast
 import msgspec
 import structlog
 
-from rollart.errors import ConfigError
-from rollart.protocol.errors import RequestTimeout
+from rollart.errors import ConfigError, DeadlineExceeded
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
 from rollart.rewards.handles import Request, Worker, stop_workers
 from rollart.rewards.stats import PoolMeters, PoolStats, State
@@ -98,7 +97,7 @@ class RewardPool:
         self._ensure_min()
         try:
             stats = await self.wait_until(lambda s: s.starting_workers == 0, timeout=ready_timeout)
-        except RequestTimeout:
+        except DeadlineExceeded:
             await self.close()
             raise
         if stats.live_workers < self.min_workers:
@@ -141,7 +140,7 @@ class RewardPool:
         """Score `item` with the reward registered as `fn_name` within `timeout` seconds.
 
         Raises `RewardError` (unknown function, bad input, function failed, worker crashed, pool
-        closed) or `RequestTimeout` (deadline passed: dropped if still queued, result discarded
+        closed) or `DeadlineExceeded` (deadline passed: dropped if still queued, result discarded
         if running).
         """
         if not self._running or self._loop is None:
@@ -159,7 +158,7 @@ class RewardPool:
             where = "was running" if req.started else "was still queued"
             self.meters.failed += 1
             self.meters.timed_out += 1
-            raise RequestTimeout(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
+            raise DeadlineExceeded(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
         finally:
             if not req.started and req in self._queue:
                 self._queue.remove(req)
@@ -170,14 +169,14 @@ class RewardPool:
         return self.meters.snapshot(self._workers, queue_depth=len(self._queue))
 
     async def wait_until(self, predicate: Callable[[PoolStats], bool], *, timeout: float) -> PoolStats:
-        """Wait until `predicate(stats())` holds (checked on every change); `RequestTimeout` past `timeout`."""
+        """Wait until `predicate(stats())` holds (checked on every change); `DeadlineExceeded` past `timeout`."""
         try:
             async with asyncio.timeout(timeout):
                 while not predicate(stats := self.stats()):
                     await self._changed.wait()
                 return stats
         except TimeoutError:
-            raise RequestTimeout(f"reward pool did not reach the awaited state within {timeout:g} s") from None
+            raise DeadlineExceeded(f"reward pool did not reach the awaited state within {timeout:g} s") from None
 
     # -- dispatch and scaling --------------------------------------------------------------
 

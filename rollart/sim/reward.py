@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from rollart.clock import SimClock
-from rollart.protocol.errors import RequestTimeout
+from rollart.errors import DeadlineExceeded
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
 from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.sim.config import SimRewardSpec
@@ -117,7 +117,7 @@ class SimRewardPool:
             self.meters.failed += 1
             self.meters.timed_out += 1
             where = "was running" if job.started else "was still queued"
-            raise RequestTimeout(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
+            raise DeadlineExceeded(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
         finally:
             if not job.started and job in self._queue:
                 self._queue.remove(job)

@@ -11,8 +11,7 @@ import math
 
 import pytest
 
-from rollart.errors import ConfigError
-from rollart.protocol.errors import RequestTimeout
+from rollart.errors import ConfigError, DeadlineExceeded
 from rollart.rewards import (
     RewardError,
     RewardPool,
@@ -170,9 +169,9 @@ async def test_pool_deadlines_and_bad_input() -> None:
     async with RewardPool(min_workers=1, max_workers=1) as pool:
         running = asyncio.create_task(pool.score("test-sleep", item(meta={"s": 0.5}), timeout=0.1))
         queued = asyncio.create_task(pool.score("env-reward", item(env_reward=1.0), timeout=0.1))
-        with pytest.raises(RequestTimeout, match="was running"):
+        with pytest.raises(DeadlineExceeded, match="was running"):
             await running
-        with pytest.raises(RequestTimeout, match="was still queued"):
+        with pytest.raises(DeadlineExceeded, match="was still queued"):
             await queued
         assert pool.stats().queue_depth == 0
         # The worker finishes the abandoned sleep, then runs this; the function's message survives.

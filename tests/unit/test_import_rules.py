@@ -1,0 +1,203 @@
+"""Which part of `rollart` may import which (docs/architecture.md), checked by walking every import with `ast`.
+
+Every `import` and `from ... import` in every module counts, at any depth (a deferred import inside a
+function is still a dependency) and under `if TYPE_CHECKING:` too (a layer that names another's types
+knows it). Relative imports are resolved against the module's package. The rule table below is the one
+docs/architecture.md draws; change both together.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "rollart"
+
+# Every part of the package: a subpackage or a top-level module, by its first name under `rollart.`.
+# Each may import the parts listed (and itself); anything else of rollart is a broken rule.
+LEAVES = {"errors", "clock", "logs"}
+RULES: dict[str, set[str]] = {
+    # the leaves: anyone may import them; they import nothing of rollart (but one another's errors)
+    "errors": set(),
+    "clock": set(),
+    "logs": set(),
+    # the wire knows no roles
+    "protocol": set(),
+    # pure code over plain data: no network, no nodes, no engines
+    "algorithms": set(),
+    "envs": set(),
+    "tasks": {"envs"},
+    "rewards": {"envs"},
+    "sim": {"envs", "rewards", "engines"},
+    # running env calls in threads and worker processes: its own frames on a pipe
+    "envexec": {"envs", "tasks", "protocol"},
+    # engines are driven by their node: no nodes, no protocol, no rollout
+    "engines": {"algorithms"},
+    # the weight path: the wire and the bulk transfer
+    "weights": {"protocol"},
+    # trajectory coroutines, routing, buffers: other nodes only through protocol sessions, never an engine
+    "rollout": {"protocol", "envs", "envexec", "rewards", "algorithms"},
+    # the typed topology: no torch, no nodes
+    "topology": {"protocol", "rollout", "envs", "envexec", "rewards", "engines", "sim", "algorithms"},
+    "plugins": {"envs", "rewards"},
+    # the tiny model and its warm-up: a recipe over engines, envs, tasks and rollout
+    "tiny": {"engines", "envs", "tasks", "rollout", "algorithms"},
+    # the daemons put the parts together
+    "nodes": {
+        "protocol",
+        "algorithms",
+        "envs",
+        "tasks",
+        "rewards",
+        "sim",
+        "envexec",
+        "engines",
+        "weights",
+        "rollout",
+        "topology",
+        "plugins",
+        "tiny",
+        "rundir",
+    },
+    "rundir": set(),
+    "node": {"nodes", "topology", "plugins"},
+    "report": {"rundir", "topology"},
+    # starting runs: the top, beside the CLI
+    "launch": {"protocol", "nodes", "node", "topology", "tiny", "rundir", "report", "plugins", "sim", "envs", "rewards"},
+    "admin_cli": {"protocol", "topology", "rundir"},
+    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol"},
+    "__main__": {"cli"},
+    "__init__": set(),
+    # tools for testing a deployment (fault injection, topology building): imports anything, imported by nothing
+    "testkit": {
+        "protocol",
+        "algorithms",
+        "envs",
+        "tasks",
+        "rewards",
+        "sim",
+        "envexec",
+        "engines",
+        "weights",
+        "rollout",
+        "topology",
+        "plugins",
+        "tiny",
+        "rundir",
+        "nodes",
+        "node",
+        "report",
+        "launch",
+        "cli",
+    },
+}
+
+# The few imports a rule allows one module, with the reason; each one is drawn in docs/architecture.md.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("rollart.envs", "tasks"): (
+        "the package's __init__ imports rollart.tasks so that every built-in name resolves once rollart.envs "
+        "is imported: the built-ins register as a user's env module does; no module of the env API imports a task"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    module: str
+    line: int
+    imported: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line} imports {self.imported}: {self.why}"
+
+
+def part_of(module: str) -> str:
+    """`rollart.nodes.trainer` -> `nodes`; `rollart.topology` -> `topology`; `rollart` -> `__init__`."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else "__init__"
+
+
+def module_name(path: Path, root: Path) -> str:
+    relative = path.relative_to(root).with_suffix("")
+    names = list(relative.parts)
+    if names[-1] == "__init__":
+        names = names[:-1] if len(names) > 1 else names
+    return ".".join(names)
+
+
+def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
+    """Every rollart module `path` imports, with its line: absolute and relative, at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            # `from rollart import launch` imports the part `launch`, not just the package
+            if target == PACKAGE:
+                found += [(node.lineno, f"{PACKAGE}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in found if name == PACKAGE or name.startswith(PACKAGE + ".")]
+
+
+def check(root: Path) -> list[Violation]:
+    """Walk the package under `root` (the folder holding `rollart/`) and list every broken rule."""
+    violations: list[Violation] = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        module = module_name(path, root)
+        part = part_of(module)
+        if part not in RULES:
+            violations.append(Violation(module, 1, "-", f"part '{part}' has no rule: add it to RULES"))
+            continue
+        allowed = RULES[part] | LEAVES | {part}
+        for line, imported in imports_of(path, module):
+            target = part_of(imported)
+            if imported == PACKAGE:
+                continue  # the package itself: its __init__ imports nothing
+            if (module, target) in EXCEPTIONS:
+                continue
+            if target not in allowed:
+                violations.append(Violation(module, line, imported, f"'{part}' may not import '{target}'"))
+            elif part in LEAVES and target not in (part, "errors"):
+                violations.append(Violation(module, line, imported, f"'{part}' is a leaf"))
+    return violations
+
+
+def test_import_rules_hold_for_the_whole_package() -> None:
+    violations = check(ROOT)
+    assert not violations, "broken import rules (docs/architecture.md):\n" + "\n".join(map(str, violations))
+
+
+def test_import_rule_checker_fails_on_a_planted_bad_import(tmp_path: Path) -> None:
+    """The same walk over a copy of the package with one bad import planted: the protocol importing a role,
+    deferred inside a function, the way a shortcut would sneak in."""
+    shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    framing = tmp_path / PACKAGE / "protocol" / "framing.py"
+    framing.write_text(framing.read_text() + "\n\ndef _shortcut():\n    from rollart.nodes import trainer\n")
+    envs_base = tmp_path / PACKAGE / "envs" / "base.py"
+    envs_base.write_text(envs_base.read_text() + "\nfrom ..engines import hf  # noqa\n")
+    violations = {(v.module, v.imported) for v in check(tmp_path)}
+    assert violations == {("rollart.protocol.framing", "rollart.nodes"), ("rollart.envs.base", "rollart.engines")}
+
+
+def test_an_unknown_part_is_a_broken_rule(tmp_path: Path) -> None:
+    (tmp_path / PACKAGE / "newpart").mkdir(parents=True)
+    (tmp_path / PACKAGE / "newpart" / "__init__.py").write_text('"""A part nobody placed."""\n')
+    assert [v.why for v in check(tmp_path)] == ["part 'newpart' has no rule: add it to RULES"]
+
+
+@pytest.mark.parametrize("part", sorted(RULES))
+def test_every_rule_names_known_parts(part: str) -> None:
+    assert RULES[part] <= set(RULES), f"{part} names parts that do not exist: {RULES[part] - set(RULES)}"
