@@ -13,7 +13,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from rollart.launch.local import NodeProcess
@@ -93,7 +93,7 @@ class Terminal:
             steps, elapsed = rollout.get("steps"), time.monotonic() - self._started_at
             # total None (no step limit) draws a counter instead of a bar; the stubs only allow floats.
             bar = tqdm.format_meter(rollout.get("batches", 0), steps, elapsed, ncols=60, prefix="  training")  # type: ignore[arg-type]
-            return [bar, f"  {node.status.get('progress', '')}" if node.status else ""]
+            return [bar, f"  {training_line(rollout, training.get('last_step') or {})}"]
         return []
 
     @staticmethod
@@ -110,3 +110,20 @@ class Terminal:
             f"  {node.spec.name:<16} {node.spec.role.value:<15} {node.state:<22} pid {pid!s:<7} up {uptime:<6} "
             f"sessions {up}/{len(all_sessions)} up  queues {queues}  restarts {len(node.restarts)}{progress}"
         )
+
+
+def training_line(rollout: dict[str, Any], last: dict[str, Any]) -> str:
+    """The trainer's line under the bar, from its `/status`: each task's moving averages, staleness,
+    throughput and how busy each generator was, for the newest step."""
+    steps = rollout.get("steps") if rollout.get("steps") is not None else "-"
+    where = f"step {rollout.get('batches', 0)}/{steps}"
+    if not last:
+        return f"{where}, version {rollout.get('version', 0)}: waiting for the first batch"
+    tasks = " ".join(
+        f"{name} reward {t['reward_ma']:.2f} success {t['success_ma']:.2f}" for name, t in last["tasks"].items()
+    )
+    busy = " ".join(f"{name} {value:.0%}" for name, value in last["generator_busy"].items()) or "-"
+    return (
+        f"{where} | {tasks} (20-step avg) | stale {last.get('staleness_mean', 0.0):.2f} | "
+        f"{last['traj_per_s']:.1f} traj/s | busy {busy}"
+    )

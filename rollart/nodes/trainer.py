@@ -229,29 +229,13 @@ class TrainerNode(NodeDaemon):
             )
 
     def progress(self) -> str:
+        """Step and version; the launcher's terminal draws the training line from `status()["training"]`."""
         if self.rollout is None:
             return ""
-        if self.learner is not None:
-            return self._training_progress()
         steps = self.rollout.steps if self.rollout.steps is not None else "-"
-        rewards = self.last_rewards
+        rewards = self.last_rewards if self.learner is None else []
         mean = f", mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""
-        return f"batch {self.batches}/{steps}, version {self.version}{mean}"
-
-    def _training_progress(self) -> str:
-        assert self.learner is not None and self.rollout is not None
-        line = self.learner.last_stats
-        steps = self.rollout.steps if self.rollout.steps is not None else "-"
-        if not line:
-            return f"step {self.batches}/{steps}, version {self.version}: waiting for the first batch"
-        tasks = " ".join(
-            f"{name} reward {t['reward_ma']:.2f} success {t['success_ma']:.2f}" for name, t in line["tasks"].items()
-        )
-        busy = " ".join(f"{name} {value:.0%}" for name, value in line["generator_busy"].items()) or "-"
-        return (
-            f"step {self.batches}/{steps} | {tasks} (20-step avg) | stale {line.get('staleness_mean', 0.0):.2f} | "
-            f"{line['traj_per_s']:.1f} traj/s | busy {busy}"
-        )
+        return f"{'step' if self.learner is not None else 'batch'} {self.batches}/{steps}, version {self.version}{mean}"
 
     def role_gauges(self) -> dict[str, tuple[str, float]]:
         last = self.learner.last_stats if self.learner is not None else {}
