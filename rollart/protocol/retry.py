@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -88,16 +87,18 @@ async def retry(
     attempts: int | None = None,
     deadline_s: float | None = None,
     sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] | None = None,
     rng: Uniform = random,
 ) -> T:
     """`await fn()`, tried again after each error of a `retry_on` type, at most `attempts` times
     and for at most `deadline_s` seconds (at least one of them must be given); other errors pass
-    through at once. Raises `RetriesExhausted` from the last error when the bound is reached."""
+    through at once. `clock` is the event loop's by default. Raises `RetriesExhausted` from the
+    last error when the bound is reached."""
     if attempts is None and deadline_s is None:
         raise ValueError(f"retry of {what}: give attempts or deadline_s (an unbounded retry is a hang)")
     if attempts is not None and attempts < 1:
         raise ValueError(f"retry of {what}: attempts must be at least 1; got {attempts}")
+    clock = clock or asyncio.get_running_loop().time  # the loop's clock: virtual time in simulations
     start = clock()
     attempt = 0
     while True:
