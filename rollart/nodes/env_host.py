@@ -9,6 +9,10 @@ trajectory started before `version - alpha` is aborted here at once.
 Envs run where `run.rollout.env_workers` puts them (`rollart.envexec.opener`): user envs in env
 worker processes, without the node's secrets and under resource limits; RollArt's own in
 threads. The workers are stopped when the env-host's work ends (drain, or the run is over).
+
+What it does is its mode (`rollart.nodes.env_host_modes`), chosen once when it starts: roll out,
+or, with no `run.rollout`, only answer status. A call the trainer fails or times out is retried
+with backoff (`rollart.protocol.retry`), up to `run.session.retry_deadline_s`.
 """
 
 from __future__ import annotations
@@ -16,39 +20,36 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import os
 from typing import Any
 
 import structlog
 
 from rollart.clock import SimClock
-from rollart.envexec import EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
 from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
 from rollart.nodes.base import NodeDaemon
+from rollart.nodes.env_host_modes import EnvHostMode, RollingOut, StatusOnly
 from rollart.protocol import ClientSession, Session
-from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost
+from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.messages import (
-    GroupAck,
     GroupDone,
     GroupFailed,
     GroupTask,
     NoTask,
     PolicyVersion,
     Score,
-    Scored,
     TaskWanted,
     Trajectory,
 )
+from rollart.protocol.retry import Backoff, RetriesExhausted, retry
 from rollart.rollout.barrier import TurnBarrier
+from rollart.rollout.config import RolloutSpec
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.env_host")
-
-RETRY_S = 1.0
 
 
 class EnvHostNode(NodeDaemon):
@@ -57,6 +58,8 @@ class EnvHostNode(NodeDaemon):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rollout = self.topology.run.rollout
+        self.mode: EnvHostMode = StatusOnly() if self.rollout is None else RollingOut(self.rollout)
+        """What this env-host does, chosen once here: the node's hooks defer to it."""
         self.version = 0
         self.running: dict[str, tuple[asyncio.Task[Any], int]] = {}
         """Trajectories that have generated, with the version they started at (for stale aborts)."""
@@ -69,28 +72,17 @@ class EnvHostNode(NodeDaemon):
         self.clock = SimClock(self.topology.run.sim.speedup)
         """Where simulated env latency passes (`sim` envs); real envs take real time."""
         self._slots: list[asyncio.Task[None]] = []
-        self.envs = self._env_opener()
+        self.envs = self.mode.opener(self)
         """Opens each task's envs where `run.rollout.env_workers` puts them; owns the env worker pool."""
         generators = [
             GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
             for peer in self.topology.nodes_with_role(Role.GENERATOR)
         ]
-        initial = {task.name: task.profile or "decode-heavy" for task in (self.rollout.tasks if self.rollout else [])}
-        self.profiler = TaskProfiler(initial, self.rollout.profile_ratio if self.rollout else 16.0)
-        self.proxy = LLMProxy(
-            generators, self.profiler, timeout_s=self.rollout.generate_timeout_s if self.rollout else 60
-        )
-
-    def _env_opener(self) -> EnvOpener:
-        run = self.topology.run
-        if self.rollout is None:  # the node only answers status: it opens no env
-            return EnvOpener("auto", env_modules=run.env_modules, clock=self.clock)
-        spec = self.rollout.env_workers
-        # The node's own credentials never reach env code, whatever their variables are called.
-        environ = child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=spec.pass_env)
-        limits = WorkerLimits(cpu_time_s=spec.cpu_time_s, memory_mb=spec.memory_mb, open_files=spec.open_files)
-        pool = EnvWorkerPool(processes=spec.processes, env_modules=run.env_modules, limits=limits, environ=environ)
-        return EnvOpener(spec.isolation, env_modules=run.env_modules, pool=pool, clock=self.clock)
+        routing = self.rollout or RolloutSpec()  # with no rollout the proxy is never called: defaults
+        initial = {task.name: task.profile or "decode-heavy" for task in routing.tasks}
+        self.profiler = TaskProfiler(initial, routing.profile_ratio)
+        self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s)
+        self.backoff = Backoff.for_retries(self.cfg)
 
     def over(self) -> bool:
         """Whether the trainer said the run is done (read through a call: it changes across awaits)."""
@@ -102,12 +94,13 @@ class EnvHostNode(NodeDaemon):
         raise ConfigError(f"{self.topology.source}: an env-host needs a {role.value} node in the topology")
 
     async def work(self) -> None:
-        if self.rollout is None:
-            await super().work()
-            return
+        await self.mode.work(self)
+
+    async def roll_out(self, spec: RolloutSpec) -> None:
+        """The work of an env-host with a rollout: place the envs, then run the slots until done."""
         try:
-            traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in self.rollout.tasks})
-            for task in self.rollout.tasks:
+            traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in spec.tasks})
+            for task in spec.tasks:
                 env = traits[task.name]
                 if task.profile is None:  # the environment's own profile is the starting guess
                     self.profiler.initial[task.name] = env.profile
@@ -127,57 +120,63 @@ class EnvHostNode(NodeDaemon):
                 self.renderer = ChatRenderer(_load_tokenizer(path))
             trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
             async with asyncio.TaskGroup() as tg:
-                if self.rollout.env_stepping == "batch":
-                    self._slots = [tg.create_task(self._batch_rounds(trainer, reward))]
+                if spec.env_stepping == "batch":
+                    self._slots = [tg.create_task(self._batch_rounds(spec, trainer, reward))]
                 else:
-                    slots = range(self.rollout.groups_per_env_host)
-                    self._slots = [tg.create_task(self._slot(trainer, reward)) for _ in slots]
+                    slots = range(spec.groups_per_env_host)
+                    self._slots = [tg.create_task(self._slot(spec, trainer, reward)) for _ in slots]
             await super().work()
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             await self.envs.close()  # no env worker outlives the env-host's work
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
 
-    async def _ask(self, trainer: ClientSession, *, wait_s: float | None = None) -> GroupTask | NoTask | None:
+    async def _ask(
+        self, spec: RolloutSpec, trainer: ClientSession, *, wait_s: float | None = None
+    ) -> GroupTask | NoTask | None:
         """One group task from the trainer (waiting up to `wait_s`, by default `rollout.task_wait_s`,
-        for room), its refusal, or None after a transient failure."""
-        assert self.rollout is not None
-        wait_s = self.rollout.task_wait_s if wait_s is None else wait_s
+        for room), its refusal, or None when the session to the trainer is gone (drained or given
+        up). A trainer that times out or errs is asked again with backoff, up to `retry_deadline_s`."""
+        wait_s = spec.task_wait_s if wait_s is None else wait_s
+        request = TaskWanted(self.spec.name, wait_s=wait_s)
         try:
-            reply = await trainer.request(TaskWanted(self.spec.name, wait_s=wait_s), timeout=wait_s + 15.0)
-        except (RequestTimeout, SessionLost, RemoteError) as exc:
+            reply = await retry(
+                lambda: trainer.request(request, timeout=wait_s + self.cfg.long_poll_slack_s),
+                what="task request to the trainer",
+                retry_on=(RequestTimeout, RemoteError, UnexpectedReply),
+                backoff=self.backoff,
+                deadline_s=self.cfg.retry_deadline_s,
+            )
+        except SessionLost as exc:
             log.warning("env_host.no_task", error=str(exc))
-            await asyncio.sleep(RETRY_S)
             return None
         if isinstance(reply, GroupTask):
             self.version = max(self.version, reply.version)
-            return reply
-        return reply if isinstance(reply, NoTask) else None
+        return reply
 
-    async def _slot(self, trainer: ClientSession, reward: ClientSession) -> None:
+    async def _slot(self, spec: RolloutSpec, trainer: ClientSession, reward: ClientSession) -> None:
         """Ask for a group, run it, hand it in; until the trainer says the run is done."""
-        while not (self.draining or self.run_done):
+        while not (self.draining or self.run_done or trainer.finished):
             await self.unpaused.wait()
-            match await self._ask(trainer):
+            match await self._ask(spec, trainer):
                 case NoTask(done=True):
                     return
                 case GroupTask() as task:
                     if self.over():  # granted just before the trainer said the run is over
                         return
-                    outcome = await run_group(task, functools.partial(self._trajectory, task, reward, None))
+                    outcome = await run_group(task, functools.partial(self._trajectory, spec, task, reward, None))
                     if not self.run_done:
                         await self._hand_in(trainer, outcome)
 
-    async def _batch_rounds(self, trainer: ClientSession, reward: ClientSession) -> None:
+    async def _batch_rounds(self, spec: RolloutSpec, trainer: ClientSession, reward: ClientSession) -> None:
         """The synchronous baseline: gather a batch of groups, step them turn by turn together."""
-        assert self.rollout is not None
         done = False
-        while not (done or self.draining or self.run_done):
+        while not (done or self.draining or self.run_done or trainer.finished):
             await self.unpaused.wait()
             tasks: list[GroupTask] = []
-            while len(tasks) < self.rollout.groups_per_env_host and not self.draining:
+            while len(tasks) < spec.groups_per_env_host and not (self.draining or trainer.finished):
                 # Once the batch has a group, take only what is there now: waiting for room would
                 # wait for this very batch to be trained on.
-                reply = await self._ask(trainer, wait_s=0.0 if tasks else None)
+                reply = await self._ask(spec, trainer, wait_s=0.0 if tasks else None)
                 if isinstance(reply, GroupTask):
                     tasks.append(reply)
                 elif isinstance(reply, NoTask) and (reply.done or tasks):
@@ -187,7 +186,7 @@ class EnvHostNode(NodeDaemon):
                 return
             barrier = TurnBarrier()
             outcomes = await asyncio.gather(
-                *(run_group(task, functools.partial(self._trajectory, task, reward, barrier)) for task in tasks)
+                *(run_group(task, functools.partial(self._trajectory, spec, task, reward, barrier)) for task in tasks)
             )
             for outcome in outcomes:
                 if not self.run_done:
@@ -199,28 +198,32 @@ class EnvHostNode(NodeDaemon):
             self.counts["cancelled_extras"] += outcome.cancelled
         else:
             self.counts["groups_failed"] += 1
-        while True:
-            try:
-                ack = await trainer.request(outcome, timeout=30.0)
-                break
-            except SessionLost as exc:
-                self.counts["groups_undelivered"] += 1
-                log.error("env_host.group_undelivered", group=outcome.group_id, error=str(exc))
-                return
-            except (RequestTimeout, RemoteError) as exc:
-                log.warning("env_host.hand_in_retry", group=outcome.group_id, error=str(exc))
-                await asyncio.sleep(RETRY_S)
-        if isinstance(ack, GroupAck) and isinstance(outcome, GroupDone):
+        try:
+            ack = await retry(
+                lambda: trainer.request(outcome, timeout=self.cfg.default_request_timeout_s),
+                what=f"hand-in of group {outcome.group_id}",
+                retry_on=(RequestTimeout, RemoteError),
+                backoff=self.backoff,
+                deadline_s=self.cfg.retry_deadline_s,
+            )
+        except (SessionLost, RetriesExhausted, UnexpectedReply) as exc:
+            self.counts["groups_undelivered"] += 1
+            log.error("env_host.group_undelivered", group=outcome.group_id, error=str(exc))
+            return
+        if isinstance(outcome, GroupDone):
             self.counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
 
     async def _trajectory(
-        self, group: GroupTask, reward: ClientSession, barrier: TurnBarrier | None, trajectory_id: str
+        self,
+        spec: RolloutSpec,
+        group: GroupTask,
+        reward: ClientSession,
+        barrier: TurnBarrier | None,
+        trajectory_id: str,
     ) -> Trajectory:
-        assert self.rollout is not None and self.renderer is not None
-        task = next(t for t in self.rollout.tasks if t.name == group.task)
-        job = TrajectoryJob(
-            trajectory_id, group.group_id, task, group.seed, self.rollout.sampling, self.rollout.env_timeout_s
-        )
+        assert self.renderer is not None  # set by roll_out before any slot starts
+        task = next(t for t in spec.tasks if t.name == group.task)
+        job = TrajectoryJob(trajectory_id, group.group_id, task, group.seed, spec.sampling, spec.env_timeout_s)
         me = asyncio.current_task()
         assert me is not None
         self.live[trajectory_id] = me
@@ -229,13 +232,10 @@ class EnvHostNode(NodeDaemon):
             self.running[trajectory_id] = (me, version)
 
         async def score(request: Score) -> float:
-            reply = await reward.request(request, timeout=self.rollout.reward_timeout_s if self.rollout else 30.0)
-            if not isinstance(reply, Scored):
-                raise RemoteError("bad-response", f"reward gateway answered {type(reply).__name__}")
-            return reply.reward
+            return (await reward.request(request, timeout=spec.reward_timeout_s)).reward
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
-        alpha = self.rollout.alpha if self.rollout.mode == "train" else None
+        alpha = spec.alpha if spec.mode == "train" else None
         try:
             env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
         except EnvFailure:  # it could not be built in its worker (the cause is named)
@@ -297,8 +297,7 @@ class EnvHostNode(NodeDaemon):
             await asyncio.wait(self._slots)
 
     def progress(self) -> str:
-        c = self.counts
-        return f"trajectories {c['trajectories_done']} done, {c['trajectories_failed']} failed" if self.rollout else ""
+        return self.mode.progress(self)
 
     def queue_depths(self) -> dict[str, int]:
         return {"trajectories": len(self.running)}
@@ -307,21 +306,13 @@ class EnvHostNode(NodeDaemon):
         return {f"rollart_env_host_{key}": (doc, self.counts[key]) for key, doc in ENV_HOST_COUNTS.items()}
 
     def policy_version(self) -> int | None:
-        return self.version if self.rollout is not None else None
+        return self.mode.policy_version(self)
 
     def busy_fraction(self) -> float | None:
-        """Trajectory slots in use now (each group slot runs up to G + R trajectories)."""
-        if self.rollout is None:
-            return None
-        slots = self.rollout.groups_per_env_host * (self.rollout.group_size + self.rollout.redundancy)
-        return min(1.0, len(self.running) / slots)
+        return self.mode.busy_fraction(self)
 
     def status(self) -> dict[str, Any]:
-        status = super().status()
-        if self.rollout is not None:
-            status["rollout"] = {"version": self.version, **self.counts, "routing": self.proxy.describe()}
-            status["envs"] = self.envs.status()
-        return status
+        return {**super().status(), **self.mode.status(self)}
 
 
 ENV_HOST_COUNTS = {

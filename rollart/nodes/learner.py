@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import random
 import shutil
 import time
@@ -27,8 +28,8 @@ import structlog
 
 from rollart.algorithms.selection import select_groups
 from rollart.errors import ConfigError, RollartError
-from rollart.protocol.errors import ProtocolError
-from rollart.protocol.messages import GroupDone, NodeStatus, WeightsHere, WeightsWhere
+from rollart.protocol.messages import GroupDone, NodeStatus, WeightsWhere
+from rollart.protocol.retry import Backoff, retry
 from rollart.rundir import JsonlLog, RunDir
 
 if TYPE_CHECKING:
@@ -153,15 +154,13 @@ class Learner:
         held = 0
         for spec in self._generators:
             client = self._clients[spec.name]
-            while True:
-                try:
-                    here = await client.request(WeightsWhere(), timeout=10.0)
-                    break
-                except RollartError as exc:
-                    log.info("learner.waiting_for_generator", generator=spec.name, error=str(exc))
-                    await asyncio.sleep(1.0)
-            if not isinstance(here, WeightsHere):
-                raise ProtocolError(f"generator {spec.name} answered WeightsWhere with {type(here).__name__}")
+            here = await retry(
+                functools.partial(client.request, WeightsWhere(), timeout=client.cfg.probe_timeout_s),
+                what=f"the weights address of generator {spec.name}",
+                retry_on=(RollartError,),
+                backoff=Backoff.for_retries(client.cfg),
+                deadline_s=client.cfg.retry_deadline_s,
+            )
             self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
             self._ucx_ports[spec.name] = here.ucx_port
             held = max(held, here.version)

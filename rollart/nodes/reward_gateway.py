@@ -16,11 +16,11 @@ from typing import Any
 import msgspec
 
 from rollart.clock import SimClock
-from rollart.errors import ConfigError
+from rollart.errors import ConfigError, DeadlineExceeded
 from rollart.nodes.base import NodeDaemon
 from rollart.plugins import import_modules
 from rollart.protocol import Session
-from rollart.protocol.errors import RemoteError, RequestTimeout
+from rollart.protocol.errors import RemoteError
 from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
 from rollart.sim.reward import SimRewardPool
@@ -63,7 +63,7 @@ class RewardGatewayNode(NodeDaemon):
                     out = await self.pool.score(msg.fn, item, timeout=timeout)
                 except (RewardError, ConfigError) as exc:
                     raise RemoteError("bad-request", str(exc)) from exc
-                except RequestTimeout as exc:
+                except DeadlineExceeded as exc:
                     raise RemoteError("timeout", str(exc)) from exc
                 return Scored(out.reward, out.details)
             case _:

@@ -20,6 +20,7 @@ import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -48,7 +49,12 @@ def _mac(secret: bytes, side: bytes, hello: Hello, challenge: Challenge) -> byte
     return hmac.new(secret, message, hashlib.sha256).digest()
 
 
-async def _recv(conn: Connection, expected: type[object]) -> object:
+M = TypeVar("M", Hello, Challenge, Proof, Welcome)
+
+
+async def _recv(conn: Connection, expected: type[M]) -> M:
+    """The peer's next handshake frame, which must be an `expected`: checked here, explicitly (an
+    `assert` would vanish under `python -O`), as everything a peer sends must be."""
     msg = HANDSHAKE.decode(await conn.recv())
     if isinstance(msg, Refuse):
         raise HandshakeRefused(msg.code, msg.reason)
@@ -77,10 +83,8 @@ async def client_handshake(
     async with asyncio.timeout(timeout):
         conn.send(HANDSHAKE.encode(hello))
         challenge = await _recv(conn, Challenge)
-        assert isinstance(challenge, Challenge)
         conn.send(HANDSHAKE.encode(Proof(_mac(secret, b"client", hello, challenge))))
         welcome = await _recv(conn, Welcome)
-        assert isinstance(welcome, Welcome)
     if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge)):
         log.error("handshake.server_unproven", peer=conn.peer, server=challenge.node)
         raise ProtocolError(f"server {challenge.node} at {conn.peer} failed to prove it knows the shared secret")
@@ -115,7 +119,6 @@ async def server_handshake(
     try:
         async with asyncio.timeout(timeout):
             hello = await _recv(conn, Hello)
-            assert isinstance(hello, Hello)
             if hello.version != PROTOCOL_VERSION:
                 raise refuse(
                     "version",
@@ -127,7 +130,6 @@ async def server_handshake(
             challenge = Challenge(os.urandom(NONCE_BYTES), identity.node, identity.role)
             conn.send(HANDSHAKE.encode(challenge))
             proof = await _recv(conn, Proof)
-            assert isinstance(proof, Proof)
     except TimeoutError:
         raise refuse("timeout", f"handshake not finished within {timeout} s") from None
     except MessageDecodeError as exc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +21,7 @@ from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError, SessionLost
 from rollart.protocol.framing import Connection, open_tcp
 from rollart.protocol.messages import Channel
+from rollart.protocol.retry import Backoff
 from rollart.protocol.session import Handler, Session, State
 
 log = structlog.get_logger("rollart.protocol.client")
@@ -53,6 +53,7 @@ class ClientSession(Session):
         self._connect = connect
         self._secret = secret
         self._peer_epoch: str | None = None
+        self._backoff = Backoff(cfg.backoff_base_s, cfg.backoff_cap_s)  # full jitter
         self.peer = Identity(peer_name, "?")
 
     def _on_bye(self, reason: str) -> None:
@@ -121,8 +122,7 @@ class ClientSession(Session):
 
     async def _back_off(self, attempt: int, *, limit: float) -> None:
         """Sleep a full-jitter delay for this attempt (at most `limit`); `close()` ends it early."""
-        cfg = self.cfg
-        delay = min(limit, random.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_base_s * 2**attempt)))
+        delay = min(limit, self._backoff.delay(attempt))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._finished.wait(), max(0.0, delay))
 

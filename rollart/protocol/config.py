@@ -36,7 +36,17 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     linger_s: float = 600.0
     """How long a server keeps a disconnected session's state for the client to resume it."""
     default_request_timeout_s: float = 30.0
-    """Deadline of a request that does not set its own."""
+    """Deadline of a request that does not set its own (also an env-host's hand-in of a group)."""
+    long_poll_slack_s: float = 15.0
+    """Added to a long-poll request's own wait (`TaskWanted.wait_s`) for its deadline."""
+    probe_timeout_s: float = 10.0
+    """Deadline of a request to a peer that may still be starting (the trainer's `WeightsWhere`)."""
+    retry_base_s: float = 1.0
+    """First delay bound before a remote call retried outside the session is tried again; it doubles."""
+    retry_cap_s: float = 10.0
+    """Largest delay bound between such tries (`rollart.protocol.retry`)."""
+    retry_deadline_s: float = 300.0
+    """Such a call gives up (`RetriesExhausted`) once it has been tried for this long."""
 
     def validate(self) -> list[tuple[str, str]]:
         """Return (field, problem) pairs for values that are well-typed but unusable."""
@@ -53,6 +63,11 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             "give_up_after_s",
             "linger_s",
             "default_request_timeout_s",
+            "long_poll_slack_s",
+            "probe_timeout_s",
+            "retry_base_s",
+            "retry_cap_s",
+            "retry_deadline_s",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -70,5 +85,9 @@ class SessionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
         if self.backoff_cap_s < self.backoff_base_s:
             problems.append(
                 ("backoff_cap_s", f"expected at least backoff_base_s ({self.backoff_base_s}); got {self.backoff_cap_s}")
+            )
+        if self.retry_cap_s < self.retry_base_s:
+            problems.append(
+                ("retry_cap_s", f"expected at least retry_base_s ({self.retry_base_s}); got {self.retry_cap_s}")
             )
         return problems

@@ -49,3 +49,8 @@ class RemoteError(RollartError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class UnexpectedReply(ProtocolError):
+    """A peer answered a request with another message type than the request declares
+    (`protocol.messages.Request`). The session goes on; only this request fails."""

@@ -30,8 +30,9 @@ import structlog
 
 from rollart.errors import RollartError
 from rollart.protocol import Session, State
-from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost
+from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.messages import Generate, Generated
+from rollart.protocol.retry import Backoff
 from rollart.rollout.config import Profile
 
 log = structlog.get_logger("rollart.rollout.proxy")
@@ -121,8 +122,7 @@ class LLMProxy:
         self.profiler = profiler
         self.timeout_s = timeout_s
         self.attempts = attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_cap_s = backoff_cap_s
+        self.backoff = Backoff(backoff_base_s, backoff_cap_s)  # full jitter
         self.sticky: dict[str, str] = {}
         self.reissued = 0
         self.cancelled = 0
@@ -180,7 +180,7 @@ class LLMProxy:
                 generator.in_flight += 1
                 try:
                     result = await self._call(generator, request)
-                except (RequestTimeout, SessionLost, RemoteError, _Down) as exc:
+                except (RequestTimeout, SessionLost, RemoteError, UnexpectedReply, _Down) as exc:
                     last_error = f"{generator.name}: {exc}"
                     generator.failures += 1
                     generator.avoid_until = time.monotonic() + COOL_DOWN_S
@@ -196,8 +196,7 @@ class LLMProxy:
                     return result
                 finally:
                     generator.in_flight -= 1
-            delay = random.uniform(0, min(self.backoff_cap_s, self.backoff_base_s * 2**attempt))
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self.backoff.delay(attempt))
         raise GenerationFailed(f"turn of {request.trajectory_id} failed {self.attempts} times; last: {last_error}")
 
     async def _call(self, generator: GeneratorRef, request: Generate) -> Generated:
@@ -212,13 +211,10 @@ class LLMProxy:
                 raise
             if not call.done():
                 raise _Down(f"session to {generator.name} dropped")
-            result = call.result()
+            return call.result()
         finally:
             call.cancel()
             down.cancel()
-        if not isinstance(result, Generated):
-            raise RemoteError("bad-response", f"{generator.name} answered {type(result).__name__}")
-        return result
 
     def forget(self, trajectory_id: str) -> None:
         self.sticky.pop(trajectory_id, None)

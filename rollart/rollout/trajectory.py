@@ -60,7 +60,8 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        assert isinstance(text, str)
+        if not isinstance(text, str):  # a check, not an assert: `python -O` would drop it
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text (tokenize=False)")
         return text
 
     def encode(self, text: str) -> list[int]:

@@ -16,9 +16,8 @@ import msgspec
 
 from rollart.errors import RollartError
 from rollart.protocol.errors import ProtocolError
+from rollart.protocol.messages import WIRE as _WIRE
 from rollart.protocol.messages import Channel
-
-_WIRE = {"array_like": True, "gc": False, "omit_defaults": True, "frozen": True}
 
 
 class TensorEntry(msgspec.Struct, **_WIRE):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -257,6 +259,39 @@ async def test_fuzz_client_handshake_accepts_only_an_unaltered_server_proof(data
     assert accepted == (decodes_to(said["challenge"], challenge) and mac_unaltered)
     if accepted:
         assert welcome.mac == said["mac"]
+
+
+# -- a frame of the wrong type, checked without `assert` ----------------------------------------
+
+
+async def test_a_frame_of_the_wrong_type_is_refused_by_the_server_and_raised_by_the_client() -> None:
+    server_end = ScriptedPeer([HANDSHAKE.encode(Proof(b"p" * 32))])  # a Proof where the Hello belongs
+    with pytest.raises(HandshakeRefused) as refused:
+        await server_handshake(server_end, identity=SERVER, secret=SECRET, lookup=Sessions(), timeout=5)
+    assert refused.value.code == "bad-handshake"
+    assert refused.value.reason == "handshake: expected Hello; got Proof"
+    assert HANDSHAKE.decode(server_end.sent[-1]) == Refuse("bad-handshake", "handshake: expected Hello; got Proof")
+    client_end = ScriptedPeer([HANDSHAKE.encode(Welcome(b"w" * 32, "epoch", False, 0))])  # no Challenge first
+    with pytest.raises(ProtocolError, match=r"^handshake: expected Challenge; got Welcome$"):
+        await client_handshake(client_end, identity=CLIENT, secret=SECRET, session_id="s", timeout=5)
+
+
+def test_the_wrong_type_check_holds_under_python_dash_o() -> None:
+    # `python -O` strips asserts: the check must be code, not an assert.
+    script = (
+        "import asyncio\n"
+        "from rollart.protocol.errors import HandshakeRefused\n"
+        "from tests.unit.test_handshake import SECRET, SERVER, ScriptedPeer, Sessions\n"
+        "from rollart.protocol.auth import server_handshake\n"
+        "from rollart.protocol.messages import HANDSHAKE, Proof\n"
+        "peer = ScriptedPeer([HANDSHAKE.encode(Proof(b'p' * 32))])\n"
+        "try:\n"
+        "    asyncio.run(server_handshake(peer, identity=SERVER, secret=SECRET, lookup=Sessions(), timeout=5))\n"
+        "except HandshakeRefused as exc:\n"
+        "    print(exc.code, exc.reason)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1] == "bad-handshake handshake: expected Hello; got Proof"  # after the log line
 
 
 # -- before the handshake ------------------------------------------------------------------------

@@ -20,9 +20,21 @@ from structlog.testing import capture_logs
 from rollart.protocol.auth import Identity, client_handshake
 from rollart.protocol.client import ClientSession
 from rollart.protocol.config import SessionConfig
-from rollart.protocol.errors import ConnectionClosed, RemoteError, RequestTimeout, SessionLost
+from rollart.protocol.errors import ConnectionClosed, RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.memory import MemoryConnection, MemoryNetwork
-from rollart.protocol.messages import CONTROL, Channel, ControlMsg, Echo, Notice
+from rollart.protocol.messages import (
+    CONTROL,
+    Channel,
+    ControlMsg,
+    Echo,
+    GroupTask,
+    NodeStatus,
+    NoTask,
+    Notice,
+    StatusRequest,
+    TaskWanted,
+    reply_types,
+)
 from rollart.protocol.server import SessionServer
 from rollart.protocol.session import Session, State
 
@@ -392,6 +404,37 @@ async def test_bad_request_body_is_answered_with_bad_request_and_the_session_goe
         assert await client.request(Echo(8)) == Echo(8)
         await handler.wait_until(lambda: handler.events == [7])
         assert server.sessions[client.id].stats.decode_errors == 2
+        await client.close()
+        await server.close()
+
+
+class WrongReplies:
+    """Answers `StatusRequest` with an `Echo` (not the `NodeStatus` it declares) and `Echo` as it should."""
+
+    async def on_event(self, session: Session, msg: Any) -> None:
+        pass
+
+    async def on_request(self, session: Session, msg: Any) -> Any:
+        return Echo(-1) if isinstance(msg, StatusRequest) else msg
+
+
+def test_requests_declare_their_replies() -> None:
+    assert reply_types(Echo) == (Echo,)
+    assert reply_types(StatusRequest) == (NodeStatus,)
+    assert reply_types(TaskWanted) == (GroupTask, NoTask)
+    assert reply_types(Notice) is None  # an event: it declares no reply
+
+
+async def test_a_reply_of_another_type_than_declared_fails_that_request_and_the_session_goes_on() -> None:
+    net = MemoryNetwork()
+    async with asyncio.timeout(10), asyncio.TaskGroup() as tg:
+        server, _ = await start_server(tg, net, WrongReplies())
+        client, _ = start_client(tg, net)
+        with pytest.raises(UnexpectedReply) as info:
+            await client.request(StatusRequest())
+        assert str(info.value) == "control channel: gen-0 answered StatusRequest with Echo; expected NodeStatus"
+        assert await client.request(Echo(2)) == Echo(2)
+        assert client.state is State.UP
         await client.close()
         await server.close()
 
