@@ -51,7 +51,7 @@ from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 ROLE_ORDER = (Role.TRAINER, Role.GENERATOR, Role.ENV_HOST, Role.REWARD_GATEWAY)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: rollart/launch/slurm.py -> ../../
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class Placement:
 
 def components(topology: Topology) -> list[list[NodeSpec]]:
     """The topology's nodes grouped by role, in a fixed role order: one het-job component each."""
-    by_role = [topology.nodes_with_role(role) for role in ROLE_ORDER]
-    return [nodes for nodes in by_role if nodes]
+    return [nodes for role in ROLE_ORDER if (nodes := topology.nodes_with_role(role))]
 
 
 def placements(topology: Topology) -> list[Placement]:
@@ -99,8 +98,7 @@ def sbatch_script(
         f"#SBATCH --output={run_dir}/slurm-%j.out",
         f"#SBATCH --chdir={Path.cwd()}",  # where the topology's relative paths (run_dir) were meant from
     ]
-    if time_limit:
-        lines.append(f"#SBATCH --time={time_limit}")
+    lines += [f"#SBATCH --time={time_limit}"] if time_limit else []
     for g, nodes in enumerate(components(topology)):
         role = nodes[0].role.value
         if g:
