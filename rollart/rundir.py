@@ -11,10 +11,12 @@
         incarnation        how many trainer processes of this run started before the current one
       logs/NODE.log        each node's log lines (the launchers write them)
       admin.token          the admin token `rollart run` made, when the topology names none
-      job.sbatch           `rollart sbatch`'s job script
+      job.sbatch           `rollart slurm`'s job script
       report/              `rollart report`: plots and report.md
 
 Nothing else in `rollart/`, the tests or the benchmarks spells these names: they ask a `RunDir`.
+What is inside a checkpoint's Hugging Face folder and inside `report/` is its writer's own (the
+training engine's `save`, `rollart.report`).
 JSON lines are written one record per line, each `write` a single append, so a killed writer leaves
 at most a cut last line, which `read_jsonl` drops (a bad line anywhere else is corruption and
 raises). Imports no torch: the launcher and the report use it.
