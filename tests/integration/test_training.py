@@ -168,7 +168,7 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     publisher.add_target("gen-0", "127.0.0.1", port)
     model, tokenizer = await asyncio.to_thread(load_model_and_tokenizer, tiny_model)
     prompt = tokenizer("copy this: abbabaabab\n")["input_ids"]
-    n = 160  # long enough (seconds on a CPU) for a push to land in the middle
+    n = 600  # long enough for a push to land in the middle, with margin on a busy machine (~0.2 s per 160 here)
 
     async def generate(request_id: str, max_tokens: int) -> tuple[Generated, float]:
         # Greedy, so the same prompt decodes the same tokens and the two timed requests do equal work.
