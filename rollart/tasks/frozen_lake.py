@@ -166,17 +166,14 @@ class FrozenLakeEnv(GridEnv):
     def _solved(self) -> bool:
         return self.player == self.goal
 
-    def _rows(self) -> list[str]:
-        def cell(pos: Pos) -> str:
-            if pos == self.player:
-                return "P"
-            if pos == self.goal:
-                return "G"
-            if pos == self.start:
-                return "S"
-            return "H" if pos in self.holes else "F"
-
-        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+    def _cell(self, pos: Pos) -> str:
+        if pos == self.player:
+            return "P"
+        if pos == self.goal:
+            return "G"
+        if pos == self.start:
+            return "S"
+        return "H" if pos in self.holes else "F"
 
 
 def _parse_layout(layout: str, max_turns: int) -> tuple[int, Pos, Pos, set[Pos]]:

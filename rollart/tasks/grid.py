@@ -17,7 +17,7 @@ column 3."), the observation Gymnasium's FrozenLake gives as a number: a tiny mo
 sooner than it learns to find P in the drawing.
 
 Subclasses generate a board from a `random.Random` seeded with the episode seed (so the same
-seed gives the same board), apply a move, and draw the board as rows of characters.
+seed gives the same board), apply a move, and draw each cell of the board as a character.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class GridEnv(Env):
     """The first lines of the first observation: the goal and the legend."""
     player: Pos
     """The player's cell; subclasses keep it up to date."""
+    size: int
+    """The board is `size` x `size` cells; subclasses set it."""
 
     def __init__(
         self,
@@ -114,8 +116,8 @@ class GridEnv(Env):
         """Apply a move: (what happened, in words; reward; whether the episode ended)."""
 
     @abc.abstractmethod
-    def _rows(self) -> list[str]:
-        """The board, one string per row, top row first."""
+    def _cell(self, pos: Pos) -> str:
+        """The character that draws the cell at `pos`."""
 
     @abc.abstractmethod
     def _solved(self) -> bool:
@@ -147,6 +149,10 @@ class GridEnv(Env):
     def sample_action(self, rng: random.Random) -> str | None:
         direction = rng.choice(list(DIRECTIONS))
         return direction[0].upper() if self.actions == "letters" else f"\\boxed{{{direction}}}"
+
+    def _rows(self) -> list[str]:
+        """The board, one string per row, top row first."""
+        return ["".join(self._cell((r, c)) for c in range(self.size)) for r in range(self.size)]
 
     def _board(self) -> str:
         rows = self._rows()

@@ -115,18 +115,15 @@ class SokobanEnv(GridEnv):
     def _solved(self) -> bool:
         return self.box == self.target
 
-    def _rows(self) -> list[str]:
-        def cell(pos: Pos) -> str:
-            if not self._is_floor(pos):
-                return "#"
-            on_target = pos == self.target
-            if pos == self.box:
-                return "*" if on_target else "$"
-            if pos == self.player:
-                return "+" if on_target else "@"
-            return "." if on_target else "_"
-
-        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+    def _cell(self, pos: Pos) -> str:
+        if not self._is_floor(pos):
+            return "#"
+        on_target = pos == self.target
+        if pos == self.box:
+            return "*" if on_target else "$"
+        if pos == self.player:
+            return "+" if on_target else "@"
+        return "." if on_target else "_"
 
 
 _OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
