@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import random
-from typing import Literal
+from typing import Literal, TypedDict
 
 from rollart.envs.base import (
     DIRECTIONS,
@@ -70,6 +70,23 @@ def shift(pos: Pos, direction: str) -> Pos:
     return pos[0] + dr, pos[1] + dc
 
 
+class GridOptions(TypedDict, total=False):
+    """What every grid game takes besides its board's own options (keywords of a task's `env_kwargs`);
+    a game's `__init__` takes them as `**grid: Unpack[GridOptions]`, and the env registry checks their
+    names as it checks the game's own."""
+
+    max_turns: int
+    """Moves before the episode is cut (default: the game's `max_turns`)."""
+    format_penalty: float
+    """Reward of a reply with no valid move, which ends the episode."""
+    actions: Actions
+    """words: up/down/left/right; letters: U/D/L/R."""
+    compact: bool
+    """A one-line system prompt (for a tiny model that cannot read instructions)."""
+    position: bool
+    """Say the player's row and column in each observation."""
+
+
 class GridEnv(Env):
     """Turn counting, move parsing and observations for a grid game; subclasses own the board."""
 
@@ -87,12 +104,13 @@ class GridEnv(Env):
     def __init__(
         self,
         *,
-        max_turns: int,
+        max_turns: int | None = None,
         format_penalty: float = FORMAT_PENALTY,
         actions: Actions = "words",
         compact: bool = False,
         position: bool = False,
     ) -> None:
+        max_turns = type(self).max_turns if max_turns is None else max_turns
         require(max_turns >= 1, self.name, f"max_turns must be >= 1, got {max_turns}")
         require(actions in ("words", "letters"), self.name, f"actions must be 'words' or 'letters', got {actions!r}")
         self.actions = actions
