@@ -39,31 +39,16 @@ import asyncio
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import Any, TypeVar
 
 import structlog
 
 from rollart.clock import SimClock
+from rollart.envexec import wire
 from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
 from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
 from rollart.envexec.process_runner import WorkerEnvRunner
 from rollart.envexec.spawn import start_worker
-from rollart.envexec.wire import (
-    OPS,
-    Close,
-    Closed,
-    Failed,
-    Made,
-    Make,
-    Ready,
-    Reply,
-    Request,
-    ResetDone,
-    StartFailed,
-    StepDone,
-    request_encoder,
-)
 from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
 from rollart.protocol.framing import message_frame
@@ -79,7 +64,7 @@ START_TIMEOUT_S = 60.0
 MAX_START_FAILURES = 3
 """Workers in a row that die before they are ready, after which the pool starts no more."""
 
-Answer = TypeVar("Answer", Made, ResetDone, StepDone, Closed)
+Answer = TypeVar("Answer", wire.Made, wire.ResetDone, wire.StepDone, wire.Closed)
 
 
 class EnvWorkerPool:
@@ -164,9 +149,7 @@ class EnvWorkerPool:
         await self.start()
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     # -- envs ------------------------------------------------------------------------------
@@ -197,14 +180,14 @@ class EnvWorkerPool:
             raise
         left = max(deadline - self._loop.time(), 0.001)
         future = self.submit(
-            worker, env_id, name, lambda call: Make(call, env_id, name, kwargs or {}), Made, timeout_s=left
+            worker, env_id, name, lambda call: wire.Make(call, env_id, name, kwargs or {}), wire.Made, timeout_s=left
         )
         try:
             reply = await asyncio.shield(future)
         except asyncio.CancelledError:
             future.add_done_callback(lambda made: self._abandon(worker, env_id, name, timeout_s, made))
             raise
-        if isinstance(reply, Failed):
+        if isinstance(reply, wire.Failed):
             raise EnvFailure(f"env {name!r}: make() raised {reply.error}")
         return WorkerEnvRunner(self, worker, env_id, name, reply, timeout_s=timeout_s, clock=clock)
 
@@ -213,25 +196,25 @@ class EnvWorkerPool:
         worker: EnvWorker,
         env_id: int,
         env_name: str,
-        request: Callable[[int], Request],
+        request: Callable[[int], wire.Request],
         answer: type[Answer],
         *,
         timeout_s: float,
-    ) -> asyncio.Future[Answer | Failed]:
+    ) -> asyncio.Future[Answer | wire.Failed]:
         """Send `request(call_id)` to `worker`; the future gets its `answer` (or `Failed`). It fails
         with `EnvFailure` if the worker dies first, `WorkerReplyError` if the worker answers with
         another kind of reply; past `timeout_s` without a reply the worker is killed, whether or not
         anyone waits."""
         assert self._loop is not None
-        future: asyncio.Future[Answer | Failed] = self._loop.create_future()
+        future: asyncio.Future[Answer | wire.Failed] = self._loop.create_future()
         future.add_done_callback(consume)
-        call = PendingCall(next(self._call_ids), worker, env_id, env_name, OPS[answer], answer, timeout_s, future)
+        call = PendingCall(next(self._call_ids), worker, env_id, env_name, wire.OPS[answer], answer, timeout_s, future)
         if worker.state is WorkerState.DEAD:
             future.set_exception(EnvFailure(call.failure()))
             return future
         worker.calls[call.call_id] = call
         call.timer = self._loop.call_later(timeout_s, self._on_deadline, call)
-        worker.send(message_frame(request_encoder.encode(request(call.call_id))), self._loop)
+        worker.send(message_frame(wire.request_encoder.encode(request(call.call_id))), self._loop)
         return future
 
     def forget(self, worker: EnvWorker, env_id: int) -> None:
@@ -355,8 +338,8 @@ class EnvWorkerPool:
         if broken is not None:
             self._kill(worker, f"killed by the pool: {broken}")
 
-    def _on_reply(self, worker: EnvWorker, reply: Reply) -> None:
-        if isinstance(reply, Ready):
+    def _on_reply(self, worker: EnvWorker, reply: wire.Reply) -> None:
+        if isinstance(reply, wire.Ready):
             if worker.state is WorkerState.STARTING:
                 worker.state = WorkerState.READY
                 self._start_failures = 0
@@ -364,7 +347,7 @@ class EnvWorkerPool:
                 worker.ready.set_result(reply)
                 log.info("env_pool.worker_ready", worker=worker.wid, pid=worker.pid)
             return
-        if isinstance(reply, StartFailed):
+        if isinstance(reply, wire.StartFailed):
             worker.start_error = reply.reason
             return
         call = worker.settle(reply)
@@ -393,6 +376,6 @@ class EnvWorkerPool:
 
     def _abandon(self, worker: EnvWorker, env_id: int, name: str, timeout_s: float, made: asyncio.Future[Any]) -> None:
         """A `make` whose caller was cancelled: close the env once it is built."""
-        if made.cancelled() or made.exception() is not None or not isinstance(made.result(), Made):
+        if made.cancelled() or made.exception() is not None or not isinstance(made.result(), wire.Made):
             return
-        self.submit(worker, env_id, name, lambda call: Close(call, env_id), Closed, timeout_s=timeout_s)
+        self.submit(worker, env_id, name, lambda call: wire.Close(call, env_id), wire.Closed, timeout_s=timeout_s)

@@ -34,28 +34,30 @@ MAX_REPLY_BYTES = 64 * 2**20
 _TAGGED = {"array_like": True, "gc": False, "omit_defaults": True, "frozen": True}
 
 
-class Make(msgspec.Struct, tag="make", **_TAGGED):
+class _EnvCall(msgspec.Struct, **_TAGGED):
+    """What every call to an env starts with (the fields below follow these)."""
+
     call: int
+    """Unique in the pool; the reply repeats it."""
     env: int
+    """The id the pool gave the env."""
+
+
+class Make(_EnvCall, tag="make"):
     name: str
     kwargs: dict[str, Any] = {}
 
 
-class Reset(msgspec.Struct, tag="reset", **_TAGGED):
-    call: int
-    env: int
+class Reset(_EnvCall, tag="reset"):
     seed: int | None = None
 
 
-class Step(msgspec.Struct, tag="step", **_TAGGED):
-    call: int
-    env: int
+class Step(_EnvCall, tag="step"):
     action: str
 
 
-class Close(msgspec.Struct, tag="close", **_TAGGED):
-    call: int
-    env: int
+class Close(_EnvCall, tag="close"):
+    """`env.close()`; the worker then forgets the env."""
 
 
 Request = Make | Reset | Step | Close
@@ -71,24 +73,28 @@ class StartFailed(msgspec.Struct, tag="start-failed", **_TAGGED):
     reason: str
 
 
-class Made(msgspec.Struct, tag="made", **_TAGGED):
+class _CallReply(msgspec.Struct, **_TAGGED):
+    """What every reply to a call starts with; each ends with `cpu_s`, the worker's CPU seconds so far."""
+
     call: int
+    """The call it answers."""
+
+
+class Made(_CallReply, tag="made"):
     profile: str
     max_turns: int
     system_prompt: str
     cpu_s: float = 0.0
 
 
-class ResetDone(msgspec.Struct, tag="reset-done", **_TAGGED):
-    call: int
+class ResetDone(_CallReply, tag="reset-done"):
     obs: str
     info: dict[str, Any]
     wait_s: float = 0.0
     cpu_s: float = 0.0
 
 
-class StepDone(msgspec.Struct, tag="step-done", **_TAGGED):
-    call: int
+class StepDone(_CallReply, tag="step-done"):
     obs: str
     reward: float
     terminated: bool
@@ -98,13 +104,11 @@ class StepDone(msgspec.Struct, tag="step-done", **_TAGGED):
     cpu_s: float = 0.0
 
 
-class Closed(msgspec.Struct, tag="closed", **_TAGGED):
-    call: int
+class Closed(_CallReply, tag="closed"):
     cpu_s: float = 0.0
 
 
-class Failed(msgspec.Struct, tag="failed", **_TAGGED):
-    call: int
+class Failed(_CallReply, tag="failed"):
     error: str
     """`{exception type}: {message}`, with the limit it hit when it was one."""
     cpu_s: float = 0.0

@@ -41,6 +41,7 @@ from rollart.envexec.wire import (
     Made,
     Make,
     Ready,
+    Request,
     Reset,
     ResetDone,
     StartFailed,
@@ -138,7 +139,7 @@ class EnvHost:
             except OSError:  # the env-host is gone
                 os._exit(0)
 
-    def handle(self, request: Make | Reset | Step | Close) -> None:
+    def handle(self, request: Request) -> None:
         """Hand a request to its env's thread (a new one for `Make`)."""
         if isinstance(request, Make):
             thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env-{request.env}")
@@ -154,7 +155,7 @@ class EnvHost:
             self.threads.pop(request.env, None)
             self.send(Failed(request.call, self.describe(exc), time.process_time()))
 
-    def run(self, request: Make | Reset | Step | Close) -> None:
+    def run(self, request: Request) -> None:
         """One call, in the env's thread; the reply goes out from here."""
         try:
             reply = self.call(request)
@@ -164,7 +165,7 @@ class EnvHost:
                 self.drop(request.env)
         self.send(reply)
 
-    def call(self, request: Make | Reset | Step | Close) -> CallReply:
+    def call(self, request: Request) -> CallReply:
         cpu = time.process_time
         match request:
             case Make(call=call, env=env_id, name=name, kwargs=kwargs):

@@ -25,6 +25,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -72,23 +73,39 @@ def registered_factories() -> dict[str, EnvFactory]:
 
 
 @functools.lru_cache(maxsize=256)
-def _signature(factory: EnvFactory) -> inspect.Signature | None:
-    """The factory's signature, once per factory (one env is made per trajectory)."""
+def _signature(factory: EnvFactory) -> tuple[inspect.Signature, frozenset[str] | None] | None:
+    """The factory's signature, and the names its `**kwargs: Unpack[SomeTypedDict]` takes (None: no such
+    `**kwargs`); once per factory (one env is made per trajectory). None for a factory without a
+    signature to read (builtins, some callables): the call will tell."""
     try:
-        return inspect.signature(factory)
-    except (TypeError, ValueError):  # builtins and some callables have none; the call will tell
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
         return None
+    rest = next((p for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    if rest is None:
+        return signature, None
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory, include_extras=True)
+    except (NameError, TypeError):  # an annotation that does not resolve: the keywords are not known
+        return signature, None
+    hint = hints.get(rest.name)
+    if typing.get_origin(hint) is typing.Unpack and typing.is_typeddict(options := typing.get_args(hint)[0]):
+        return signature, frozenset(options.__annotations__)
+    return signature, None
 
 
 def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    signature = _signature(factory)
-    if signature is None:
+    known = _signature(factory)
+    if known is None:
         return
+    signature, options = known
+    named = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    accepted = [p.name for p in named[len(args) :]] + sorted(options or ())
     try:
         signature.bind(*args, **kwargs)
+        if options is not None and (unknown := sorted(set(kwargs) - set(accepted))):
+            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
     except TypeError as exc:
-        named = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        accepted = [p.name for p in named[len(args) :]]
         raise ConfigError(f"env {name!r}: {exc}; it accepts: {', '.join(accepted) or 'no arguments'}") from None
 
 

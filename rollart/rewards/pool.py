@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.context import SpawnContext
-from types import TracebackType
 from typing import cast
 
 import msgspec
@@ -129,9 +128,7 @@ class RewardPool:
         await self.start()
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     # -- requests --------------------------------------------------------------------------

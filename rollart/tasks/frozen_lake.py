@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import Unpack
 
-from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.tasks.grid import Actions, GridEnv, Pos, shift
+from rollart.envs.base import DIRECTIONS, require
+from rollart.tasks.grid import GridEnv, GridOptions, Pos, shift
 
 _MAX_REJECTED_BOARDS = 100
 
@@ -69,6 +70,7 @@ class FrozenLakeEnv(GridEnv):
     """An N x N frozen lake, solvable within `max_turns` moves by construction."""
 
     name = "frozen-lake"
+    max_turns = 8
     intro = (
         "You are on a frozen lake. Reach the goal G without falling into a hole H.\n"
         "Legend: P you, S start, F frozen ice, H hole, G goal."
@@ -79,19 +81,13 @@ class FrozenLakeEnv(GridEnv):
         *,
         size: int = 4,
         hole_prob: float = 0.2,
-        max_turns: int = 8,
-        format_penalty: float = FORMAT_PENALTY,
         layout: str | None = None,
         corners: bool = False,
         shaping: float = 0.0,
-        actions: Actions = "words",
-        compact: bool = False,
-        position: bool = False,
+        **grid: Unpack[GridOptions],
     ) -> None:
-        super().__init__(
-            max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact, position=position
-        )
-        self.layout = _parse_layout(layout, max_turns) if layout is not None else None
+        super().__init__(**grid)
+        self.layout = _parse_layout(layout, self.max_turns) if layout is not None else None
         self.corners = corners
         require(shaping >= 0.0, self.name, f"shaping must be >= 0, got {shaping}")
         self.shaping = shaping
@@ -100,9 +96,9 @@ class FrozenLakeEnv(GridEnv):
         require(size >= 2, self.name, f"size must be >= 2, got {size}")
         require(0.0 <= hole_prob < 1.0, self.name, f"hole_prob must be in [0, 1), got {hole_prob}")
         require(
-            max_turns >= 2 * (size - 1),
+            self.max_turns >= 2 * (size - 1),
             self.name,
-            f"max_turns={max_turns} is too few to cross a {size}x{size} lake (needs >= {2 * (size - 1)})",
+            f"max_turns={self.max_turns} is too few to cross a {size}x{size} lake (needs >= {2 * (size - 1)})",
         )
         self.size = size
         self.hole_prob = hole_prob
@@ -166,17 +162,14 @@ class FrozenLakeEnv(GridEnv):
     def _solved(self) -> bool:
         return self.player == self.goal
 
-    def _rows(self) -> list[str]:
-        def cell(pos: Pos) -> str:
-            if pos == self.player:
-                return "P"
-            if pos == self.goal:
-                return "G"
-            if pos == self.start:
-                return "S"
-            return "H" if pos in self.holes else "F"
-
-        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+    def _cell(self, pos: Pos) -> str:
+        if pos == self.player:
+            return "P"
+        if pos == self.goal:
+            return "G"
+        if pos == self.start:
+            return "S"
+        return "H" if pos in self.holes else "F"
 
 
 def _parse_layout(layout: str, max_turns: int) -> tuple[int, Pos, Pos, set[Pos]]:

@@ -17,14 +17,14 @@ column 3."), the observation Gymnasium's FrozenLake gives as a number: a tiny mo
 sooner than it learns to find P in the drawing.
 
 Subclasses generate a board from a `random.Random` seeded with the episode seed (so the same
-seed gives the same board), apply a move, and draw the board as rows of characters.
+seed gives the same board), apply a move, and draw each cell of the board as a character.
 """
 
 from __future__ import annotations
 
 import abc
 import random
-from typing import Literal
+from typing import Literal, TypedDict
 
 from rollart.envs.base import (
     DIRECTIONS,
@@ -70,6 +70,23 @@ def shift(pos: Pos, direction: str) -> Pos:
     return pos[0] + dr, pos[1] + dc
 
 
+class GridOptions(TypedDict, total=False):
+    """What every grid game takes besides its board's own options (keywords of a task's `env_kwargs`);
+    a game's `__init__` takes them as `**grid: Unpack[GridOptions]`, and the env registry checks their
+    names as it checks the game's own."""
+
+    max_turns: int
+    """Moves before the episode is cut (default: the game's `max_turns`)."""
+    format_penalty: float
+    """Reward of a reply with no valid move, which ends the episode."""
+    actions: Actions
+    """words: up/down/left/right; letters: U/D/L/R."""
+    compact: bool
+    """A one-line system prompt (for a tiny model that cannot read instructions)."""
+    position: bool
+    """Say the player's row and column in each observation."""
+
+
 class GridEnv(Env):
     """Turn counting, move parsing and observations for a grid game; subclasses own the board."""
 
@@ -81,16 +98,19 @@ class GridEnv(Env):
     """The first lines of the first observation: the goal and the legend."""
     player: Pos
     """The player's cell; subclasses keep it up to date."""
+    size: int
+    """The board is `size` x `size` cells; subclasses set it."""
 
     def __init__(
         self,
         *,
-        max_turns: int,
+        max_turns: int | None = None,
         format_penalty: float = FORMAT_PENALTY,
         actions: Actions = "words",
         compact: bool = False,
         position: bool = False,
     ) -> None:
+        max_turns = type(self).max_turns if max_turns is None else max_turns
         require(max_turns >= 1, self.name, f"max_turns must be >= 1, got {max_turns}")
         require(actions in ("words", "letters"), self.name, f"actions must be 'words' or 'letters', got {actions!r}")
         self.actions = actions
@@ -114,8 +134,8 @@ class GridEnv(Env):
         """Apply a move: (what happened, in words; reward; whether the episode ended)."""
 
     @abc.abstractmethod
-    def _rows(self) -> list[str]:
-        """The board, one string per row, top row first."""
+    def _cell(self, pos: Pos) -> str:
+        """The character that draws the cell at `pos`."""
 
     @abc.abstractmethod
     def _solved(self) -> bool:
@@ -147,6 +167,10 @@ class GridEnv(Env):
     def sample_action(self, rng: random.Random) -> str | None:
         direction = rng.choice(list(DIRECTIONS))
         return direction[0].upper() if self.actions == "letters" else f"\\boxed{{{direction}}}"
+
+    def _rows(self) -> list[str]:
+        """The board, one string per row, top row first."""
+        return ["".join(self._cell((r, c)) for c in range(self.size)) for r in range(self.size)]
 
     def _board(self) -> str:
         rows = self._rows()

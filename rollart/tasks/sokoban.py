@@ -26,15 +26,17 @@ board of seed 0 (solved by `down`, `left`):
 from __future__ import annotations
 
 import random
+from typing import Unpack
 
-from rollart.envs.base import DIRECTIONS, FORMAT_PENALTY, require
-from rollart.tasks.grid import Actions, GridEnv, Pos, shift
+from rollart.envs.base import DIRECTIONS, require
+from rollart.tasks.grid import GridEnv, GridOptions, Pos, shift
 
 
 class SokobanEnv(GridEnv):
     """An N x N room (walls included) with one box and one target, solvable by construction."""
 
     name = "sokoban"
+    max_turns = 10
     intro = (
         "Sokoban: push the box $ onto the target . (you can push, never pull).\n"
         "Legend: @ you, $ box, . target, * box on target, + you on target, # wall, _ floor."
@@ -44,16 +46,10 @@ class SokobanEnv(GridEnv):
         self,
         *,
         size: int = 6,
-        max_turns: int = 10,
         step_penalty: float = 0.0,
-        format_penalty: float = FORMAT_PENALTY,
-        actions: Actions = "words",
-        compact: bool = False,
-        position: bool = False,
+        **grid: Unpack[GridOptions],
     ) -> None:
-        super().__init__(
-            max_turns=max_turns, format_penalty=format_penalty, actions=actions, compact=compact, position=position
-        )
+        super().__init__(**grid)
         # A 3x3 floor is the smallest where a box can leave the target and still be pushed back.
         require(size >= 5, self.name, f"size must be >= 5 (walls included), got {size}")
         require(step_penalty >= 0.0, self.name, f"step_penalty must be >= 0, got {step_penalty}")
@@ -115,18 +111,15 @@ class SokobanEnv(GridEnv):
     def _solved(self) -> bool:
         return self.box == self.target
 
-    def _rows(self) -> list[str]:
-        def cell(pos: Pos) -> str:
-            if not self._is_floor(pos):
-                return "#"
-            on_target = pos == self.target
-            if pos == self.box:
-                return "*" if on_target else "$"
-            if pos == self.player:
-                return "+" if on_target else "@"
-            return "." if on_target else "_"
-
-        return ["".join(cell((r, c)) for c in range(self.size)) for r in range(self.size)]
+    def _cell(self, pos: Pos) -> str:
+        if not self._is_floor(pos):
+            return "#"
+        on_target = pos == self.target
+        if pos == self.box:
+            return "*" if on_target else "$"
+        if pos == self.player:
+            return "+" if on_target else "@"
+        return "." if on_target else "_"
 
 
 _OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}

@@ -329,6 +329,14 @@ def test_bad_keyword_and_bad_values_are_config_errors() -> None:
         make_env("sokoban", size=4)
 
 
+def test_the_grid_options_every_grid_game_shares_are_checked_by_name() -> None:
+    # FrozenLake and Sokoban take them as **grid: Unpack[GridOptions]; a typo is still refused.
+    with pytest.raises(ConfigError, match=r"sokoban.*'max_turn'.*accepts: size, step_penalty, actions, .*max_turns"):
+        make_env("sokoban", max_turn=5)
+    lake, box = make_env("frozen-lake", actions="letters", max_turns=9), make_env("sokoban")
+    assert (lake.max_turns, lake.actions, box.max_turns) == (9, "letters", 10)  # each game's own default
+
+
 @pytest.mark.usefixtures("scratch_registry")
 def test_register_refuses_duplicates_unless_overwrite() -> None:
     register_env("tmp-env", lambda: make_env("copy-reverse"))
