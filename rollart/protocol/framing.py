@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
+from rollart.protocol.frames import Bulk as _Bulk
+from rollart.protocol.frames import FrameReceiver
 
 _LEN = struct.Struct(">I")
 _BULK_LEN = struct.Struct(">Q")
@@ -92,14 +94,7 @@ BulkSink = Callable[[int], memoryview]
 """Gives the buffer a bulk frame of N bytes is written into (default: a new bytearray)."""
 
 
-class _Bulk:
-    __slots__ = ("view",)
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-
-class TcpConnection(asyncio.BufferedProtocol):
+class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
     """`Connection` over an asyncio transport (works with uvloop and the default loop)."""
 
     def __init__(self, max_frame_bytes: int, max_bulk_bytes: int, bulk_sink: BulkSink | None = None) -> None:
@@ -290,12 +285,6 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._popped()
         return item
 
-    async def recv(self) -> bytes:
-        item = await self._next()
-        if isinstance(item, _Bulk):
-            raise ProtocolError("expected a message frame; got a bulk frame")
-        return item
-
     async def recv_batch(self) -> list[bytes]:
         await self._arrived()
         frames = self._frames
@@ -306,12 +295,6 @@ class TcpConnection(asyncio.BufferedProtocol):
             raise ProtocolError("expected a message frame; got a bulk frame")
         self._popped()
         return batch
-
-    async def recv_bulk(self) -> memoryview:
-        item = await self._next()
-        if not isinstance(item, _Bulk):
-            raise ProtocolError("expected a bulk frame; got a message frame")
-        return item.view
 
     def send(self, frame: bytes) -> None:
         if self._closed.done() or self._transport is None or self._transport.is_closing():
