@@ -90,6 +90,28 @@ class Connection(Protocol):
     async def wait_closed(self) -> None: ...
 
 
+class SoonOnce:
+    """Calls `fn` at the end of this loop iteration, once however often `soon` asks in it; calling
+    the `SoonOnce` itself runs `fn` at once and settles what was asked. How the frames sent in one
+    iteration share one write here, and the messages handled in one share an `Ack` (`link.py`)."""
+
+    __slots__ = ("_fn", "_loop", "_pending")
+
+    def __init__(self, fn: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        self._fn = fn
+        self._loop = loop
+        self._pending = False
+
+    def __call__(self) -> None:
+        self._pending = False
+        self._fn()
+
+    def soon(self) -> None:
+        if not self._pending:
+            self._pending = True
+            self._loop.call_soon(self)
+
+
 BulkSink = Callable[[int], memoryview]
 """Gives the buffer a bulk frame of N bytes is written into (default: a new bytearray)."""
 
@@ -116,7 +138,7 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._reading_paused = False
         self._out: list[bytes] = []
         self._out_bytes = 0
-        self._flush_scheduled = False
+        self._flush = SoonOnce(self._write_out, self._loop)
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._closed = self._loop.create_future()
@@ -306,12 +328,10 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._out_bytes += 4 + len(frame)
         if self._out_bytes >= _FLUSH_BYTES:
             self._flush()
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        else:
+            self._flush.soon()
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
+    def _write_out(self) -> None:
         if self._out and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(self._out))
         self._out.clear()
