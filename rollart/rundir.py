@@ -40,6 +40,16 @@ class RunDirError(RollartError):
     """A file of the run folder is missing or corrupt."""
 
 
+class _InRun:
+    """A `RunDir` attribute that is a fixed path inside the run folder (`run.metrics`)."""
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
+
+    def __get__(self, run: RunDir, owner: type[RunDir]) -> Path:
+        return run.path.joinpath(*self.parts)
+
+
 class RunDir:
     """The layout of one run folder; creates nothing until a writer writes."""
 
@@ -47,36 +57,31 @@ class RunDir:
     TIMELINE = "timeline.jsonl"
     UTILIZATION = "utilization.jsonl"
 
+    # The trainer's records.
+    metrics = _InRun(METRICS)
+    timeline = _InRun(TIMELINE)
+    utilization = _InRun(UTILIZATION)
+    rollout = _InRun("rollout.jsonl")
+    """Rollout-only mode's record of the batches taken."""
+    # Checkpoints.
+    checkpoints = _InRun("checkpoints")
+    latest = _InRun("checkpoints", "latest")
+    """The pointer file naming the newest complete checkpoint."""
+    incarnation = _InRun("checkpoints", "incarnation")
+    # What the launchers leave.
+    admin_token = _InRun("admin.token")
+    """The admin token `rollart run` made for the run it launched (mode 0600)."""
+    sbatch = _InRun("job.sbatch")
+    """`rollart sbatch`'s job script, by default."""
+    logs = _InRun("logs")
+    report = _InRun("report")
+    """Where `rollart report` writes its plots and report.md by default."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
-
-    # -- the trainer's records --------------------------------------------------------------------
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / self.METRICS
-
-    @property
-    def timeline(self) -> Path:
-        return self.path / self.TIMELINE
-
-    @property
-    def utilization(self) -> Path:
-        return self.path / self.UTILIZATION
-
-    @property
-    def rollout(self) -> Path:
-        """Rollout-only mode's record of the batches taken."""
-        return self.path / "rollout.jsonl"
-
-    # -- checkpoints ------------------------------------------------------------------------------
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
 
     def checkpoint(self, step: int) -> Path:
         """The folder of the checkpoint taken after `step`."""
@@ -85,11 +90,6 @@ class RunDir:
     def saved_checkpoints(self) -> list[Path]:
         """The checkpoint folders present, oldest first."""
         return sorted(p for p in self.checkpoints.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-
-    @property
-    def latest(self) -> Path:
-        """The pointer file naming the newest complete checkpoint."""
-        return self.checkpoints / "latest"
 
     def latest_checkpoint(self) -> Path | None:
         """The folder `latest` names, or None when there is no pointer yet."""
@@ -116,36 +116,9 @@ class RunDir:
         """The trainer's state in a checkpoint folder (version, step, RNG, dispenser)."""
         return checkpoint / "trainer.pt"
 
-    @property
-    def incarnation(self) -> Path:
-        return self.checkpoints / "incarnation"
-
-    # -- what the launchers leave -----------------------------------------------------------------
-
-    @property
-    def admin_token(self) -> Path:
-        """The admin token `rollart run` made for the run it launched (mode 0600)."""
-        return self.path / "admin.token"
-
-    @property
-    def sbatch(self) -> Path:
-        """`rollart sbatch`'s job script, by default."""
-        return self.path / "job.sbatch"
-
-    # -- logs and the report ----------------------------------------------------------------------
-
-    @property
-    def logs(self) -> Path:
-        return self.path / "logs"
-
     def node_log(self, name: str) -> Path:
         """A node's log file (or another process's, e.g. `inprocess`)."""
         return self.logs / f"{name}.log"
-
-    @property
-    def report(self) -> Path:
-        """Where `rollart report` writes its plots and report.md by default."""
-        return self.path / "report"
 
 
 class JsonlLog:

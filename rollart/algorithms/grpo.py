@@ -86,13 +86,20 @@ class SequenceLike(Protocol):
     @property
     def response_ids(self) -> Sequence[int]: ...
     @property
-    def response_mask(self) -> Sequence[int]: ...
+    def response_mask(self) -> Sequence[int]:
+        """Per response token: 1 if the policy generated it, 0 if the environment inserted it."""
+
     @property
-    def logprobs(self) -> Sequence[float]: ...
+    def logprobs(self) -> Sequence[float]:
+        """Per response token: the behaviour policy's log-prob of it (read on generated tokens only)."""
+
     @property
-    def versions(self) -> Sequence[int]: ...
+    def versions(self) -> Sequence[int]:
+        """Per response token: the weight version that generated it (read on generated tokens only)."""
+
     @property
-    def segments(self) -> Sequence[int]: ...
+    def segments(self) -> Sequence[int]:
+        """Offsets into the response where a turn's own prompt starts, increasing; empty: one row."""
 
 
 @dataclasses.dataclass(frozen=True)

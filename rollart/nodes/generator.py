@@ -18,6 +18,7 @@ import importlib.util
 import time
 from typing import Any
 
+import msgspec
 import structlog
 
 from rollart.engines.base import GenerationEngine, SamplingParams
@@ -143,13 +144,7 @@ class GeneratorNode(NodeDaemon):
         if self.receiver.version < msg.min_version:
             await self.receiver.wait_version(msg.min_version, timeout=float("inf"))  # the deadline bounds it
         assert self.engine is not None
-        params = SamplingParams(
-            max_tokens=msg.max_tokens,
-            temperature=msg.temperature,
-            top_p=msg.top_p,
-            stop_token_ids=msg.stop_token_ids,
-            seed=msg.seed,
-        )
+        params = msgspec.convert(msg, SamplingParams, from_attributes=True)  # its sampling fields, by name
         try:
             result = await self.engine.generate(msg.request_id, msg.prompt_ids, params)
         except asyncio.CancelledError:

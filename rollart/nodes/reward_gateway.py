@@ -49,14 +49,7 @@ class RewardGatewayNode(NodeDaemon):
     async def on_role_request(self, session: Session, msg: Any) -> Any:
         match msg:
             case Score():
-                item = ScoreInput(
-                    task=msg.task,
-                    prompt=msg.prompt,
-                    response=msg.response,
-                    answer=msg.answer,
-                    env_reward=msg.env_reward,
-                    tokens=msg.tokens,
-                )
+                item = msgspec.convert(msg, ScoreInput, from_attributes=True)  # the fields Score shares, by name
                 rollout = self.topology.run.rollout
                 timeout = rollout.reward_timeout_s if rollout is not None else 30.0
                 try:

@@ -1,4 +1,5 @@
-"""The wire's errors: bad frames, refused handshakes, lost sessions, remote failures.
+"""The wire's errors: bad frames, lost sessions, and what a peer reports with a code (a refused
+handshake, a failed handler).
 
 Subclasses of `rollart.errors.RollartError` (the leaf module every layer may import); the only thing
 of `rollart` the protocol package imports besides itself.
@@ -21,13 +22,9 @@ class MessageDecodeError(ProtocolError):
     """Bytes that are not a valid message of the expected channel."""
 
 
-class HandshakeRefused(RollartError):
-    """The peer refused the handshake (wrong secret, wrong protocol version, ...)."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(f"handshake refused ({code}): {reason}")
-        self.code = code
-        self.reason = reason
+class UnexpectedReply(ProtocolError):
+    """A peer answered a request with another message type than the request declares
+    (`protocol.messages.Request`). The session goes on; only this request fails."""
 
 
 class ConnectionClosed(RollartError):
@@ -42,6 +39,18 @@ class RequestTimeout(DeadlineExceeded):
     """A request's deadline passed before its response arrived."""
 
 
+# What a peer reports: its code (for programs) and its words.
+
+
+class HandshakeRefused(RollartError):
+    """The peer refused the handshake (wrong secret, wrong protocol version, ...)."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"handshake refused ({code}): {reason}")
+        self.code = code
+        self.reason = reason
+
+
 class RemoteError(RollartError):
     """The peer's handler failed; `code` says how (e.g. `handler-error`, `bad-request`, `timeout`)."""
 
@@ -49,8 +58,3 @@ class RemoteError(RollartError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-class UnexpectedReply(ProtocolError):
-    """A peer answered a request with another message type than the request declares
-    (`protocol.messages.Request`). The session goes on; only this request fails."""

@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
+from rollart.protocol.frames import Bulk as _Bulk
+from rollart.protocol.frames import FrameReceiver
 
 _LEN = struct.Struct(">I")
 _BULK_LEN = struct.Struct(">Q")
@@ -88,18 +90,33 @@ class Connection(Protocol):
     async def wait_closed(self) -> None: ...
 
 
+class SoonOnce:
+    """Calls `fn` at the end of this loop iteration, once however often `soon` asks in it; calling
+    the `SoonOnce` itself runs `fn` at once and settles what was asked. How the frames sent in one
+    iteration share one write here, and the messages handled in one share an `Ack` (`link.py`)."""
+
+    __slots__ = ("_fn", "_loop", "_pending")
+
+    def __init__(self, fn: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        self._fn = fn
+        self._loop = loop
+        self._pending = False
+
+    def __call__(self) -> None:
+        self._pending = False
+        self._fn()
+
+    def soon(self) -> None:
+        if not self._pending:
+            self._pending = True
+            self._loop.call_soon(self)
+
+
 BulkSink = Callable[[int], memoryview]
 """Gives the buffer a bulk frame of N bytes is written into (default: a new bytearray)."""
 
 
-class _Bulk:
-    __slots__ = ("view",)
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-
-class TcpConnection(asyncio.BufferedProtocol):
+class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
     """`Connection` over an asyncio transport (works with uvloop and the default loop)."""
 
     def __init__(self, max_frame_bytes: int, max_bulk_bytes: int, bulk_sink: BulkSink | None = None) -> None:
@@ -121,7 +138,7 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._reading_paused = False
         self._out: list[bytes] = []
         self._out_bytes = 0
-        self._flush_scheduled = False
+        self._flush = SoonOnce(self._write_out, self._loop)
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._closed = self._loop.create_future()
@@ -290,12 +307,6 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._popped()
         return item
 
-    async def recv(self) -> bytes:
-        item = await self._next()
-        if isinstance(item, _Bulk):
-            raise ProtocolError("expected a message frame; got a bulk frame")
-        return item
-
     async def recv_batch(self) -> list[bytes]:
         await self._arrived()
         frames = self._frames
@@ -307,12 +318,6 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._popped()
         return batch
 
-    async def recv_bulk(self) -> memoryview:
-        item = await self._next()
-        if not isinstance(item, _Bulk):
-            raise ProtocolError("expected a bulk frame; got a message frame")
-        return item.view
-
     def send(self, frame: bytes) -> None:
         if self._closed.done() or self._transport is None or self._transport.is_closing():
             raise ConnectionClosed(f"connection to {self._peer} closed")
@@ -323,12 +328,10 @@ class TcpConnection(asyncio.BufferedProtocol):
         self._out_bytes += 4 + len(frame)
         if self._out_bytes >= _FLUSH_BYTES:
             self._flush()
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        else:
+            self._flush.soon()
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
+    def _write_out(self) -> None:
         if self._out and self._transport is not None and not self._transport.is_closing():
             self._transport.write(b"".join(self._out))
         self._out.clear()

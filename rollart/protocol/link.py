@@ -28,7 +28,7 @@ from rollart.protocol.errors import (
     ProtocolError,
     SessionLost,
 )
-from rollart.protocol.framing import Connection, TcpConnection
+from rollart.protocol.framing import Connection, SoonOnce, TcpConnection
 from rollart.protocol.messages import DECODE_ERRORS, SESSION, Ack, Bye, Kind, Msg
 
 log = structlog.get_logger("rollart.protocol.session")
@@ -94,7 +94,7 @@ class Link:
         self._received = 0  # highest contiguous seq received from the peer
         self._delivered = 0  # highest seq handled: what we acknowledge
         self._acked_sent = 0
-        self._ack_scheduled = False
+        self._ack = SoonOnce(self._send_ack, self._loop)
         self._ack_every = max(1, cfg.resend_buffer // 4)
         self._generation = 0  # bumped when the peer lost our session and numbering restarts
         self._inbox: collections.deque[tuple[int, list[Msg]]] = collections.deque()  # (generation, batch)
@@ -149,13 +149,11 @@ class Link:
 
     def _schedule_ack(self) -> None:
         if self._delivered - self._acked_sent >= self._ack_every:
-            self._send_ack()
-        elif not self._ack_scheduled:
-            self._ack_scheduled = True
-            self._loop.call_soon(self._send_ack)
+            self._ack()
+        else:
+            self._ack.soon()
 
     def _send_ack(self) -> None:
-        self._ack_scheduled = False
         conn = self._conn
         if conn is None or self._delivered == self._acked_sent:
             return
@@ -309,7 +307,7 @@ class Link:
         except TimeoutError:
             log.warning("session.close_unacked", session=self.id, peer=self._peer_name, unacked=len(self._unacked))
         if self._conn is not None:
-            self._send_ack()
+            self._ack()
             # If this fails, the peer forgets the session when its linger time runs out.
             with contextlib.suppress(ConnectionClosed):
                 self._conn.send(SESSION.encode(Bye(reason)))

@@ -12,17 +12,18 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
+from rollart.protocol.errors import ConnectionClosed, FrameTooLarge
+from rollart.protocol.frames import Bulk, FrameReceiver
 
 
-class MemoryConnection:
+class MemoryConnection(FrameReceiver):
     """One end of an in-memory connection."""
 
     def __init__(self, name: str, max_frame_bytes: int, max_bulk_bytes: int) -> None:
         self._name = name
         self.max_frame_bytes = max_frame_bytes
         self.max_bulk_bytes = max_bulk_bytes
-        self._frames: collections.deque[bytes | memoryview] = collections.deque()
+        self._frames: collections.deque[bytes | Bulk] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         """The receiver waiting for a frame or the close, if one is."""
         self._closed = asyncio.Event()
@@ -61,7 +62,7 @@ class MemoryConnection:
         if len(payload) > other.max_bulk_bytes:
             raise FrameTooLarge(f"bulk frame of {len(payload)} bytes exceeds the limit of {other.max_bulk_bytes}")
         if not self.silent:
-            other._frames.append(memoryview(bytearray(payload)))
+            other._frames.append(Bulk(memoryview(bytearray(payload))))
             other._wake()
         await asyncio.sleep(0)
 
@@ -70,7 +71,7 @@ class MemoryConnection:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _next(self) -> bytes | memoryview:
+    async def _next(self) -> bytes | Bulk:
         # One future per wait, resolved by a frame or the close: the simulator's hot path (two
         # tasks and an asyncio.wait per frame cost more than the rest of receiving it).
         while not self._frames:  # frames sent before the peer closed are still delivered
@@ -85,23 +86,11 @@ class MemoryConnection:
                 self._waiter = None
         return self._frames.popleft()
 
-    async def recv(self) -> bytes:
-        item = await self._next()
-        if isinstance(item, memoryview):
-            raise ProtocolError("expected a message frame; got a bulk frame")
-        return item
-
     async def recv_batch(self) -> list[bytes]:
         batch = [await self.recv()]
-        while self._frames and not isinstance(self._frames[0], memoryview):
+        while self._frames and not isinstance(self._frames[0], Bulk):
             batch.append(self._frames.popleft())  # type: ignore[arg-type]  # checked just above
         return batch
-
-    async def recv_bulk(self) -> memoryview:
-        item = await self._next()
-        if not isinstance(item, memoryview):
-            raise ProtocolError("expected a bulk frame; got a message frame")
-        return item
 
     def _shut(self, error: BaseException) -> None:
         if not self._closed.is_set():

@@ -38,7 +38,6 @@ from rollart.weights.wire import WEIGHTS, BucketManifest, ChecksumMismatch, Hold
 
 log = structlog.get_logger("rollart.weights.receiver")
 
-ApplyWeights = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
 _THREAD_BYTES = 1024 * 1024  # check buckets at least this big in a worker thread, off the event loop
 
 
@@ -55,11 +54,19 @@ class ReceiverStats:
     last_receive_s: float = 0.0
     """First bucket in to last bucket checked, of the last version applied."""
     last_apply_s: float = 0.0
+    """How long `apply` took for the last version applied."""
     apply_failures: int = 0
+    """Whole versions that `apply` raised on (the error goes back to the publisher in the ack)."""
     checksum_failures: int = 0
+    """Buckets whose CRC-32 did not match (the connection ends; the publisher resends)."""
     connections: int = 0
+    """Bulk connections served, TCP and UCX."""
     refusals: int = 0
     """UCX connections that failed the handshake (TCP refusals are counted by the SessionServer)."""
+
+
+ApplyWeights = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
+"""What `WeightReceiver` hands each whole version to: `apply(version, tensors)` (an engine's `load_weights`)."""
 
 
 class WeightReceiver:

@@ -35,6 +35,7 @@ import structlog
 from rollart.protocol.auth import Identity, client_handshake
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
+from rollart.protocol.frames import Bulk, FrameReceiver
 from rollart.protocol.framing import BulkSink
 from rollart.weights.wire import TransportUnavailable
 
@@ -111,14 +112,7 @@ class _Runtime:
 RUNTIME = _Runtime()
 
 
-class _Bulk:
-    __slots__ = ("view",)
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-
-class UcxConnection:
+class UcxConnection(FrameReceiver):
     """`rollart.protocol.framing.Connection` over a ucxx endpoint.
 
     One reader task posts receives (into `bulk_sink` for bulk frames) and queues what arrives; one
@@ -132,7 +126,7 @@ class UcxConnection:
         self._limits = (max_frame_bytes, max_bulk_bytes)
         self.bulk_sink: BulkSink | None = None
         self._loop = asyncio.get_running_loop()
-        self._frames: collections.deque[bytes | _Bulk] = collections.deque()
+        self._frames: collections.deque[bytes | Bulk] = collections.deque()
         self._arrival = asyncio.Event()
         self._error: BaseException | None = None
         # (header, body, done): a header of None is a marker that only resolves `done` (drain)
@@ -174,7 +168,7 @@ class UcxConnection:
                         raise ProtocolError(f"bulk sink gave {len(dest)} bytes for a {nbytes}-byte frame")
                     if nbytes:
                         await self._ep.recv(dest)
-                    self._frames.append(_Bulk(dest))
+                    self._frames.append(Bulk(dest))
                     del dest  # held only by the frame now: a pooled buffer is free once its tensors are
                 else:
                     if nbytes > self.max_frame_bytes:
@@ -240,7 +234,7 @@ class UcxConnection:
         self._out.put_nowait((None, None, done))
         await done
 
-    async def _next(self) -> bytes | _Bulk:
+    async def _next(self) -> bytes | Bulk:
         while not self._frames:
             if self._error is not None:
                 raise self._error
@@ -248,20 +242,8 @@ class UcxConnection:
             await self._arrival.wait()
         return self._frames.popleft()
 
-    async def recv(self) -> bytes:
-        item = await self._next()
-        if isinstance(item, _Bulk):
-            raise ProtocolError("expected a message frame; got a bulk frame")
-        return item
-
     async def recv_batch(self) -> list[bytes]:
         return [await self.recv()]
-
-    async def recv_bulk(self) -> memoryview:
-        item = await self._next()
-        if not isinstance(item, _Bulk):
-            raise ProtocolError("expected a bulk frame; got a message frame")
-        return item.view
 
     def close(self) -> None:
         """Send what is queued (for at most `_CLOSE_GRACE_S`), then close the endpoint."""
