@@ -39,7 +39,7 @@ import asyncio
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
@@ -47,7 +47,7 @@ from rollart.clock import SimClock
 from rollart.envexec import wire
 from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
 from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
-from rollart.envexec.process_runner import WorkerEnvRunner
+from rollart.envexec.process_runner import EnvSlot, WorkerEnvRunner
 from rollart.envexec.spawn import start_worker
 from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
@@ -63,8 +63,6 @@ START_TIMEOUT_S = 60.0
 """How long `start` waits for the workers to import the env modules."""
 MAX_START_FAILURES = 3
 """Workers in a row that die before they are ready, after which the pool starts no more."""
-
-Answer = TypeVar("Answer", wire.Made, wire.ResetDone, wire.StepDone, wire.Closed)
 
 
 class EnvWorkerPool:
@@ -189,7 +187,7 @@ class EnvWorkerPool:
             raise
         if isinstance(reply, wire.Failed):
             raise EnvFailure(f"env {name!r}: make() raised {reply.error}")
-        return WorkerEnvRunner(self, worker, env_id, name, reply, timeout_s=timeout_s, clock=clock)
+        return WorkerEnvRunner(EnvSlot(self, worker, env_id, name), reply, timeout_s=timeout_s, clock=clock)
 
     def submit(
         self,
@@ -197,16 +195,16 @@ class EnvWorkerPool:
         env_id: int,
         env_name: str,
         request: Callable[[int], wire.Request],
-        answer: type[Answer],
+        answer: type[wire.Answer],
         *,
         timeout_s: float,
-    ) -> asyncio.Future[Answer | wire.Failed]:
+    ) -> asyncio.Future[wire.Answer | wire.Failed]:
         """Send `request(call_id)` to `worker`; the future gets its `answer` (or `Failed`). It fails
         with `EnvFailure` if the worker dies first, `WorkerReplyError` if the worker answers with
         another kind of reply; past `timeout_s` without a reply the worker is killed, whether or not
         anyone waits."""
         assert self._loop is not None
-        future: asyncio.Future[Answer | wire.Failed] = self._loop.create_future()
+        future: asyncio.Future[wire.Answer | wire.Failed] = self._loop.create_future()
         future.add_done_callback(consume)
         call = PendingCall(next(self._call_ids), worker, env_id, env_name, wire.OPS[answer], answer, timeout_s, future)
         if worker.state is WorkerState.DEAD:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollart.clock import SimClock
 from rollart.envexec.runner import CLOSE_GRACE_S
-from rollart.envexec.wire import Close, Closed, Failed, Made, Request, Reset, ResetDone, Step, StepDone
+from rollart.envexec.wire import Answer, Close, Closed, Failed, Made, Request, Reset, ResetDone, Step, StepDone
 from rollart.envs.base import EnvFailure, Info, StepResult
 
 if TYPE_CHECKING:
@@ -35,24 +36,33 @@ if TYPE_CHECKING:
 Done = TypeVar("Done", ResetDone, StepDone)
 
 
+@dataclass(frozen=True, slots=True)
+class EnvSlot:
+    """Where one env lives: its worker process in the pool, its id there, and its registered name."""
+
+    pool: EnvWorkerPool
+    worker: EnvWorker
+    env_id: int
+    name: str
+
+    def submit(
+        self, request: Callable[[int], Request], answer: type[Answer], *, timeout_s: float
+    ) -> asyncio.Future[Answer | Failed]:
+        """`EnvWorkerPool.submit` of a call to this env."""
+        return self.pool.submit(self.worker, self.env_id, self.name, request, answer, timeout_s=timeout_s)
+
+    def forget(self) -> None:
+        """The env is gone: its worker stops counting it."""
+        self.pool.forget(self.worker, self.env_id)
+
+
 class WorkerEnvRunner:
     """Runs one env's `reset`/`step`/`close` in an env worker process under a per-call timeout."""
 
-    def __init__(
-        self,
-        pool: EnvWorkerPool,
-        worker: EnvWorker,
-        env_id: int,
-        name: str,
-        made: Made,
-        *,
-        timeout_s: float,
-        clock: SimClock | None = None,
-    ) -> None:
-        self.pool = pool
-        self.worker = worker
-        self.env_id = env_id
-        self.name = name
+    def __init__(self, slot: EnvSlot, made: Made, *, timeout_s: float, clock: SimClock | None = None) -> None:
+        self.slot = slot
+        self.name = slot.name
+        self.worker = slot.worker
         self.timeout_s = timeout_s
         self.clock = clock or SimClock()
         """Where an env's reported `wait_s` (simulated time) is waited out."""
@@ -79,11 +89,11 @@ class WorkerEnvRunner:
         return self._closed
 
     async def reset(self, seed: int | None = None) -> tuple[str, Info]:
-        reply = await self._call("reset", lambda call: Reset(call, self.env_id, seed), ResetDone)
+        reply = await self._call("reset", lambda call: Reset(call, self.slot.env_id, seed), ResetDone)
         return reply.obs, reply.info
 
     async def step(self, action: str) -> StepResult:
-        reply = await self._call("step", lambda call: Step(call, self.env_id, action), StepDone)
+        reply = await self._call("step", lambda call: Step(call, self.slot.env_id, action), StepDone)
         return reply.obs, reply.reward, reply.terminated, reply.truncated, reply.info
 
     async def close(self) -> None:
@@ -95,13 +105,11 @@ class WorkerEnvRunner:
             return
         self._closed = True
         if self.broken:
-            self.pool.forget(self.worker, self.env_id)
+            self.slot.forget()
             return
         busy = self._running is not None and not self._running.done()
-        env_id = self.env_id
-        close = self.pool.submit(
-            self.worker, env_id, self.name, lambda call: Close(call, env_id), Closed, timeout_s=self.timeout_s
-        )
+        env_id = self.slot.env_id
+        close = self.slot.submit(lambda call: Close(call, env_id), Closed, timeout_s=self.timeout_s)
         try:
             reply = await (asyncio.wait_for(asyncio.shield(close), CLOSE_GRACE_S) if busy else asyncio.shield(close))
         except TimeoutError:
@@ -116,7 +124,7 @@ class WorkerEnvRunner:
             raise EnvFailure(f"env {self.name!r}: {op}() refused: the env is broken ({self._broken})")
         if (ended := self.worker.ended) is not None:
             raise EnvFailure(f"env {self.name!r}: {op}() refused: its {self.worker.describe()} died: {ended}")
-        future = self.pool.submit(self.worker, self.env_id, self.name, request, answer, timeout_s=self.timeout_s)
+        future = self.slot.submit(request, answer, timeout_s=self.timeout_s)
         self._running = future
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s

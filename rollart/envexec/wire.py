@@ -22,7 +22,7 @@ their CPU limit (see the pool's docstring).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -134,6 +134,9 @@ class WorkerReplyError(EnvFailure):
 
 OPS = {answer: op for op, answer in ANSWERS.items()}
 """The op (`"reset"`) whose answer a reply type is."""
+
+Answer = TypeVar("Answer", Made, ResetDone, StepDone, Closed)
+"""The reply a call expects (`submit` is typed by it)."""
 
 
 def tag_of(reply: Reply | type[Reply]) -> str:
