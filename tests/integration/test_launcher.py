@@ -122,9 +122,10 @@ def test_the_launcher_prints_the_error_of_a_node_that_fails_its_configuration(tm
         "  rollout: {tasks: [{name: lake, env: frozen-lake}]}\n"
     )
     topology, _ = write_topology(tmp_path, {"env-0": "env-host"}, extra_run=run)
-    (tmp_path / "run" / "logs").mkdir(parents=True)
+    log = RunDir(tmp_path / "run").node_log("env-0")
+    log.parent.mkdir(parents=True)
     # A message from an earlier run in the same log is not this run's.
-    (tmp_path / "run" / "logs" / "env-0.log").write_text("rollart-node: configuration error: an old one\n")
+    log.write_text("rollart-node: configuration error: an old one\n")
     proc = launch(topology)
     try:
         out, _ = proc.communicate(timeout=60)
