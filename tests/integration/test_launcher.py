@@ -30,6 +30,16 @@ def launch(topology: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def run_to_end(topology: Path, timeout: float = 60) -> tuple[int, str]:
+    """`rollart run` until it exits by itself: its exit code and its output (killed if it outlives `timeout`)."""
+    proc = launch(topology)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, out
+
+
 def pid_of(admin_port: int) -> int:
     return int(http("GET", admin_port, "/status")[1]["pid"])
 
@@ -100,12 +110,8 @@ def test_a_node_with_a_configuration_error_stops_the_run_instead_of_restarting(t
     # The reward gateway imports its reward modules when it starts: a module that does not exist
     # fails it the same way every time, so it exits 2 and the launcher stops the run.
     topology, _ = write_topology(tmp_path, {"reward": "reward-gateway"}, extra_run="  reward_modules: [no_such_mod]\n")
-    proc = launch(topology)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1, out
+    code, out = run_to_end(topology)
+    assert code == 1, out
     assert "node reward exited with code 2" in out, out
     assert "a configuration error, which a restart would not fix" in out and "restarting" not in out
     log = RunDir(tmp_path / "run").node_log("reward").read_text()
@@ -126,12 +132,8 @@ def test_the_launcher_prints_the_error_of_a_node_that_fails_its_configuration(tm
     log.parent.mkdir(parents=True)
     # A message from an earlier run in the same log is not this run's.
     log.write_text("rollart-node: configuration error: an old one\n")
-    proc = launch(topology)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1, out
+    code, out = run_to_end(topology)
+    assert code == 1, out
     failed = next(line for line in out.splitlines() if line.startswith("error: node env-0 exited with code 2"))
     assert "a configuration error, which a restart would not fix: " in failed, out
     assert "run.env_modules: cannot import env module 'no_such_env_module'" in failed, out
