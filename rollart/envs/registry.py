@@ -101,12 +101,15 @@ def _check_kwargs(name: str, factory: EnvFactory, args: tuple[Any, ...], kwargs:
     signature, options = known
     named = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     accepted = [p.name for p in named[len(args) :]] + sorted(options or ())
-    try:
-        signature.bind(*args, **kwargs)
-        if options is not None and (unknown := sorted(set(kwargs) - set(accepted))):
-            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
-    except TypeError as exc:
-        raise ConfigError(f"env {name!r}: {exc}; it accepts: {', '.join(accepted) or 'no arguments'}") from None
+    unknown = sorted(set(kwargs) - set(accepted)) if options is not None else []
+    problem = f"got an unexpected keyword argument {unknown[0]!r}" if unknown else None
+    if problem is None:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise ConfigError(f"env {name!r}: {problem}; it accepts: {', '.join(accepted) or 'no arguments'}")
 
 
 def unknown_env(name: str) -> str | None:
