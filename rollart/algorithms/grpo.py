@@ -137,9 +137,14 @@ class PackedBatch:
         if size < 1:
             raise ValueError(f"expected a micro-batch size >= 1; got {size}")
         for start in range(0, len(self), size):
-            rows = slice(start, start + size)
-            width = int(self.attention_mask[rows].sum(dim=1).max().item())
-            yield PackedBatch(**{f.name: getattr(self, f.name)[rows, :width] for f in dataclasses.fields(self)})
+            yield self.select(range(start, min(start + size, len(self))))
+
+    def select(self, rows: Sequence[int], *, width: int | None = None) -> PackedBatch:
+        """These rows, cut to their longest sequence (or to `width` positions)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        if width is None:
+            width = int(self.attention_mask[index].sum(dim=1).max().item())
+        return PackedBatch(**{f.name: getattr(self, f.name)[index, :width] for f in dataclasses.fields(self)})
 
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -49,8 +50,23 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    ranks: int = 1
+    """Training processes per trainer node, one per device (fsdp2; torch: 1). A group of trainer
+    nodes (`primary:` in the topology) runs ranks x nodes in all."""
     micro_batch_size: int = 16
     """Sequences per forward/backward; gradients accumulate over a batch's micro-batches."""
+    micro_batch_tokens: int = 0
+    """When > 0, micro-batches by token budget instead: as many sequences as fit in this many
+    padded tokens (sequences x the longest), longest first; micro_batch_size is then not used."""
+    logprob_chunk_tokens: int = 1024
+    """Apply the output head to this many positions at a time, recomputed in the backward pass, so
+    the whole [N, T, vocabulary] logits never exist; 0: all at once."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them."""
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Weights and optimizer state: fp32 (bf16 only in compute, with precision bf16), or pure bf16."""
+    rank_timeout_s: float = 600.0
+    """A collective that waits this long for another rank fails the step (fsdp2)."""
     updates_per_batch: int = 1
     """Optimizer steps per pass over a batch, each on 1/updates_per_batch of it (PPO mini-batches)."""
     epochs: int = 1
@@ -72,15 +88,39 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
         problems = [(f"grpo.{key}", problem) for key, problem in self.grpo.validate()]
         if self.backend not in TRAINING_BACKENDS:
             problems.append(("backend", unknown_backend(self.backend)))
-        for key in ("lr", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb"):
+        for key in ("lr", "ranks", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb", "rank_timeout_s"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
-        for key in ("weight_decay", "grad_clip", "checkpoint_every", "threads"):
+        for key in (
+            "weight_decay",
+            "grad_clip",
+            "checkpoint_every",
+            "threads",
+            "micro_batch_tokens",
+            "logprob_chunk_tokens",
+        ):
             if getattr(self, key) < 0:
                 problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.ranks > 1 and self.backend == "torch":
+            problems.append(("ranks", f"the torch backend trains on one device; use backend fsdp2 for {self.ranks}"))
         if self.keep_checkpoints < 1:
             problems.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
         return problems
+
+
+class RankLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a trainer node's ranks sit in its group (`Topology.rank_layout`)."""
+
+    world_size: int = 1
+    """Ranks in the whole group."""
+    first_rank: int = 0
+    """This node's first rank; 0 on the primary."""
+    local_ranks: int = 1
+    """Ranks this node runs."""
+    store_host: str = "127.0.0.1"
+    """Where the primary serves the rendezvous store."""
+    store_port: int = 0
+    """Its port; 0: any free one (every rank on the primary's host)."""
 
 
 class TrainingEngine(Protocol):
@@ -97,23 +137,31 @@ class TrainingEngine(Protocol):
         """The current weights by Hugging Face name. The tensors may alias the live parameters:
         copy them before the next `train_step`."""
 
-    def save(self, path: Path) -> None:
-        """Write weights (a loadable Hugging Face folder) and optimizer state into `path`."""
+    def save(self, path: Path) -> Future[None]:
+        """Start a checkpoint of weights and optimizer state into `path` (a folder that does not
+        exist yet). Returns once training may go on; the future completes when `path` is whole
+        (a backend that writes in the background keeps writing meanwhile)."""
 
     def load(self, path: Path) -> None:
-        """Restore what `save` wrote."""
+        """Restore what `save` wrote (a backend with ranks: onto however many ranks it has now)."""
+
+    def close(self) -> None:
+        """Stop what the engine started (rank processes); it is not used afterwards."""
 
     def describe(self) -> dict[str, Any]:
         """What the engine runs on (backend, device, precision, parameters), for the start-up log."""
 
 
-def build_training_engine(spec: TrainerSpec, model_path: str | Path, *, seed: int) -> TrainingEngine:
-    """The training engine `spec.backend` names, on the model at `model_path`; blocks while it loads
-    (call it in a worker thread). Raises ConfigError naming `run.trainer.backend` for an unknown one."""
+def build_training_engine(
+    spec: TrainerSpec, model_path: str | Path, *, seed: int, layout: RankLayout | None = None
+) -> TrainingEngine:
+    """The training engine `spec.backend` names, on the model at `model_path`, with its ranks placed
+    by `layout` (None: `spec.ranks` ranks on this node alone); blocks while it loads (call it in a
+    worker thread). Raises ConfigError naming `run.trainer.backend` for an unknown one."""
     build = TRAINING_BACKENDS.get(spec.backend)
     if build is None:
         raise ConfigError(f"run.trainer.backend: {unknown_backend(spec.backend)}")
-    return build(spec, model_path, seed)
+    return build(spec, model_path, seed, layout or RankLayout(world_size=spec.ranks, local_ranks=spec.ranks))
 
 
 def unknown_backend(name: str) -> str:
@@ -125,13 +173,22 @@ def unknown_backend(name: str) -> str:
 # -- the backends -------------------------------------------------------------------------------
 
 
-def _torch(spec: TrainerSpec, model_path: str | Path, seed: int) -> TrainingEngine:
+def _torch(spec: TrainerSpec, model_path: str | Path, seed: int, layout: RankLayout) -> TrainingEngine:
     from rollart.engines.torch_train import TorchTrainer
 
+    if layout.world_size != 1:
+        raise ConfigError(f"run.trainer.backend: torch trains on one device, not {layout.world_size} ranks")
     return TorchTrainer(model_path, spec, seed=seed)
 
 
-TRAINING_BACKENDS: dict[str, Callable[[TrainerSpec, str | Path, int], TrainingEngine]] = {
+def _fsdp2(spec: TrainerSpec, model_path: str | Path, seed: int, layout: RankLayout) -> TrainingEngine:
+    from rollart.engines.fsdp import FSDPTrainer
+
+    return FSDPTrainer(model_path, spec, seed=seed, layout=layout)
+
+
+TRAINING_BACKENDS: dict[str, Callable[[TrainerSpec, str | Path, int, RankLayout], TrainingEngine]] = {
     "torch": _torch,
+    "fsdp2": _fsdp2,
 }
-"""`run.trainer.backend` -> the function that builds its engine (spec, model path, seed)."""
+"""`run.trainer.backend` -> the function that builds its engine (spec, model path, seed, rank layout)."""

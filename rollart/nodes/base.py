@@ -240,6 +240,10 @@ class NodeDaemon:
         """The role's own metrics: name -> (help, value), exported as gauges."""
         return {}
 
+    def role_labelled_gauges(self) -> dict[str, tuple[str, str, dict[str, float]]]:
+        """The role's gauges with one label: name -> (help, label name, {label value: value})."""
+        return {}
+
     def role_counters(self) -> dict[str, tuple[str, float]]:
         """The role's own counts since the process started: name -> (help, value), exported as
         counters (`NAME_total`)."""

@@ -21,6 +21,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +88,7 @@ class Learner:
         self._recent: dict[str, collections.deque[tuple[float, float]]] = {}
         self._busy: dict[str, tuple[float, float]] = {}
         self._ucx_ports: dict[str, int] = {}
+        self._saving: asyncio.Task[None] | None = None
 
     # -- start and resume -------------------------------------------------------------------------
 
@@ -312,13 +314,18 @@ class Learner:
     # -- checkpoints ------------------------------------------------------------------------------
 
     async def checkpoint(self, *, step: int, version: int, dispenser: dict[str, Any]) -> Path:
-        """Save everything a restart needs; atomic per checkpoint, the `latest` pointer last."""
+        """Start a checkpoint of everything a restart needs; returns once training may go on.
+
+        The engine stages its state and may write it in the background (`TrainingEngine.save`);
+        the trainer state and the `latest` pointer follow once the engine's part is whole, so a
+        kill -9 before then leaves the previous checkpoint as the latest. One is written at a time:
+        a checkpoint first waits for the one before (`saved`)."""
         import torch
 
         assert self.engine is not None
+        await self.saved()
         engine = self.engine
-        run_dir = self.run_dir
-        path = run_dir.checkpoint(step)
+        path = self.run_dir.checkpoint(step)
         state = {
             "step": step,
             "version": version,
@@ -327,16 +334,42 @@ class Learner:
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
+        started = time.monotonic()
+        written = await asyncio.to_thread(engine.save, path)
+        held = round(time.monotonic() - started, 3)
+        self._saving = asyncio.create_task(self._finish_checkpoint(path, written, state, started, held))
+        return path
 
-        def save() -> None:
-            engine.save(path)
+    async def _finish_checkpoint(
+        self, path: Path, written: Future[None], state: dict[str, Any], started: float, held: float
+    ) -> None:
+        import torch
+
+        run_dir = self.run_dir
+        await asyncio.wrap_future(written)
+
+        def finish() -> None:
             torch.save(state, run_dir.trainer_state(path))
             run_dir.point_latest_at(path)
             for old in run_dir.saved_checkpoints()[: -self.spec.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
 
-        started = time.monotonic()
-        await asyncio.to_thread(save)
+        await asyncio.to_thread(finish)
         took = round(time.monotonic() - started, 3)
-        log.info("learner.checkpoint", path=str(path), step=step, version=version, s=took)
-        return path
+        log.info(
+            "learner.checkpoint", path=str(path), step=state["step"], version=state["version"], s=took, held_s=held
+        )
+
+    async def saved(self) -> None:
+        """Wait for the checkpoint being written, if any (raises what its write raised)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            await saving
+
+    async def close(self) -> None:
+        """Finish the checkpoint in flight and stop the engine (its rank processes)."""
+        try:
+            await self.saved()
+        finally:
+            if self.engine is not None:
+                await asyncio.to_thread(self.engine.close)

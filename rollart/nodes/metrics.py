@@ -67,6 +67,11 @@ class NodeCollector(Collector):
             yield GaugeMetricFamily("rollart_node_busy_ratio", "How busy the role's main resource is, 0-1", value=busy)
         for name, (doc, value) in d.role_gauges().items():
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, (doc, label, values) in d.role_labelled_gauges().items():
+            family = GaugeMetricFamily(name, doc, labels=[label])
+            for key, value in values.items():
+                family.add_metric([key], value)
+            yield family
         for name, (doc, value) in d.role_counters().items():
             yield CounterMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(

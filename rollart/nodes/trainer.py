@@ -45,6 +45,11 @@ TRAINER_STEP_GAUGES = {
     "staleness_mean": "Mean version lag of the tokens in the last batch",
 }
 """Numbers of the last step's metrics line exported as `rollart_trainer_last_<key>` gauges."""
+RANK_MEMORY_GAUGES = {
+    "state": "Bytes of parameters, gradients and optimizer state a training rank holds (its shards)",
+    "peak": "A training rank's peak memory in the last step (GPU: allocated; CPU: resident high-water mark)",
+}
+"""`state_bytes_rN` and `peak_bytes_rN` of the last step, exported as `rollart_trainer_rank_<kind>_bytes{rank=N}`."""
 TRAINER_GROUP_COUNTS = {
     "granted": "Groups granted to env-hosts",
     "completed": "Groups handed in",
@@ -245,6 +250,15 @@ class TrainerNode(NodeDaemon):
         for key, doc in TRAINER_STEP_GAUGES.items():
             if isinstance(last.get(key), int | float):
                 gauges[f"rollart_trainer_last_{key}"] = (doc, last[key])
+        return gauges
+
+    def role_labelled_gauges(self) -> dict[str, tuple[str, str, dict[str, float]]]:
+        last = self.learner.last_stats if self.learner is not None else {}
+        gauges = {}
+        for kind, doc in RANK_MEMORY_GAUGES.items():
+            values = {key.rsplit("_r", 1)[1]: float(v) for key, v in last.items() if key.startswith(f"{kind}_bytes_r")}
+            if values:
+                gauges[f"rollart_trainer_rank_{kind}_bytes"] = (doc, "rank", values)
         return gauges
 
     def role_counters(self) -> dict[str, tuple[str, float]]:

@@ -170,15 +170,18 @@ class TrainStep:
     async def finish(self) -> None:
         if self.core.batches > self.last_checkpoint_step:
             await self._checkpoint()
+        await self.learner.saved()
 
     async def close(self) -> None:
         with contextlib.suppress(TimeoutError):  # let the last version land, within reason
             await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_S)
         await self.learner.publisher.close()
+        await self.learner.close()
 
     async def drain(self) -> None:
         if self.learner.engine is not None and self.core.batches > self.last_checkpoint_step:
             await self._checkpoint()
+        await self.learner.saved()
 
 
 class RolloutOnlyStep:

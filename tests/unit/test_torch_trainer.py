@@ -13,7 +13,6 @@ warm-up steps teach a freshly built model to answer U, D, L or R.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -25,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 
-from rollart.algorithms.grpo import PackedBatch, pack_batch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
@@ -38,43 +36,7 @@ from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology
-
-
-@dataclasses.dataclass(frozen=True)
-class Seq:
-    """A trajectory as `pack_batch` reads it."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    segments: list[int] = dataclasses.field(default_factory=list)
-
-
-def synthetic_batch() -> PackedBatch:
-    """Four sequences of different lengths from fixed ids (the tiny vocabulary has 101 tokens).
-
-    Behaviour log-probs sit around log(1/101) = -4.6, above and below it, so the importance
-    weights differ per token (one is truncated at tis_cap); the second sequence has a
-    multi-turn observation gap (mask 0 inside the response); advantages do not sum to zero, so
-    the losses stay away from 0 and a relative tolerance means something.
-    """
-    seqs = [
-        Seq([5, 70, 71, 72, 73, 6], [40, 41, 42, 3], [1, 1, 1, 1], [-4.0, -5.0, -4.6, -4.4], [3, 3, 3, 3]),
-        Seq(
-            [5, 80, 81, 6],
-            [50, 51, 3, 9, 60, 61, 6, 52, 53, 3],
-            [1, 1, 1, 0, 0, 0, 0, 1, 1, 1],
-            [-4.2, -4.9, -4.5, 0.0, 0.0, 0.0, 0.0, -6.0, -4.1, -4.7],
-            [2, 2, 2, -1, -1, -1, -1, 3, 3, 3],
-        ),
-        Seq([5, 90, 6], [44, 45], [1, 1], [-4.8, -4.3], [1, 1]),
-        Seq(
-            [5, 70, 90, 71, 91, 72, 6], [30, 31, 32, 33, 34, 3], [1] * 6, [-4.6, -4.5, -4.7, -3.9, -5.2, -4.6], [3] * 6
-        ),
-    ]
-    return pack_batch(seqs, [1.0, -0.5, 0.75, -1.25], pad_id=0)
+from tests.batches import synthetic_batch
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +136,7 @@ def test_epochs_pass_over_the_whole_batch_again_around_the_same_weights(model_di
 def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Path) -> None:
     engine = build_training_engine(TrainerSpec(micro_batch_size=2), model_dir, seed=0)
     assert isinstance(engine, TorchTrainer) and engine.describe()["backend"] == "torch"
-    with pytest.raises(ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: torch\)"):
+    with pytest.raises(ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: fsdp2, torch\)"):
         build_training_engine(TrainerSpec(backend="fsdp9"), model_dir, seed=0)
     # An unknown backend is refused when the topology loads, with its YAML path and a hint.
     nodes = "nodes:\n  - {name: trainer, role: trainer, port: 17001, admin_port: 17002}\n"
@@ -206,7 +168,7 @@ def test_save_then_load_continues_exactly(model_dir: Path, tmp_path: Path) -> No
     # Weights alone are not enough: without the AdamW moments the second step goes elsewhere,
     # so the equality above really checks that the optimizer state was restored.
     weights_only = trainer(model_dir)
-    weights_only.model.load_state_dict(load_model_and_tokenizer(checkpoint)[0].state_dict())
+    weights_only.lm.load_state_dict(load_model_and_tokenizer(checkpoint)[0].state_dict())
     second, third = (weights_only.train_step(batch, version=4)["loss"] for _ in range(2))
     assert second == pytest.approx(continued[0], rel=1e-6) and third != pytest.approx(continued[1], rel=1e-4)
 

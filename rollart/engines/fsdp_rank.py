@@ -1,0 +1,279 @@
+"""One FSDP2 training rank: a process that holds a shard of the policy and its optimizer state.
+
+`rank_main` is the process's entry point (`rollart.engines.fsdp_group.RankGroup` starts it). The
+rank joins the process group through the trainer's rendezvous store, loads the model, shards every
+decoder layer and then the whole policy with `fully_shard`, and serves commands. Rank 0 reads them
+from its pipe to the trainer node and broadcasts each to the other ranks, so every rank runs the
+same collectives in the same order; rank 0 answers. The other ranks' pipes only tell them that their
+node is gone: a rank whose node died exits at once rather than wait in a collective.
+
+Commands (a tuple: name, call id, arguments), and what rank 0 answers:
+- `train` (batch, version): the step's statistics, with every rank's model-state and peak bytes;
+- `export` (bucket bytes, dtype): the weights by Hugging Face name, each gathered whole with
+  `full_tensor()`, sent in buckets of about that many bytes (never the whole state dict at once);
+- `save` (folder): answered once the shards are staged in memory; the write goes on in the
+  background (`torch.distributed.checkpoint.async_save` on a process group of its own) and a second
+  answer under the same id says when the folder is complete (written to a staging name, renamed);
+- `load` (folder): restores weights and optimizer state whatever rank count wrote them;
+- `stop`: every rank leaves the group and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import threading
+import traceback
+from concurrent.futures import Future
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from rollart.algorithms.grpo import PackedBatch
+from rollart.engines import memory
+from rollart.engines.loading import load_model_and_tokenizer
+from rollart.engines.logprobs import PolicyLogprobs, policy_logprobs
+from rollart.engines.step import StepRunner, World
+from rollart.engines.torch_train import compute_dtype, pick_device
+from rollart.engines.training import TrainerSpec
+
+DCP_FOLDER = "dcp"
+ENGINE_FILE = "engine.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankArgs:
+    """What a rank process starts from (pickled to it)."""
+
+    rank: int
+    local_rank: int
+    """Its index on its node: its GPU there."""
+    world_size: int
+    store: tuple[str, int]
+    """The rendezvous store's host and port."""
+    spec: TrainerSpec
+    model_path: str
+    seed: int
+
+
+def rank_main(args: RankArgs, commands: Connection | None, alive: Connection) -> None:
+    """The rank process (module docstring); `commands` is rank 0's pipe to its node, None elsewhere."""
+    threading.Thread(target=_exit_with_node, args=(alive,), daemon=True).start()
+    spec, rank, world_size = args.spec, args.rank, args.world_size
+    device = pick_device(spec.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", args.local_rank)
+        torch.cuda.set_device(device)
+    elif spec.threads:
+        torch.set_num_threads(spec.threads)
+    host, port = args.store
+    timeout = timedelta(seconds=spec.rank_timeout_s)
+    client = TCPStore(host, port, is_master=False, timeout=timeout)
+    generation = client.get("generation").decode()
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=PrefixStore(f"rollart/{generation}/", client),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        Rank(spec, args.model_path, seed=args.seed, device=device, world_size=world_size).serve(commands)
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _exit_with_node(alive: Connection) -> None:
+    """Block until the node's end of the pipe closes (the node exited or stopped us), then exit."""
+    with contextlib.suppress(EOFError, OSError):
+        alive.recv()
+    os._exit(3)
+
+
+def shard(model: torch.nn.Module, lm: Any, mp: MixedPrecisionPolicy) -> None:
+    """FSDP2 per decoder layer, then the whole policy (embeddings, final norm and head at the root);
+    gradients summed over ranks, not averaged (`rollart.engines.step`)."""
+    for layer in lm.get_decoder().layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+
+class Rank:
+    """The policy shard, its optimizer and the commands it serves."""
+
+    def __init__(self, spec: TrainerSpec, model_path: str, *, seed: int, device: torch.device, world_size: int) -> None:
+        torch.manual_seed(seed)
+        self.spec, self.device, self.rank = spec, device, dist.get_rank()
+        self.world = World(rank=self.rank, size=world_size, device=device)
+        dtype = torch.bfloat16 if spec.master_dtype == "bf16" else torch.float32
+        compute = compute_dtype(spec, device)
+        mp = (
+            MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+        )
+        self.lm, self.tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
+        if spec.activation_checkpointing:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = PolicyLogprobs(self.lm.train(), chunk_tokens=spec.logprob_chunk_tokens)
+        shard(self.model, self.lm, mp)
+        ref = None
+        if spec.grpo.kl_coef > 0:
+            ref_lm, _ = load_model_and_tokenizer(model_path, dtype=dtype)
+            ref = PolicyLogprobs(ref_lm.requires_grad_(False), chunk_tokens=spec.logprob_chunk_tokens)
+            shard(ref, ref_lm, mp)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
+        )
+        self.runner = StepRunner(
+            self.model, self.optimizer, spec, logprobs=policy_logprobs, world=self.world, ref_model=ref
+        )
+        self.steps = 0
+        self.checkpoint_group = dist.new_group(backend="gloo")
+        """Background checkpoint writes run their collectives here, apart from training's."""
+        self._saving: Future[Any] | None = None
+        self._send_lock = threading.Lock()
+        self._commands: Connection | None = None
+
+    # -- the command loop -------------------------------------------------------------------------
+
+    def serve(self, commands: Connection | None) -> None:
+        self._commands = commands
+        while True:
+            box: list[Any] = [commands.recv() if commands is not None else None]
+            dist.broadcast_object_list(box, src=0)
+            name, call, *args = box[0]
+            if name == "stop":
+                self._wait_saved()
+                return
+            try:
+                result = getattr(self, f"do_{name}")(call, *args)
+            except Exception:  # the node raises it in the caller; the group may be broken
+                self._reply(call, "error", traceback.format_exc())
+                raise
+            self._reply(call, "result", result)
+
+    def _reply(self, call: int, kind: str, payload: Any) -> None:
+        if self._commands is not None:
+            with self._send_lock:
+                self._commands.send((call, kind, payload))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "parameters": sum(p.numel() for p in self.lm.parameters()),
+            "device": str(self.device),
+            "world_size": self.world.size,
+        }
+
+    def do_describe(self, call: int) -> dict[str, Any]:
+        return self.describe()
+
+    def do_train(self, call: int, batch: PackedBatch, version: int) -> dict[str, float]:
+        memory.reset_peak(self.device)
+        out = self.runner.train_step(batch.to(self.device), version=version)
+        self.steps += 1
+        mine = torch.tensor(
+            [
+                memory.state_bytes(self.model.parameters(), self.optimizer)["state_bytes"],
+                memory.peak_bytes(self.device),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        every = [torch.zeros_like(mine) for _ in range(self.world.size)]
+        dist.all_gather(every, mine)
+        for r, held in enumerate(every):
+            out[f"state_bytes_r{r}"], out[f"peak_bytes_r{r}"] = (float(v) for v in held.tolist())
+        return out
+
+    def do_export(self, call: int, bucket_bytes: int, dtype: torch.dtype | None) -> int:
+        """Send the weights in buckets (module docstring); returns how many were sent."""
+        bucket: dict[str, torch.Tensor] = {}
+        size = sent = 0
+        for name, tensor in self.lm.state_dict().items():
+            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank != 0:
+                continue
+            whole = whole.detach().to("cpu", dtype=dtype or whole.dtype)
+            bucket[name] = whole
+            size += whole.numel() * whole.element_size()
+            if size >= bucket_bytes:
+                self._send_part(call, bucket)
+                bucket, size, sent = {}, 0, sent + 1
+        if bucket and self.rank == 0:
+            self._send_part(call, bucket)
+            sent += 1
+        return sent
+
+    def _send_part(self, call: int, bucket: dict[str, torch.Tensor]) -> None:
+        self._reply(call, "part", bucket)
+
+    def do_full_state(self, call: int) -> dict[str, Any] | None:
+        """The whole model and optimizer state by name on rank 0, on CPU (for tests and small models:
+        it holds everything at once, which `export` and `save` never do)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optim = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model, "optim": optim} if self.rank == 0 else None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def do_save(self, call: int, folder: str) -> str:
+        self._wait_saved()
+        path = Path(folder)
+        staging = path.with_name(f".{path.name}.staging")
+        if self.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            self.lm.config.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
+            (staging / ENGINE_FILE).write_text(json.dumps({"steps": self.steps, "world_size": self.world.size}))
+        dist.barrier()
+        future: Future[Any] = async_save(  # type: ignore[assignment]
+            self._state(), checkpoint_id=str(staging / DCP_FOLDER), process_group=self.checkpoint_group
+        )
+        self._saving = future
+        future.add_done_callback(lambda done: self._saved(done, call, staging, path))
+        return "staged"
+
+    def _saved(self, done: Future[Any], call: int, staging: Path, path: Path) -> None:
+        if self.rank != 0:
+            return
+        error = done.exception()
+        if error is None:
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(staging, path)
+        self._reply(call, "saved" if error is None else "error", repr(error) if error else str(path))
+
+    def _wait_saved(self) -> None:
+        if self._saving is not None:
+            self._saving.result()
+            self._saving = None
+
+    def do_load(self, call: int, folder: str) -> int:
+        self._wait_saved()
+        path = Path(folder)
+        state = self._state()
+        dcp_load(state, checkpoint_id=str(path / DCP_FOLDER))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.steps = int(json.loads((path / ENGINE_FILE).read_text())["steps"])
+        return self.steps
