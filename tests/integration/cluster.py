@@ -45,13 +45,15 @@ def training_yaml(
     batch_groups: int = 2,
     redundancy: int = 0,
     generate_timeout_s: float = 30,
+    trainer: str = "",
 ) -> str:
-    """The `run:` keys of a small training run (appended by `write_topology`)."""
+    """The `run:` keys of a small training run (appended by `write_topology`); `trainer` adds keys
+    to `run.trainer` (`backend: fsdp2, ranks: 2`)."""
     return f"""  model: {{path: {model}}}
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
   trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {checkpoint_every}, threads: 1,
-             weight_transport: tcp}}
+             weight_transport: tcp{", " + trainer if trainer else ""}}}
   rollout:
     mode: train
     schedule: {schedule}

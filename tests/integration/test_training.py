@@ -402,3 +402,34 @@ def test_generators_ahead_of_the_checkpoint_get_its_weights_under_a_fresh_versio
     # The redone steps trained on tokens of the resumed weights or older, never on the lost ones.
     for line in cluster.metrics()[len(run["before"]) :]:
         assert line["staleness_max"] >= 0 and line["staleness_mean"] >= 0, line
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_training_run_with_two_ranks_checkpoints_and_exits_cleanly(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    """The trainer node drives two FSDP2 rank processes: every step trains, every version reaches the
+    generators, each checkpoint is written in the background and is whole, and the ranks exit with it."""
+    steps = 3
+    yaml = training_yaml(tiny_model, steps=steps, checkpoint_every=1, trainer="backend: fsdp2, ranks: 2")
+    cluster = make_cluster(clusters, tmp_path, yaml)
+    cluster.start()
+    cluster.wait_healthy()
+    done = trainer_done(cluster, timeout=240)
+    assert done["rollout"]["version"] == done["rollout"]["batches"] == steps
+    lines = step_lines(cluster.metrics())
+    check_step_lines(lines, range(1, steps + 1))
+    trained = [line for line in lines if line["tokens"] > 0]  # a batch without signal takes no step
+    assert trained, lines
+    for line in trained:
+        assert line["state_bytes_r0"] > 0 and line["state_bytes_r1"] > 0 and line["peak_bytes_r1"] > 0, line
+    final = settle_generators(cluster, steps, timeout=10)
+    assert all(steps - 1 <= engine["weights"]["version"] <= steps for engine in final.values()), final
+    assert latest_checkpoint(cluster.run_dir) == steps
+    assert (RunDir(cluster.run_dir).latest_checkpoint() / "dcp" / ".metadata").exists()
+    saved = cluster.events("trainer", "learner.checkpoint")
+    assert [event["step"] for event in saved] == list(range(1, steps + 1)), saved
+    ranks = cluster.events("trainer", "fsdp.ranks_started")[0]["pids"]
+    assert cluster.stop() == dict.fromkeys(NODES, 0)
+    for pid in ranks:  # the ranks left with their node
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid

@@ -136,7 +136,9 @@ def test_epochs_pass_over_the_whole_batch_again_around_the_same_weights(model_di
 def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Path) -> None:
     engine = build_training_engine(TrainerSpec(micro_batch_size=2), model_dir, seed=0)
     assert isinstance(engine, TorchTrainer) and engine.describe()["backend"] == "torch"
-    with pytest.raises(ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: fsdp2, torch\)"):
+    with pytest.raises(
+        ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: fsdp2, torch\)"
+    ):
         build_training_engine(TrainerSpec(backend="fsdp9"), model_dir, seed=0)
     # An unknown backend is refused when the topology loads, with its YAML path and a hint.
     nodes = "nodes:\n  - {name: trainer, role: trainer, port: 17001, admin_port: 17002}\n"
