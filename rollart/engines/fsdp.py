@@ -23,7 +23,9 @@ import torch
 
 from rollart.algorithms.grpo import PackedBatch
 from rollart.engines.fsdp_group import RankGroup
+from rollart.engines.fsdp_rank import DCP_FOLDER
 from rollart.engines.training import RankLayout, TrainerSpec
+from rollart.errors import RollartError
 
 
 class FSDPTrainer:
@@ -63,6 +65,12 @@ class FSDPTrainer:
         return written
 
     def load(self, path: Path) -> None:
+        if not (path / DCP_FOLDER).is_dir():
+            raise RollartError(
+                f"{path} holds no {DCP_FOLDER}/ shards: it was not written by the fsdp2 backend (the torch "
+                "backend writes a Hugging Face folder); resume with the backend that wrote it, or start a "
+                "new run from it with `rollart export` and run.model.path"
+            )
         self.ranks.call("load", str(path))
 
     def close(self) -> None:

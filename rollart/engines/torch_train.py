@@ -26,6 +26,7 @@ from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.logprobs import PolicyLogprobs, policy_logprobs
 from rollart.engines.step import StepRunner
 from rollart.engines.training import TrainerSpec
+from rollart.errors import RollartError
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -98,8 +99,8 @@ class TorchTrainer:
         out |= {"state_bytes_r0": held["state_bytes"], "peak_bytes_r0": memory.peak_bytes(self.device)}
         return out
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach() for name, tensor in self.lm.state_dict().items()}
+    def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().to(dtype or tensor.dtype) for name, tensor in self.lm.state_dict().items()}
 
     def save(self, path: Path) -> Future[None]:
         """Write a Hugging Face model folder plus the optimizer state, atomically (staging + rename)."""
@@ -113,6 +114,11 @@ class TorchTrainer:
         return done()
 
     def load(self, path: Path) -> None:
+        if not (path / OPTIMIZER_FILE).exists():
+            raise RollartError(
+                f"{path} holds no {OPTIMIZER_FILE}: it was not written by the torch backend (fsdp2 writes "
+                "dcp/ shards, loadable onto any number of ranks); resume with the backend that wrote it"
+            )
         lm, _ = load_model_and_tokenizer(path, device=self.device)
         self.lm.load_state_dict(lm.state_dict())
         state = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)

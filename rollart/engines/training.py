@@ -133,9 +133,9 @@ class TrainingEngine(Protocol):
         """One training step on a batch (its optimizer step(s) included); returns its statistics:
         at least `loss`, `grad_norm` and the off-policy measures of `LossStats.means`."""
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights by Hugging Face name. The tensors may alias the live parameters:
-        copy them before the next `train_step`."""
+    def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The current weights by Hugging Face name, cast to `dtype` (None: as trained). The tensors
+        may alias the live parameters: copy them before the next `train_step`."""
 
     def save(self, path: Path) -> Future[None]:
         """Start a checkpoint of weights and optimizer state into `path` (a folder that does not

@@ -221,10 +221,13 @@ class Learner:
         return await asyncio.to_thread(step)
 
     def publish(self, version: int) -> float:
-        """Snapshot the weights for the push; returns the seconds the trainer waited (its stall)."""
+        """Export the weights (from the ranks, with FSDP2) and snapshot them for the push; returns
+        the seconds the trainer waited for both (its stall)."""
         assert self.engine is not None
         self._follow_ucx_ports()
-        stall = self.publisher.publish(version, self.engine.export_weights())
+        started = time.perf_counter()
+        weights = self.engine.export_weights()
+        stall = time.perf_counter() - started + self.publisher.publish(version, weights)
         self.stall_s.append(stall)
         return stall
 

@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from rollart.algorithms.config import GRPOConfig
 from rollart.engines.fsdp import FSDPTrainer
 from rollart.engines.logprobs import PolicyLogprobs
 from rollart.engines.step import micro_batch_rows, split_rows
 from rollart.engines.torch_train import TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
+from rollart.errors import RollartError
 from tests.batches import random_batch
 
 pytestmark = pytest.mark.integration
@@ -90,8 +92,14 @@ def test_reshard_checkpoint_two_to_one_to_two_ranks(tiny_model: Path, tmp_path: 
     finally:
         two.close()
     assert (tmp_path / "a" / "config.json").exists() and not list(tmp_path.glob(".*staging*"))
+    single = TorchTrainer(tiny_model, TrainerSpec(**SPEC), seed=0)
+    with pytest.raises(RollartError, match="not written by the torch backend"):
+        single.load(tmp_path / "a")
+    single.save(tmp_path / "torch").result()
     one = fsdp(tiny_model, 1)
     try:
+        with pytest.raises(RollartError, match="not written by the fsdp2 backend"):
+            one.load(tmp_path / "torch")
         one.load(tmp_path / "a")
         assert_same_state(one.full_state(), saved_by_two, rtol=0.0)
         one.train_step(random_batch(7, rows=6), version=3)
@@ -150,3 +158,34 @@ def test_chunked_logprob_equals_full_logprobs_and_their_gradients(tiny_model: Pa
     torch.testing.assert_close(chunked, full, rtol=1e-5, atol=1e-6)
     for name, grad in full_grads.items():
         assert relative(chunked_grads[name], grad) < 1e-5, name
+
+
+def test_fsdp_with_a_reference_model_and_activation_checkpointing_matches_one_device(tiny_model: Path) -> None:
+    """kl_coef > 0 loads a reference model (sharded like the policy); recomputing every layer's
+    activations in the backward pass changes no number."""
+    grpo = GRPOConfig(kl_coef=0.1)
+    single = TorchTrainer(tiny_model, TrainerSpec(**(SPEC | {"grpo": grpo, "lr": 1e-2})), seed=0)
+    sharded = fsdp(tiny_model, 2, grpo=grpo, lr=1e-2, activation_checkpointing=True)
+    assert sharded.describe()["reference_model"] and single.ref_model is not None
+    try:
+        for step in range(2):
+            batch = random_batch(10 + step, rows=5)
+            one, two = single.train_step(batch, version=4), sharded.train_step(batch, version=4)
+            for key in ("loss", "kl", "grad_norm"):
+                assert two[key] == pytest.approx(one[key], rel=1e-5), (step, key)
+        assert two["kl"] > 0  # the policy moved away from the reference after the first step
+    finally:
+        sharded.close()
+
+
+def test_fsdp_pure_bf16_holds_half_the_model_state(tiny_model: Path) -> None:
+    fp32, bf16 = fsdp(tiny_model, 2), fsdp(tiny_model, 2, master_dtype="bf16")
+    try:
+        batch = random_batch(4, rows=6)
+        a, b = fp32.train_step(batch, version=2), bf16.train_step(batch, version=2)
+        assert b["state_bytes_r0"] == pytest.approx(a["state_bytes_r0"] / 2, rel=0.01)
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.05)  # same model, bf16 rounding
+        assert bf16.export_weights()["lm_head.weight"].dtype == torch.bfloat16
+    finally:
+        fp32.close()
+        bf16.close()
