@@ -5,6 +5,8 @@
     rollart check TOPOLOGY                validate a topology file and print its nodes
     rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
+    rollart export RUN_DIR OUT [--step N | --checkpoint PATH] [--dtype auto|bf16|fp32] [--force]
+                                          the trained policy as a Hugging Face model folder
     rollart slurm TOPOLOGY [--out FILE] [--partition ROLE=NAME] [--time LIMIT]
                                           write an sbatch script: a het job, one component per role
     rollart status|pause|resume|drain --topology FILE [--node NAME]
@@ -14,8 +16,8 @@
 `bin/setup-vllm` when vLLM is missing here, and runs again there.
 
 Exit codes: 0 success; 1 a node failed (the run says which), or did not answer (admin commands);
-2 bad configuration or usage (for `report`: a run directory without metrics.jsonl); 3 an admin
-command was refused (wrong or missing token).
+2 bad configuration or usage (for `report`: a run directory without metrics.jsonl; for `export`: no
+complete checkpoint, or OUT in the way); 3 an admin command was refused (wrong or missing token).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run_dir", help=f"the run directory ({RunDir.METRICS}, {RunDir.TIMELINE}, {RunDir.UTILIZATION})"
     )
     report.add_argument("--out", default=None, help="folder to write the report to (default: RUN_DIR/report)")
+    export = commands.add_parser("export", help="the trained policy as a Hugging Face model folder")
+    export.add_argument("run_dir", help="the run directory (its newest complete checkpoint is exported)")
+    export.add_argument("out", help="the folder to write (config, safetensors, tokenizer, generation config)")
+    which = export.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="the checkpoint taken after this step instead")
+    which.add_argument(
+        "--checkpoint", default=None, help="a checkpoint folder instead (a path, or a name in RUN_DIR/checkpoints)"
+    )
+    export.add_argument(
+        "--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="the weights' dtype (auto: the checkpoint's)"
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
     slurm = commands.add_parser("slurm", help="write an sbatch script for the topology (docs/operating.md)")
     slurm.add_argument("topology", help="the topology YAML file, on a disk the cluster's nodes share")
     slurm.add_argument("--out", default=None, help="where to write the script (default: RUN_DIR/job.sbatch)")
@@ -86,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(Path(args.run_dir), None if args.out is None else Path(args.out))
+    if args.command == "export":
+        return _export(args)
     try:
         topology = load_topology(args.topology)
     except ConfigError as exc:
@@ -185,6 +201,36 @@ def _report(run_dir: Path, out: Path | None) -> int:
         return EXIT_CONFIG
     print(f"report written to {report_dir / 'report.md'}")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """`rollart export`: find the checkpoint in the run folder, then `rollart.engines.export`."""
+    from rollart.engines.export import ExportError, export_checkpoint
+    from rollart.rundir import RunDirError
+
+    run = RunDir(args.run_dir)
+    try:
+        if args.checkpoint is not None:
+            given = Path(args.checkpoint)
+            checkpoint = given if given.exists() or given.is_absolute() else run.checkpoints / given
+        else:
+            checkpoint = run.complete_checkpoint(args.step)
+        export_checkpoint(
+            checkpoint,
+            Path(args.out),
+            dtype=args.dtype,
+            force=args.force,
+            progress=lambda line: _say(f"export: {line}"),
+        )
+    except (ExportError, RunDirError) as exc:
+        print(f"rollart: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"exported to {args.out}: load it with transformers.AutoModelForCausalLM.from_pretrained({args.out!r})")
+    return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _needs_vllm(topology: Topology) -> bool:

@@ -6,7 +6,8 @@
       utilization.jsonl    the trainer: generator busy samples
       rollout.jsonl        rollout-only mode: every batch taken, one line per group
       checkpoints/
-        step-NNNNNN/       a loadable Hugging Face folder, the optimizer state and `trainer.pt`
+        step-NNNNNN/       the training engine's checkpoint (torch: a Hugging Face folder and the
+                           optimizer state; fsdp2: config, tokenizer and `dcp/` shards) and `trainer.pt`
         latest             names the newest complete checkpoint (written last, atomically)
         incarnation        how many trainer processes of this run started before the current one
       logs/NODE.log        each node's log lines (the launchers write them)
@@ -15,8 +16,9 @@
       report/              `rollart report`: plots and report.md
 
 Nothing else in `rollart/`, the tests or the benchmarks spells these names: they ask a `RunDir`.
-What is inside a checkpoint's Hugging Face folder and inside `report/` is its writer's own (the
-training engine's `save`, `rollart.report`).
+What is inside a checkpoint folder (but `trainer.pt`) and inside `report/` is its writer's own (the
+training engine's `save`, `rollart.report`); `rollart export` turns a checkpoint into a Hugging Face
+model folder.
 JSON lines are written one record per line, each `write` a single append, so a killed writer leaves
 at most a cut last line, which `read_jsonl` drops (a bad line anywhere else is corruption and
 raises). Imports no torch: the launcher and the report use it.
@@ -104,6 +106,28 @@ class RunDir:
             return int(self.latest.read_text().strip().removeprefix(CHECKPOINT_PREFIX))
         except (OSError, ValueError):
             return None
+
+    def complete_checkpoint(self, step: int | None = None) -> Path:
+        """The folder of the checkpoint after `step` (None: the one `latest` names), checked to be
+        complete: its trainer state is written last, after the engine's part is whole. Raises
+        `RunDirError` saying what is missing and which checkpoints there are."""
+        steps = [p.name for p in self.saved_checkpoints() if self.trainer_state(p).exists()]
+        there = f"complete ones here: {', '.join(steps)}" if steps else "none here is complete"
+        if step is not None:
+            path = self.checkpoint(step)
+        else:
+            latest = self.latest_checkpoint()
+            if latest is None:
+                raise RunDirError(f"no checkpoint in {self.path}: {self.latest} does not exist ({there})")
+            path = latest
+        if not path.is_dir():
+            raise RunDirError(f"{path} does not exist ({there})")
+        if not self.trainer_state(path).exists():
+            raise RunDirError(
+                f"{path} is half-written: {self.trainer_state(path).name} is missing (the run stopped while "
+                f"saving it, or is saving it now; {there})"
+            )
+        return path
 
     def point_latest_at(self, checkpoint: Path) -> None:
         """Make `latest` name `checkpoint`, atomically (a kill mid-write leaves the old pointer)."""

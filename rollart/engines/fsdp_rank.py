@@ -43,14 +43,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rollart.algorithms.grpo import PackedBatch
 from rollart.engines import memory
+from rollart.engines.export import DCP_FOLDER, ENGINE_FILE
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.logprobs import PolicyLogprobs, policy_logprobs
 from rollart.engines.step import StepRunner, World
 from rollart.engines.torch_train import compute_dtype, pick_device
 from rollart.engines.training import TrainerSpec
-
-DCP_FOLDER = "dcp"
-ENGINE_FILE = "engine.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +243,8 @@ class Rank:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
             self.lm.config.save_pretrained(staging)
+            if self.lm.generation_config is not None:  # what `rollart export` gives the exported model
+                self.lm.generation_config.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
             (staging / ENGINE_FILE).write_text(json.dumps({"steps": self.steps, "world_size": self.world.size}))
         dist.barrier()

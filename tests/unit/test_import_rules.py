@@ -67,7 +67,8 @@ RULES: dict[str, set[str]] = {
         "rewards",
     },
     "admin_cli": {"protocol", "topology", "rundir"},
-    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol"},
+    # `rollart export` reads a checkpoint with the engines that wrote it
+    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol", "engines"},
     "__main__": {"cli"},
     "__init__": set(),
     # tools for testing a deployment (fault injection, topology building): imports anything, imported by nothing

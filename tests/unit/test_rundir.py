@@ -37,6 +37,32 @@ def test_latest_names_the_newest_checkpoint_once_one_is_complete(tmp_path: Path)
     assert run.latest_step() is None
 
 
+def test_complete_checkpoint_is_the_latest_or_the_step_asked_for_once_its_trainer_state_is_written(
+    tmp_path: Path,
+) -> None:
+    run = RunDir(tmp_path)
+    with pytest.raises(RunDirError, match=r"no checkpoint in .*latest does not exist \(none here is complete\)"):
+        run.complete_checkpoint()
+    for step in (10, 20):
+        run.checkpoint(step).mkdir(parents=True)
+        run.trainer_state(run.checkpoint(step)).write_bytes(b"state")
+    run.checkpoint(30).mkdir()  # the engine's part is there, the trainer state not yet
+    run.point_latest_at(run.checkpoint(20))
+    assert run.complete_checkpoint() == run.checkpoint(20)
+    assert run.complete_checkpoint(10) == run.checkpoint(10)
+    with pytest.raises(
+        RunDirError, match=r"step-000030 is half-written: trainer.pt is missing .*step-000010, step-000020"
+    ):
+        run.complete_checkpoint(30)
+    with pytest.raises(
+        RunDirError, match=r"step-000040 does not exist \(complete ones here: step-000010, step-000020\)"
+    ):
+        run.complete_checkpoint(40)
+    run.point_latest_at(run.checkpoint(30))  # never done by a trainer: `latest` moves last
+    with pytest.raises(RunDirError, match="half-written"):
+        run.complete_checkpoint()
+
+
 def test_jsonl_round_trip_and_a_cut_last_line_is_dropped(tmp_path: Path) -> None:
     path = RunDir(tmp_path / "deep" / "run").metrics
     log = JsonlLog(path)  # makes the folder

@@ -1,0 +1,292 @@
+"""The trainer's GPU check: GRPO steps of the real training engines on a Qwen3-1.7B-shaped model, bf16.
+
+Run it through `bin/gpu-check` (which puts this checkout and the wheels the GPU machine lacks on
+`PYTHONPATH`), from the repository root:
+
+    bin/gpu-check                      # one GPU: the table on stdout and in $OUT/gpu-check.md (and .json)
+    bin/gpu-check --cpu-smoke          # the same code on CPU with a tiny shape, in seconds (a test runs it)
+    bin/gpu-check --out FILE.md        # write the table there instead
+
+It builds the model here, with random weights (nothing is downloaded): Qwen3-1.7B's shape (hidden
+2048, 28 layers, 16 heads of 128, 8 KV heads, MLP 6144, vocabulary 151,936, tied embeddings, about
+1.72 B parameters), saved in Hugging Face format in bf16, with the tiny model's character
+tokenizer (the engine needs only pad and eos; the batch's token ids are random over the whole
+vocabulary). Then each row builds a training engine (`build_training_engine`, as the trainer node
+does), takes `--warmup` steps and `--steps` measured ones on the same kind of batch (`--rows`
+rows of `--tokens` tokens at most, lengths uniform over [tokens/2, tokens], the second half of each
+row the response), takes `export_weights()` once, and closes it. Each row's line is written as soon
+as it is measured, so a run cut short still leaves the rows it finished; a row that fails says why
+and the next one runs.
+
+Time: estimated (not measured: it has not run on a GPU yet) at under a minute to build the model
+and about a minute per row; no row starts after `--budget-s` (300 s), so a run ends within about 7
+minutes, leaving room for the machine's start in an 8-minute slot.
+
+What the columns mean:
+- step s: the median wall time of `train_step` as the trainer node calls it (one optimizer step);
+- tokens/s: the batch's real (unpadded) tokens over step s;
+- MFU: 6 x parameters x real tokens / step s / peak (`--peak-tflops`, 989: an H200's dense bf16).
+  6 x parameters counts the forward and backward matmuls per token; attention scores and the
+  output head's recomputation in the chunked log-probs are not counted, nor padding;
+- peak GiB: the rank's `torch.cuda.max_memory_allocated` over a step (`peak_bytes_r0`);
+- state GiB: parameters, gradients and optimizer state the rank holds (`state_bytes_r0`);
+- export s: one `export_weights()`, the weights by Hugging Face name as the weight push takes them
+  (fsdp2: gathered and sent from the rank process in buckets; torch: tensors that alias the live
+  parameters, nothing copied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
+
+from rollart.algorithms.grpo import PackedBatch
+from rollart.engines.training import TrainerSpec, build_training_engine
+from rollart.logs import configure_logging
+from rollart.tiny.model import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The model's dimensions (Qwen3Config's names)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+QWEN3_1_7B = Shape(2048, 28, 16, 8, 128, 6144, 151936)
+SMOKE = Shape(64, 2, 4, 2, 16, 128, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    spec: dict[str, Any]
+    """TrainerSpec fields on top of the common ones."""
+    micro_batch_factor: int = 1
+    """micro_batch_tokens: this many times --micro-batch-tokens."""
+
+
+ROWS = [
+    Row("fsdp2, 1 rank, fp32 master, bf16 compute", {"backend": "fsdp2", "precision": "bf16"}),
+    Row("fsdp2, 1 rank, pure bf16", {"backend": "fsdp2", "master_dtype": "bf16"}),
+    Row("torch, bf16 autocast, fp32 master", {"backend": "torch", "precision": "bf16"}),
+    Row(
+        "fsdp2, 1 rank, fp32 master, bf16 compute, activation checkpointing, 4x micro-batch",
+        {"backend": "fsdp2", "precision": "bf16", "activation_checkpointing": True},
+        micro_batch_factor=4,
+    ),
+]
+"""The rows, most important first."""
+
+
+def build_model(folder: Path, shape: Shape, device: str) -> int:
+    """A Qwen3 of `shape` with random weights, saved in bf16 with a tokenizer; returns its parameters."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(
+        **dataclasses.asdict(shape),
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[no-untyped-call]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return parameters
+
+
+def random_batch(seed: int, *, rows: int, tokens: int, vocab: int) -> PackedBatch:
+    """`rows` rows of tokens/2 to `tokens` random ids; the second half of each row is the response,
+    with behaviour log-probs near a uniform policy's and advantages of +-1."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(tokens // 2, tokens + 1, (rows,), generator=g)
+    positions = torch.arange(tokens)[None, :]
+    attention_mask = (positions < lengths[:, None]).long()
+    loss_mask = ((positions >= (lengths // 2)[:, None]) & (attention_mask > 0)).float()
+    input_ids = torch.randint(5, vocab, (rows, tokens), generator=g) * attention_mask
+    behaviour = (-math.log(vocab) + 0.1 * torch.randn(rows, tokens, generator=g)) * loss_mask
+    advantages = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * loss_mask
+    versions = torch.where(loss_mask > 0, 0, -1).long()
+    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, advantages, versions)
+
+
+def measure(row: Row, model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the row's engine, train, export, close; the row's numbers."""
+    spec = {"device": args.device, "lr": 1e-6, "micro_batch_tokens": args.micro_batch_tokens * row.micro_batch_factor}
+    spec |= row.spec | ({"threads": 1} if args.device == "cpu" else {})
+    started = time.perf_counter()
+    engine = build_training_engine(TrainerSpec(**spec), model, seed=0)
+    out: dict[str, Any] = {"start_s": time.perf_counter() - started, "describe": engine.describe()}
+    try:
+        times, peaks, tokens = [], [], []
+        for step in range(args.warmup + args.steps):
+            batch = random_batch(step, rows=args.rows, tokens=args.tokens, vocab=args.vocab)
+            began = time.perf_counter()
+            stats = engine.train_step(batch, version=0)
+            took = time.perf_counter() - began
+            if not math.isfinite(stats["loss"]):
+                raise RuntimeError(f"step {step}: loss {stats['loss']}")
+            if step >= args.warmup:
+                times.append(took)
+                peaks.append(stats["peak_bytes_r0"])
+                tokens.append(int(batch.attention_mask.sum()))
+                out["state_bytes"] = stats["state_bytes_r0"]
+        began = time.perf_counter()
+        weights = engine.export_weights()
+        out["export_s"] = time.perf_counter() - began
+        if len(weights) < 3:
+            raise RuntimeError(f"export_weights gave {len(weights)} tensors")
+        del weights
+    finally:
+        engine.close()
+    step_s = statistics.median(times)
+    out |= {"step_s": step_s, "steps_s": times, "tokens": statistics.mean(tokens), "peak_bytes": max(peaks)}
+    out["tokens_per_s"] = out["tokens"] / step_s
+    if args.peak_tflops > 0:
+        out["mfu"] = 6 * parameters * out["tokens"] / step_s / (args.peak_tflops * 1e12)
+    return out
+
+
+def table(results: list[tuple[Row, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| row | step s | tokens/s | MFU | peak GiB | state GiB | export s | start s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, got in results:
+        if "error" in got:
+            lines.append(f"| {row.name} | failed: {got['error']} | | | | | | |")
+            continue
+        mfu = f"{got['mfu']:.1%}" if "mfu" in got else "-"
+        lines.append(
+            f"| {row.name} | {got['step_s']:.2f} | {got['tokens_per_s']:,.0f} | {mfu} | "
+            f"{got['peak_bytes'] / GIB:.1f} | {got['state_bytes'] / GIB:.1f} | {got['export_s']:.1f} | "
+            f"{got['start_s']:.0f} |"
+        )
+    return lines
+
+
+def report(args: argparse.Namespace, header: list[str], results: list[tuple[Row, dict[str, Any]]]) -> str:
+    text = "\n".join([*header, "", *table(results), ""])
+    failures = [(row, got["traceback"]) for row, got in results if "traceback" in got]
+    for row, trace in failures:
+        text += f"\n### {row.name}: the failure\n\n```\n{trace}```\n"
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        raw = [{"row": row.name, "spec": row.spec} | got for row, got in results]
+        args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    return text
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--cpu-smoke", action="store_true", help="CPU, a tiny shape, one step per row")
+    parser.add_argument("--rows", type=int, default=64, help="rows per batch (8 groups of 8)")
+    parser.add_argument("--tokens", type=int, default=1024, help="the longest row's tokens")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="run.trainer.micro_batch_tokens")
+    parser.add_argument("--warmup", type=int, default=1, help="steps before measuring")
+    parser.add_argument("--steps", type=int, default=3, help="steps measured")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (MFU)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="start no row after this many seconds")
+    parser.add_argument("--only", type=int, action="append", help="run only these rows (1-based; repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="the markdown table (default: $OUT/gpu-check.md)")
+    args = parser.parse_args(argv)
+    if args.out is None and os.environ.get("OUT"):
+        args.out = Path(os.environ["OUT"]) / "gpu-check.md"
+    args.device, args.shape = "cuda", QWEN3_1_7B
+    if args.cpu_smoke:
+        args.device, args.shape, args.peak_tflops = "cpu", SMOKE, 0.0
+        args.rows, args.tokens, args.micro_batch_tokens, args.steps = 4, 32, 64, 1
+    args.vocab = args.shape.vocab_size
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    configure_logging(json=False)  # log lines to stderr: stdout is the table
+    began = time.monotonic()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here (--cpu-smoke runs the same code on CPU)", file=sys.stderr)
+        return 2
+    import transformers
+
+    gpu = "CPU (smoke run: a tiny shape; no GPU measured)"
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name}, {props.total_memory / GIB:.0f} GiB, CUDA {torch.version.cuda}"
+    rows = [row for i, row in enumerate(ROWS, start=1) if not args.only or i in args.only]
+    header = [
+        f"# Trainer GPU check ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"- device: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}",
+        f"- machine: {describe([])}",
+        f"- command: `bin/gpu-check {' '.join(sys.argv[1:] if argv is None else argv)}`",
+    ]
+    results: list[tuple[Row, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        model = Path(scratch) / "model"
+        parameters = build_model(model, args.shape, args.device)
+        shape = ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(args.shape).items())
+        mfu = f"6 x {parameters:,} parameters x real tokens / step s / {args.peak_tflops:g} TFLOP/s"
+        header += [
+            f"- model: Qwen3, {parameters:,} parameters ({shape}), random weights, bf16 on disk, "
+            f"built in {time.monotonic() - began:.0f} s",
+            f"- batch: {args.rows} rows of {args.tokens // 2}-{args.tokens} tokens (half response), "
+            f"micro_batch_tokens {args.micro_batch_tokens}; {args.warmup} warm-up step(s), median of {args.steps}",
+            f"- MFU: {mfu}" + (" (H200 dense bf16)" if args.peak_tflops == 989.0 else "")
+            if args.peak_tflops > 0
+            else "- MFU: not computed (no peak FLOP/s for this device)",
+        ]
+        for row in rows:
+            if time.monotonic() - began > args.budget_s:
+                results.append((row, {"error": f"not run: past the {args.budget_s:.0f} s budget"}))
+                continue
+            print(f"gpu-check: {row.name} ...", file=sys.stderr, flush=True)
+            try:
+                results.append((row, measure(row, model, parameters, args)))
+            except Exception as exc:  # the next row still runs; the table says what failed
+                error = f"{type(exc).__name__}: {exc}".replace("|", "/").replace("\n", " ")[:200]
+                results.append((row, {"error": error, "traceback": traceback.format_exc()}))
+            gc.collect()  # the row's engine (model, optimizer) and its cycles, before the next row
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            report(args, header, results)
+    print(report(args, header, results))
+    return 1 if any("traceback" in got for _, got in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

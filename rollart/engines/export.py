@@ -1,0 +1,229 @@
+"""A training checkpoint as a Hugging Face model folder (`rollart export`): config, safetensors, tokenizer.
+
+Two kinds of checkpoint, told apart by what is in the folder:
+
+- torch (`rollart.engines.torch_train`): already a Hugging Face folder beside `optimizer.pt`. Its
+  files are copied as they are (`dtype: auto`), or the model is loaded and saved again in the
+  dtype asked for.
+- fsdp2 (`rollart.engines.fsdp_rank`): the model's `config.json` and tokenizer beside `dcp/`, the
+  `torch.distributed.checkpoint` shards of `{"model": <PolicyLogprobs state dict>, "optim": ...}`.
+  The model is built from its config on the meta device (no memory, no random init); only the
+  `model.lm.` entries are read from the shards, in one process without a process group, into
+  tensors of the shape and dtype the checkpoint's metadata records, a few at a time so progress
+  can be shown; the optimizer state is never read. Peak memory: one copy of the weights.
+
+Everything else a Hugging Face folder carries (tokenizer files, chat template, generation config)
+is copied; the training state (`*.pt`, `engine.json`, `dcp/`) is not. The folder is written
+under a staging name beside `out` and renamed into place, so a failed export leaves no half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from rollart.errors import RollartError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import PreTrainedModel
+
+ExportDtype = Literal["auto", "bf16", "fp32"]
+Progress = Callable[[str], None]
+
+DCP_FOLDER = "dcp"
+"""The fsdp2 checkpoint's shard folder (`rollart.engines.fsdp_rank`, which imports it from here)."""
+ENGINE_FILE = "engine.json"
+"""The fsdp2 checkpoint's step count and rank count."""
+DCP_METADATA = ".metadata"
+"""Written last by `torch.distributed.checkpoint`: the shards are whole once it is there."""
+WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+MODEL_PREFIX = "model.lm."
+"""The policy's weights among the shards' entries: `model` (the state dict), `lm` (the wrapped LM)."""
+READ_BYTES = 1 << 30
+"""Read the shards about this many bytes at a time (one progress line each)."""
+
+
+class ExportError(RollartError):
+    """The checkpoint cannot be exported (missing, half-written, unknown) or `out` is in the way."""
+
+
+def checkpoint_kind(path: Path) -> Literal["torch", "fsdp2"]:
+    """Which backend wrote the checkpoint folder `path`; raises ExportError when it is missing,
+    half-written, or not a checkpoint at all."""
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such checkpoint folder")
+    if (path / DCP_FOLDER).is_dir():
+        missing = [p for p in (DCP_FOLDER + "/" + DCP_METADATA, ENGINE_FILE, "config.json") if not (path / p).exists()]
+        if missing:
+            raise ExportError(f"{path}: a half-written fsdp2 checkpoint ({', '.join(missing)} missing)")
+        return "fsdp2"
+    if not (path / "config.json").exists() or not _weight_files(path):
+        raise ExportError(f"{path}: not a checkpoint (neither {DCP_FOLDER}/ shards nor config.json with weights)")
+    for index in path.glob("*.index.json"):
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        if missing := sorted(s for s in shards if not (path / s).exists()):
+            raise ExportError(f"{path}: a half-written checkpoint ({', '.join(missing)} missing)")
+    return "torch"
+
+
+def export_checkpoint(
+    checkpoint: Path,
+    out: Path,
+    *,
+    dtype: ExportDtype = "auto",
+    force: bool = False,
+    progress: Progress = lambda line: None,
+) -> Path:
+    """Write the policy of `checkpoint` (a folder `TrainingEngine.save` wrote) to `out` as a Hugging
+    Face model folder (module docstring); returns `out`. `out` must not exist or be empty, unless
+    `force` (then it is replaced once the new folder is whole)."""
+    checkpoint, out = checkpoint.resolve(), out.resolve()
+    kind = checkpoint_kind(checkpoint)
+    if out == checkpoint or out in checkpoint.parents or checkpoint in out.parents:
+        raise ExportError(f"{out}: the export and the checkpoint {checkpoint} must not contain each other")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a folder")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out} exists and is not empty (--force replaces it)")
+    staging = out.with_name(f".{out.name}.export-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        progress(f"exporting the {kind} checkpoint {checkpoint} to {out} (dtype {dtype})")
+        if kind == "torch" and dtype == "auto":
+            for weights in _weight_files(checkpoint):
+                progress(f"copying {weights.name} ({weights.stat().st_size / 2**20:.1f} MiB)")
+                shutil.copy2(weights, staging / weights.name)
+            shutil.copy2(checkpoint / "config.json", staging / "config.json")
+        else:
+            model = _load_hf(checkpoint, dtype) if kind == "torch" else _load_dcp(checkpoint, dtype, progress)
+            progress(f"writing safetensors ({_bytes(model.parameters()) / 2**20:.1f} MiB, {model.dtype})")
+            model.save_pretrained(staging)
+            del model
+        for item in _other_files(checkpoint):
+            shutil.copy2(item, staging / item.name)  # the checkpoint's generation config over the rebuilt one's
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    progress(f"wrote {out}")
+    return out
+
+
+# -- the two kinds ------------------------------------------------------------------------------
+
+
+def _torch_dtype(dtype: ExportDtype) -> torch.dtype | None:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
+
+
+def _load_hf(checkpoint: Path, dtype: ExportDtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=_torch_dtype(dtype) or "auto", local_files_only=True
+    )
+    return model
+
+
+def _load_dcp(checkpoint: Path, dtype: ExportDtype, progress: Progress) -> PreTrainedModel:
+    """The model of an fsdp2 checkpoint, on CPU, reading only its weights from the shards."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Entry
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(checkpoint), local_files_only=True)
+    with torch.device("meta"):  # no memory and no random init: the weights are assigned below
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    shards = str(checkpoint / DCP_FOLDER)
+    entries = FileSystemReader(shards).read_metadata().state_dict_metadata
+    tied = _tied_names(model)  # a tied output head is the embedding: read it once
+    wanted = {
+        key.removeprefix("model."): meta
+        for key, meta in entries.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, Entry) and key.removeprefix(MODEL_PREFIX) not in tied
+    }
+    if not wanted:
+        raise ExportError(f"{shards}: no {MODEL_PREFIX}* entries: not a policy checkpoint of the fsdp2 backend")
+    total = sum(_size(meta) for meta in wanted.values())
+    progress(f"reading {len(wanted)} tensors ({total / 2**20:.1f} MiB) from {shards}, without the optimizer state")
+    cast = _torch_dtype(dtype)
+    weights: dict[str, torch.Tensor] = {}
+    done = 0
+    for names in _batches(wanted, READ_BYTES):
+        part = {name: torch.empty(wanted[name].size, dtype=wanted[name].properties.dtype) for name in names}
+        with warnings.catch_warnings():  # a single process without a process group is what we mean
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            load({"model": part}, checkpoint_id=shards, no_dist=True)
+        weights |= {name.removeprefix("lm."): t if cast is None else t.to(cast) for name, t in part.items()}
+        done += sum(_size(wanted[name]) for name in names)
+        progress(f"read {done / 2**20:.1f} / {total / 2**20:.1f} MiB")
+    result = model.load_state_dict(weights, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ExportError(f"{shards}: weights the model of config.json has no place for: {result.unexpected_keys}")
+    model.tie_weights()
+    if missing := [name for name, p in model.named_parameters() if p.is_meta]:
+        raise ExportError(f"{shards}: weights missing from the shards: {missing}")
+    return model
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameter names that are another, earlier name's parameter (a tied output head)."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.add(name)
+        else:
+            first[id(param)] = name
+    return tied
+
+
+def _size(meta: TensorStorageMetadata) -> int:
+    return meta.size.numel() * meta.properties.dtype.itemsize
+
+
+def _batches(wanted: dict[str, TensorStorageMetadata], limit: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for name, meta in wanted.items():
+        batch.append(name)
+        size += _size(meta)
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted({f for pattern in WEIGHTS for f in path.glob(pattern) if f.is_file()})
+
+
+def _other_files(checkpoint: Path) -> list[Path]:
+    """What a Hugging Face folder carries beside config and weights (tokenizer, chat template,
+    generation config); not the training state (`*.pt`, `engine.json`) nor any folder (`dcp/`)."""
+    skip = {"config.json", ENGINE_FILE, *(f.name for f in _weight_files(checkpoint))}
+    return sorted(
+        f for f in checkpoint.iterdir() if f.is_file() and f.name not in skip and f.suffix != ".pt" and f.name[0] != "."
+    )
+
+
+def _bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
