@@ -21,12 +21,13 @@ pytestmark = pytest.mark.timeout(600)
 def test_rank_kill_fails_the_trainer_which_resumes_from_its_checkpoint_with_nothing_lost(
     tmp_path: Path, tiny_model: Path
 ) -> None:
-    # A checkpoint every step, and the first kill 2-3 s after the first step: one is always there to resume from.
+    # A checkpoint every step, and each kill 2-3 s after a step: there is always one to resume from.
+    # Steps take about half a second here: 20 leave room for both kills and their recoveries.
     scenario = Scenario(
         "rank-kill",
         ("kill-rank",),
-        steps=10,
-        quiet_steps=3,
+        steps=20,
+        quiet_steps=5,
         gap_s=(2.0, 3.0),
         injections=2,
         fsdp_ranks=2,
