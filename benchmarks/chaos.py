@@ -6,7 +6,8 @@ Run from the repository root (about 15 minutes; one run per row, one after anoth
     .venv/bin/python benchmarks/chaos.py --only hang partition --steps 30 --out /tmp/chaos.md
 
 Each row is one `rollart run` of the local shape (a trainer, two generators, two env-hosts, a reward
-gateway; the tiny model; transformers generators, or vLLM for the vllm row) training `--steps`
+gateway; the tiny model; transformers generators, or vLLM for the vllm row; the trainer on one
+device, or on fsdp2 with two rank processes for the kill-rank row) training `--steps`
 steps while rollart/testkit/harness.py injects one kind of fault at random moments, again and again,
 each after the cluster recovered from the last (see that module for the kinds and the checks).
 A row's counts:
@@ -41,14 +42,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
 from rollart.testkit.harness import CONTINUOUS, FAULTS, ChaosRun  # noqa: E402
-from rollart.testkit.outcome import Outcome, Scenario  # noqa: E402
+from rollart.testkit.outcome import NEEDS_RANKS, Outcome, Scenario  # noqa: E402
 from rollart.tiny.model import ensure_tiny_model  # noqa: E402
 
 ROW_ORDER = [*FAULTS, "kill-generator (vllm)"]
 
 
 def scenarios(only: list[str], steps: int) -> list[Scenario]:
-    rows = [Scenario(kind, (kind,), steps=steps) for kind in FAULTS]
+    rows = [Scenario(kind, (kind,), steps=steps, fsdp_ranks=2 if kind in NEEDS_RANKS else 0) for kind in FAULTS]
     # A vLLM generator takes 30-50 s to start again here, as long as 50 steps: three times the steps,
     # and faults only in the first third.
     rows.append(Scenario("vllm", ("kill-generator",), steps=3 * steps, quiet_steps=2 * steps, backend="vllm"))
@@ -107,12 +108,14 @@ def main() -> None:
     took = f"took {time.monotonic() - began:.0f} s"
     commands = [f"- command: `{command}` (from the repository root; {took})"]
     dated = f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}"
-    if args.only and args.out.exists():  # a rerun of some rows: the others stay, with their command
+    on = f"- machine: {machine}"
+    if args.only and args.out.exists():  # a rerun of some rows: the others stay, with their command and machine
         old = args.out.read_text().splitlines()
         dated = next((line for line in old if line.startswith("- date")), dated)
-        commands = [line for line in old if line.startswith("- command")] + [
+        on = next((line for line in old if line.startswith("- machine")), on)
+        commands = [line for line in old if line.startswith(("- command", "- rows"))] + [
             f"- rows {', '.join(args.only)} again: `{command}` "
-            f"({datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; {took})"
+            f"({datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}; {took}; on {machine})"
         ]
         redone = {line.split(" | ")[0] for line in lines}
         kept = [
@@ -128,7 +131,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         "# Faults injected into real training runs\n\n"
-        f"{dated}\n- machine: {machine}\n"
+        f"{dated}\n{on}\n"
         + "\n".join(commands)
         + "\n- shape: trainer, 2 generators (behind partition proxies), 2 env-hosts, reward gateway; tiny model; "
         "batch 2 groups of 2, alpha 1, checkpoint every 2 steps; heartbeat deadline 3 s; restart policy on-failure\n"

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         uvloop.run(run_node(topology, spec.name, exit_when_done=args.exit_when_done))
     except Exception as exc:  # the process is ending: log every cause, exit non-zero
-        causes = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
+        causes = _causes(exc)
         for cause in causes:
             log.error("node.failed", error=f"{type(cause).__name__}: {cause}", exc_info=cause)
         # A configuration problem found only when the node starts (a user module that does not
@@ -111,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                 say_config_error(cause)
     _leave_stuck_threads(log, code)
     return code
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """What failed under `exc`: a task group's errors arrive wrapped once per task group they
+    crossed (the node's, its role's), and the log should name the error itself."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [cause for inner in exc.exceptions for cause in _causes(inner)]
+    return [exc]
 
 
 def say_config_error(exc: BaseException) -> None:

@@ -61,6 +61,7 @@ class FSDPTrainer:
 
     def save(self, path: Path) -> Future[None]:
         written: Future[None] = Future()
+        written.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it under the group
         self.ranks.call("save", str(path), later=written)
         return written
 
@@ -76,6 +77,9 @@ class FSDPTrainer:
     def close(self) -> None:
         self.ranks.close()
 
+    def failed(self) -> Future[None]:
+        return self.ranks.failed
+
     def describe(self) -> dict[str, Any]:
         spec = self.spec
         return {
@@ -85,5 +89,6 @@ class FSDPTrainer:
             "master_dtype": spec.master_dtype,
             "activation_checkpointing": spec.activation_checkpointing,
             "reference_model": spec.grpo.kl_coef > 0,
+            "pids": [process.pid for process in self.ranks.processes.values()],
             **self.info,
         }

@@ -10,8 +10,9 @@ never meet the new ones' keys.
 Only the primary talks to ranks, and only to rank 0 (`call`): a command goes down rank 0's pipe,
 rank 0 broadcasts it, rank 0 answers. A reader thread routes answers to their callers and watches
 every local rank's process: when one exits, every waiting call fails with `RankDied`, and so does
-every later one. The group does not heal itself: the trainer node fails, its restart policy starts
-it again, and the new group resumes from the last checkpoint (a member node likewise exits when one
+every later one, and so does the group's `failed` future, which the trainer node watches between
+calls. The group does not heal itself: the trainer node fails, its restart policy starts it again,
+and the new group resumes from the last checkpoint (a member node likewise exits when one
 of its ranks dies, or when its ranks leave because a rank elsewhere died).
 """
 
@@ -23,7 +24,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,10 @@ class RankGroup:
         self._later: dict[int, Future[None]] = {}
         self._lock = threading.Lock()
         self.broken: str | None = None
+        self.failed: Future[None] = Future()
+        """Fails with `RankDied` when the group breaks (not when it is closed); never completes
+        otherwise. Running from the start, so a waiter that gives up cannot cancel it."""
+        self.failed.set_running_or_notify_cancel()
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="fsdp-ranks", daemon=True)
         self._reader.start()
@@ -135,6 +140,8 @@ class RankGroup:
             later, self._later = list(self._later.values()), {}
         if not self._closing:
             log.error("fsdp.rank_group_failed", reason=reason)
+            with contextlib.suppress(InvalidStateError):  # it failed already
+                self.failed.set_exception(RankDied(reason))
         for waiting in calls:
             waiting.put(("dead", reason))
         for future in later:
@@ -182,13 +189,15 @@ class RankGroup:
                 self._calls.pop(call, None)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the ranks (a clean `stop` when the group still works), then kill what is left."""
+        """Stop the ranks: a clean `stop` while the group works (they finish the checkpoint being
+        written, for up to `timeout`); then close their pipes, and kill what is left."""
         self._closing = True
-        if self.commands is not None and self.broken is None:
-            with contextlib.suppress(Exception), self._lock:
-                self.commands.send(("stop", -1))
-        for process in self.processes.values():
-            process.join(timeout)
+        if self.broken is None:  # a broken group cannot stop cleanly: its ranks would wait for the dead one
+            if self.commands is not None:
+                with contextlib.suppress(Exception), self._lock:
+                    self.commands.send(("stop", -1))
+            for process in self.processes.values():
+                process.join(timeout)
         for pipe in self._alive:
             pipe.close()  # a rank still alive sees its node leave and exits
         for process in self.processes.values():

@@ -128,6 +128,9 @@ class TorchTrainer:
     def close(self) -> None:
         pass
 
+    def failed(self) -> None:
+        return None  # one process: nothing breaks between calls
+
     def describe(self) -> dict[str, Any]:
         return {
             "backend": "torch",

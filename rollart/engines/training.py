@@ -148,6 +148,11 @@ class TrainingEngine(Protocol):
     def close(self) -> None:
         """Stop what the engine started (rank processes); it is not used afterwards."""
 
+    def failed(self) -> Future[None] | None:
+        """A future that fails once the engine cannot train any more though no call was under way
+        (one of its rank processes died), so the node fails then rather than at its next call;
+        None for an engine that nothing outside a call can break. It never completes otherwise."""
+
     def describe(self) -> dict[str, Any]:
         """What the engine runs on (backend, device, precision, parameters), for the start-up log."""
 

@@ -78,6 +78,8 @@ class Learner:
         self.timeline = JsonlLog(run_dir.timeline)
         self.utilization = JsonlLog(run_dir.utilization)
         self.engine: TrainingEngine | None = None
+        self.engine_info: dict[str, Any] = {}
+        """The engine's `describe()`, once it is built (in `/status`: its rank processes' pids)."""
         self.epoch_start = time.time()
         """Wall-clock time the run started (moved back by the elapsed time of a resumed run)."""
         self.last_step_at = time.monotonic()
@@ -95,9 +97,10 @@ class Learner:
     async def start(self) -> dict[str, Any] | None:
         """Build the engine; load the newest checkpoint if there is one and return its trainer state."""
         self.engine = await asyncio.to_thread(self._build_engine)
+        self.engine_info = self.engine.describe()
         latest = self.latest_checkpoint()
         if latest is None:
-            log.info("learner.ready", **self.engine.describe())
+            log.info("learner.ready", **self.engine_info)
             self.baseline = await asyncio.to_thread(self._measure_baseline)
             self.metrics.write([{"baseline": True, "tasks": self.baseline}])
             return None
@@ -341,6 +344,7 @@ class Learner:
         written = await asyncio.to_thread(engine.save, path)
         held = round(time.monotonic() - started, 3)
         self._saving = asyncio.create_task(self._finish_checkpoint(path, written, state, started, held))
+        self._saving.add_done_callback(functools.partial(_say_if_failed, path))
         return path
 
     async def _finish_checkpoint(
@@ -369,6 +373,15 @@ class Learner:
         if saving is not None:
             await saving
 
+    async def watch_engine(self) -> None:
+        """Raise as soon as the engine breaks between calls (`TrainingEngine.failed`: a rank process
+        died while the trainer waited for a batch), so the node fails then; returns at once for an
+        engine that nothing outside a call can break."""
+        assert self.engine is not None
+        failed = self.engine.failed()
+        if failed is not None:
+            await asyncio.wrap_future(failed)
+
     async def close(self) -> None:
         """Finish the checkpoint in flight and stop the engine (its rank processes)."""
         try:
@@ -376,3 +389,10 @@ class Learner:
         finally:
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.close)
+
+
+def _say_if_failed(path: Path, saving: asyncio.Task[None]) -> None:
+    """Log a checkpoint whose write failed (a rank died under it) when it happens, even if nothing
+    waits for it any more (the node failing for the same reason); `latest` still names the one before."""
+    if not saving.cancelled() and (error := saving.exception()) is not None:
+        log.error("learner.checkpoint_failed", path=str(path), error=f"{type(error).__name__}: {error}")

@@ -299,6 +299,7 @@ class TrainerNode(NodeDaemon):
         if self.learner is not None:
             status["training"] = {
                 "schedule": self.rollout.schedule if self.rollout else None,
+                "engine": self.learner.engine_info,
                 "last_step": self.learner.last_stats,
                 "baseline": self.learner.baseline,
                 "weights": {name: vars(stats) for name, stats in self.learner.publisher.stats().items()},

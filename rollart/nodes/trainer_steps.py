@@ -90,11 +90,13 @@ class TrainStep:
         self.last_checkpoint_step = 0
         self._lock = asyncio.Lock()
         """Held by a training step and by a checkpoint, so a drain's checkpoint never sees half a step."""
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         core, learner = self.core, self.learner
         core.dispenser.held = True  # nothing starts before the weights are ready
         state = await learner.start()
+        self._watch = tg.create_task(learner.watch_engine())  # a dead rank fails the node at once
         tg.create_task(learner.publisher.run())
         held = await learner.connect_generators()
         if state is not None:  # continue from a checkpoint: same step and version, same groups to run
@@ -173,6 +175,8 @@ class TrainStep:
         await self.learner.saved()
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()  # closing the engine is no failure
         with contextlib.suppress(TimeoutError):  # let the last version land, within reason
             await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_S)
         await self.learner.publisher.close()

@@ -65,7 +65,12 @@ class SessionServer:
             self._tg = tg
             self._started.set()
             reaper = tg.create_task(self._reap())
-            await self._stopping.wait()
+            try:
+                await self._stopping.wait()
+            finally:
+                # Cancelled too (the node failed): its listeners would go on accepting connections
+                # into a task group that is gone.
+                self._stop_accepting()
             reaper.cancel()
 
     async def listen_tcp(self, host: str, port: int) -> asyncio.Server:
@@ -164,11 +169,14 @@ class SessionServer:
                     session._finish(SessionLost(f"session {sid}: client gone for {self.cfg.linger_s} s"), State.CLOSED)
                     del self.sessions[sid]
 
-    async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
-        """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
+    def _stop_accepting(self) -> None:
         self._closing = True
         for listener in self._listeners:
             listener.close()
+
+    async def close(self, reason: str = "server closing", *, timeout: float = 5.0) -> None:
+        """Stop accepting, say `Bye` to every session (after its messages are acknowledged), stop."""
+        self._stop_accepting()
         await asyncio.gather(*(s.close(reason, timeout=timeout) for s in list(self.sessions.values())))
         self._stopping.set()
 

@@ -6,6 +6,8 @@ env and reward modules), starts `rollart run` on it as a user would, and while i
 the scenario's faults at random moments, one after another:
 
     kill-generator | kill-env-host | kill-reward | kill-trainer   SIGKILL; the launcher restarts it
+    kill-rank    SIGKILL of one of the trainer's rank processes (`Scenario.fsdp_ranks`; pids from its
+                 /status), at random; the trainer fails, is restarted and resumes from its checkpoint
     hang         SIGSTOP of each node in turn for the heartbeat deadline + 2 s, then SIGCONT
     partition    env-hosts cut off from the generators for 10 s (`PartitionProxy`), then healed
     env-faults   every env reset and step fails with probability 0.2 and hangs past env_timeout_s
@@ -22,9 +24,9 @@ owed (in the final checkpoint's retry line), or was given up on its last try (no
 trajectory obeyed alpha; versions only increased (the trained lineage, and each generator process);
 every node was healthy when the trainer finished; every fault recovered.
 
-The scenario, the outcome and the checks are rollart/testkit/outcome.py's. Used by
-tests/chaos/test_chaos.py, tests/slow/test_chaos_vllm.py, benchmarks/chaos.py (the table) and
-benchmarks/soak.py.
+The scenario, the outcome and the checks are rollart/testkit/outcome.py's. Used by tests/chaos/
+(test_chaos.py, test_rank_kill.py), tests/slow/test_chaos_vllm.py, benchmarks/chaos.py (the table)
+and benchmarks/soak.py.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ FAULTS = (
     "kill-env-host",
     "kill-reward",
     "kill-trainer",
+    "kill-rank",
     "hang",
     "partition",
     "env-faults",
@@ -130,7 +133,7 @@ class ChaosRun:
         """Each env-host process's latest count of env calls that failed or timed out."""
         self.outcome = Outcome(scenario, None, [], Counter(), folder=folder)
         candidates = {"kill-generator": GENERATORS, "kill-env-host": ENV_HOSTS, "kill-reward": ("reward",)}
-        candidates |= {"kill-trainer": ("trainer",), "hang": tuple(ROLES)}
+        candidates |= {"kill-trainer": ("trainer",), "kill-rank": ("trainer",), "hang": tuple(ROLES)}
         self.targets = {kind: itertools.cycle(self.rng.sample(nodes, len(nodes))) for kind, nodes in candidates.items()}
         """Each kind's targets in turn (in a random order), so every node of the kind is hit."""
 
@@ -161,6 +164,7 @@ class ChaosRun:
                 "checkpoint_every": s.checkpoint_every,
                 "threads": 1,
                 "weight_transport": "tcp",
+                **({"backend": "fsdp2", "ranks": s.fsdp_ranks} if s.fsdp_ranks else {}),
             },
             rollout={
                 "mode": "train",
@@ -200,9 +204,7 @@ class ChaosRun:
         return env
 
     def python(self) -> str:
-        if self.scenario.backend == "vllm":
-            return str(ROOT / ".venv-vllm" / "bin" / "python")
-        return sys.executable
+        return str(ROOT / ".venv-vllm" / "bin" / "python") if self.scenario.backend == "vllm" else sys.executable
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -247,8 +249,7 @@ class ChaosRun:
     async def _watch(self, http: aiohttp.ClientSession) -> None:
         """Poll every node's /status and the trainer's metrics file."""
         metrics = RunDir(self.run_dir).metrics
-        seen = 0
-        last_sample = 0.0
+        seen, last_sample = 0, 0.0
         while True:
             now = time.monotonic()
             replies = await asyncio.gather(*(self._status(http, name) for name in ROLES))
@@ -300,19 +301,8 @@ class ChaosRun:
     def _sample(self, now: float) -> None:
         for name in ROLES:
             _, status = self.status.get(name, (0.0, None))
-            if status is None:
-                continue
-            pid = status["pid"]
-            try:
-                rss_kb = next(
-                    int(line.split()[1])
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("VmRSS:")
-                )
-                fds = len(os.listdir(f"/proc/{pid}/fd"))
-            except (OSError, StopIteration):
-                continue
-            self.outcome.samples.append(Sample(now, name, pid, rss_kb / 1024, fds, status.get("asyncio_tasks", 0)))
+            if status is not None and (sample := Sample.of_process(now, name, status)) is not None:
+                self.outcome.samples.append(sample)
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -326,6 +316,8 @@ class ChaosRun:
             await asyncio.sleep(self.rng.uniform(*s.gap_s))
             if self.done_at is not None or (s.steps is not None and len(self.step_times) >= s.steps - s.quiet_steps):
                 return  # too late for a fault to be recovered from within the run
+            if s.injections is not None and len(self.outcome.injections) >= s.injections:
+                return
             injection = await self._inject(kind)
             self.outcome.injections.append(injection)
             await self._recovered(injection)
@@ -343,7 +335,10 @@ class ChaosRun:
         target = next(self.targets[kind])
         _, status = self.status[target]
         assert status is not None, f"{target} is not answering before the fault"
-        pid = status["pid"]
+        node, pid = target, status["pid"]
+        if kind == "kill-rank":  # one of the rank processes the trainer's /status names
+            rank, pid = self.rng.choice(list(enumerate(status["training"]["engine"]["pids"])))
+            target = f"{node} rank {rank}"
         injection = Injection(kind, target, time.monotonic())
         if kind == "hang":
             os.kill(pid, signal.SIGSTOP)
@@ -354,8 +349,26 @@ class ChaosRun:
             injection.healed = time.monotonic()
         else:
             os.kill(pid, signal.SIGKILL)
-            self.outcome.restarts[target] += 1
+            self.outcome.restarts[node] += 1
+            if kind == "kill-rank":  # the trainer fails with its rank: the cluster is whole after it left
+                injection.healed = await self._gone(status["pid"])
         return injection
+
+    async def _gone(self, pid: int) -> float:
+        """When process `pid` (the launcher's child) exited, as its pidfd says; RECOVERY_TIMEOUT_S at most."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            return time.monotonic()
+        exited, loop = asyncio.Event(), asyncio.get_running_loop()
+        loop.add_reader(fd, exited.set)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(exited.wait(), RECOVERY_TIMEOUT_S)
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return time.monotonic()
 
     async def _recovered(self, injection: Injection) -> None:
         """Wait until the cluster is whole again and has trained a step since; give up after a while."""

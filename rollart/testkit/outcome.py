@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,10 +23,13 @@ from typing import Any
 from rollart import rundir
 from rollart.rundir import RunDir
 
+NEEDS_RANKS = ("kill-rank",)
+"""Faults only a trainer with rank processes can take (`Scenario.fsdp_ranks` > 0)."""
+
 
 @dataclass
 class Scenario:
-    """One run: which faults, how long, on which generator backend."""
+    """One run: which faults, how long, on which generator and trainer backends."""
 
     name: str
     faults: tuple[str, ...]
@@ -35,13 +39,22 @@ class Scenario:
     """Stop the run after this long (a soak); with `steps` None it runs until then."""
     gap_s: tuple[float, float] = (3.0, 10.0)
     """Random pause between a recovery and the next injection."""
+    injections: int | None = None
+    """Stop injecting after this many faults (None: until `quiet_steps` before the end)."""
     backend: str = "hf"
+    fsdp_ranks: int = 0
+    """0: the trainer trains on one device (`backend: torch`); N: `backend: fsdp2` with N rank
+    processes (`kill-rank` needs them)."""
     checkpoint_every: int = 2
     quiet_steps: int = 10
     """No fault is injected in the run's last this many steps: each one must be recovered from while
     the run still trains (a vLLM generator takes 30-50 s to start again here, the run a step a second)."""
     seed: int = 0
     sample_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.fsdp_ranks < 1 and set(NEEDS_RANKS) & set(self.faults):
+            raise ValueError(f"scenario {self.name}: {', '.join(NEEDS_RANKS)} needs a trainer with fsdp_ranks")
 
 
 @dataclass
@@ -51,7 +64,8 @@ class Injection:
     at: float
     """time.monotonic() of the injection."""
     healed: float | None = None
-    """When a hang or partition ended (the process continued, the network healed)."""
+    """When a hang or partition ended (the process continued, the network healed), or the trainer
+    whose rank was killed exited."""
     whole: float | None = None
     """When every node answered running with every session up again."""
     stepped: float | None = None
@@ -72,6 +86,18 @@ class Sample:
     rss_mb: float
     fds: int
     tasks: int
+
+    @classmethod
+    def of_process(cls, t: float, node: str, status: dict[str, Any]) -> Sample | None:
+        """The node's process as its /status names it, read from /proc (None: it is gone)."""
+        pid = status["pid"]
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            rss_kb = next(int(line.split()[1]) for line in lines if line.startswith("VmRSS:"))
+            fds = len(os.listdir(f"/proc/{pid}/fd"))
+        except (OSError, StopIteration):
+            return None
+        return cls(t, node, pid, rss_kb / 1024, fds, status.get("asyncio_tasks", 0))
 
 
 @dataclass

@@ -3,12 +3,15 @@
 Two ranks must train exactly like one device (the loss over the global token count, gradients
 summed over ranks, the global norm clipped); checkpoints written by 2 ranks load onto 1 and back
 onto 2 with identical weights and optimizer state; token-budget micro-batches and chunked
-log-probs change no gradient.
+log-probs change no gradient; a killed rank fails the group at once.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import torch
 
 from rollart.algorithms.config import GRPOConfig
 from rollart.engines.fsdp import FSDPTrainer
+from rollart.engines.fsdp_group import RankDied
 from rollart.engines.logprobs import PolicyLogprobs
 from rollart.engines.step import micro_batch_rows, split_rows
 from rollart.engines.torch_train import TorchTrainer
@@ -114,6 +118,29 @@ def test_reshard_checkpoint_two_to_one_to_two_ranks(tiny_model: Path, tmp_path: 
     finally:
         again.close()
     shutil.rmtree(tmp_path)
+
+
+def test_a_killed_rank_fails_the_group_at_once_and_close_does_not_wait(tiny_model: Path, tmp_path: Path) -> None:
+    """SIGKILL of rank 1 between calls: `failed` fails at once, naming the rank; every later call
+    fails with RankDied; close() kills nothing late (rank 0 leaves when its pipe closes)."""
+    engine = fsdp(tiny_model, 2)
+    pids = engine.describe()["pids"]
+    try:
+        engine.train_step(random_batch(0, rows=4), version=1)
+        assert not engine.failed().done()
+        os.kill(pids[1], signal.SIGKILL)
+        error = engine.failed().exception(timeout=30)
+        assert isinstance(error, RankDied) and f"rank 1 (pid {pids[1]}) exited with code -9" in str(error)
+        with pytest.raises(RankDied, match="failed earlier"):
+            engine.train_step(random_batch(1, rows=4), version=2)
+        with pytest.raises(RankDied, match="failed earlier"):
+            engine.save(tmp_path / "never")
+    finally:
+        started = time.monotonic()
+        engine.close()
+    assert time.monotonic() - started < 10  # not the 30 s a clean stop may take
+    assert not any(process.is_alive() for process in engine.ranks.processes.values())
+    assert not (tmp_path / "never").exists()
 
 
 def test_token_budget_micro_batches_give_the_gradient_of_one_large_batch(tiny_model: Path) -> None:

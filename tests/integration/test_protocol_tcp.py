@@ -8,6 +8,7 @@ them at teardown, whatever the test did.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import struct
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -307,3 +308,23 @@ async def test_bulk_blob_of_16_mib_arrives_intact(free_port: int) -> None:
     assert len(data) == size
     assert data == payload
     assert peer == Identity("gen-0", "generator")
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_cancelled_with_its_node_stops_accepting(free_port: int) -> None:
+    """A node that fails cancels its server's task: a peer dialling afterwards is refused, and no
+    callback of the event loop raises (the listener used to accept into the finished task group)."""
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+    server = SessionServer(
+        local=Identity("trainer-0", "trainer"), secret=SECRET, channel=CONTROL, handler=NoRequests(), cfg=CFG
+    )
+    serving = asyncio.ensure_future(server.serve())
+    await server.listen_tcp("127.0.0.1", free_port)
+    serving.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection("127.0.0.1", free_port)
+    await asyncio.sleep(0.1)
+    assert errors == []
