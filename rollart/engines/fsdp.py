@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
+from rollart.engines.export import DCP_FOLDER
 from rollart.engines.fsdp_group import RankGroup
-from rollart.engines.fsdp_rank import DCP_FOLDER
 from rollart.engines.training import RankLayout, TrainerSpec
 from rollart.errors import RollartError
 
