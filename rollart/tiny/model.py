@@ -71,6 +71,11 @@ class TinySizes(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int = 2
     intermediate_size: int = 256
     max_position_embeddings: int = 1024
+    vocab_size: int = 0
+    """0: the tokenizer's own (101); larger ones (Qwen3's 151,936, for benchmarks) leave ids past the
+    tokenizer unused."""
+    tie_word_embeddings: bool = True
+    """False: an output head of its own, as the larger Qwen3 models have."""
 
 
 DEFAULT_SIZES = TinySizes()
@@ -85,7 +90,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, sizes: TinySizes = DEFAULT
 
     tokenizer = build_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=sizes.vocab_size or len(tokenizer),
         hidden_size=sizes.hidden_size,
         intermediate_size=sizes.intermediate_size,
         num_hidden_layers=sizes.num_layers,
@@ -93,7 +98,7 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, sizes: TinySizes = DEFAULT
         num_key_value_heads=sizes.num_kv_heads,
         head_dim=sizes.hidden_size // sizes.num_heads,
         max_position_embeddings=sizes.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=sizes.tie_word_embeddings,
         bos_token_id=SPECIAL_TOKENS.index(IM_START),
         eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
         pad_token_id=SPECIAL_TOKENS.index(PAD_TOKEN),
@@ -109,9 +114,9 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, sizes: TinySizes = DEFAULT
     marker = {
         "kind": "rollart-tiny",
         "seed": seed,
+        **msgspec.structs.asdict(sizes),
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": config.vocab_size,
-        **msgspec.structs.asdict(sizes),
     }
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
     return out_dir

@@ -8,6 +8,7 @@ import string
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -74,6 +75,18 @@ def test_build_saves_a_hugging_face_folder(tiny_dir: Path) -> None:
     config = json.loads((tiny_dir / "config.json").read_text())
     assert config["model_type"] == "qwen3"
     assert config["tie_word_embeddings"] is True
+
+
+def test_a_larger_vocabulary_and_an_untied_head(tmp_path: Path) -> None:
+    """What the trainer benchmark builds: Qwen3's vocabulary size, an output head of its own."""
+    sizes = TinySizes(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=1000)
+    out = build_tiny_model(tmp_path / "wide", sizes=msgspec.structs.replace(sizes, tie_word_embeddings=False))
+    model, tokenizer = load_model_and_tokenizer(out)
+    assert model.config.vocab_size == 1000 and len(tokenizer) < 1000
+    assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    marker = json.loads((out / MARKER_FILE).read_text())
+    assert marker["vocab_size"] == 1000 and marker["tie_word_embeddings"] is False
+    assert marker["parameters"] == sum(p.numel() for p in model.parameters())
 
 
 def test_build_is_deterministic_per_seed(tiny_dir: Path, tmp_path: Path) -> None:
