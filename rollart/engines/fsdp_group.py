@@ -111,7 +111,9 @@ class RankGroup:
                     rank = sentinels[source]  # type: ignore[index]
                     process = self.processes[rank]
                     process.join()
-                    self._fail(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+                    # A member's ranks exit 0 when the primary stops them: not a failure to report.
+                    clean = self.commands is None and process.exitcode == 0
+                    self._fail(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}", quiet=clean)
                     return
 
     def _route(self, call: int, kind: str, payload: Any) -> None:
@@ -127,13 +129,13 @@ class RankGroup:
         elif waiting is not None:
             waiting.put((kind, payload))
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, quiet: bool = False) -> None:
         with self._lock:
             if self.broken is None:
                 self.broken = reason
             calls, self._calls = list(self._calls.values()), {}
             later, self._later = list(self._later.values()), {}
-        if not self._closing:
+        if not self._closing and not quiet:
             log.error("fsdp.rank_group_failed", reason=reason)
         for waiting in calls:
             waiting.put(("dead", reason))
