@@ -175,10 +175,6 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
         """Return the nodes of `role`, in file order."""
         return [spec for spec in self.nodes if spec.role is role]
 
-    def primary_trainer(self) -> NodeSpec | None:
-        """The run's trainer (the primary of its group), which peers talk to; None: there is none."""
-        return trainers.primary_trainer(self)
-
     def trainer_group(self, name: str) -> list[NodeSpec]:
         """Trainer node `name`'s group: its primary, then the members in file order."""
         return trainers.trainer_group(self, name)

@@ -29,11 +29,6 @@ TRAINER = "trainer"
 imports its types only for the type checker."""
 
 
-def primary_trainer(topology: Topology) -> NodeSpec | None:
-    """The run's trainer: the trainer node that names no primary (None: the topology has none)."""
-    return next((node for node in topology.nodes if node.role.value == TRAINER and node.primary is None), None)
-
-
 def trainer_group(topology: Topology, name: str) -> list[NodeSpec]:
     """The group trainer node `name` belongs to: its primary first, then the members in file order."""
     node = topology.node(name)

@@ -47,7 +47,6 @@ def errors(text: str) -> list[str]:
 def test_trainer_group_layout_counts_ranks_from_the_primary() -> None:
     topology = parse_topology(group(node("trainer-c", "trainer", 7004, primary="trainer")))
     assert [n.name for n in topology.trainer_group("trainer-c")] == ["trainer", "trainer-b", "trainer-c"]
-    assert topology.primary_trainer() == topology.node("trainer")
     store = {"world_size": 6, "local_ranks": 2, "store_host": "10.0.0.1", "store_port": 7500}
     assert topology.rank_layout("trainer") == RankLayout(first_rank=0, **store)
     assert topology.rank_layout("trainer-b") == RankLayout(first_rank=2, **store)
