@@ -90,6 +90,9 @@ class RankGroup:
         self._later: dict[int, Future[None]] = {}
         self._lock = threading.Lock()
         self.broken: str | None = None
+        self.first_exit: tuple[int, int | None] | None = None
+        """The first of this node's ranks to exit, and its exit code (the reader sets it)."""
+        self._exited = threading.Event()
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="fsdp-ranks", daemon=True)
         self._reader.start()
@@ -110,10 +113,11 @@ class RankGroup:
                 else:
                     rank = sentinels[source]  # type: ignore[index]
                     process = self.processes[rank]
-                    process.join()
+                    self.first_exit = rank, exit_code(process)
                     # A member's ranks exit 0 when the primary stops them: not a failure to report.
                     clean = self.commands is None and process.exitcode == 0
                     self._fail(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}", quiet=clean)
+                    self._exited.set()
                     return
 
     def _route(self, call: int, kind: str, payload: Any) -> None:
@@ -144,10 +148,9 @@ class RankGroup:
 
     def wait_exit(self) -> tuple[int, int | None]:
         """Block until one of this node's ranks exits: (rank, exit code). For member nodes."""
-        sentinels = {process.sentinel: rank for rank, process in self.processes.items()}
-        rank = sentinels[wait(list(sentinels))[0]]  # type: ignore[index]
-        self.processes[rank].join()
-        return rank, self.processes[rank].exitcode
+        self._exited.wait()
+        assert self.first_exit is not None  # set before the event
+        return self.first_exit
 
     # -- calling rank 0 ---------------------------------------------------------------------------
 
@@ -198,3 +201,13 @@ class RankGroup:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def exit_code(process: BaseProcess) -> int | None:
+    """The exit code of a rank whose sentinel is ready. Two threads may reap it at once (the reader
+    and `close`): the one that loses the race sees no code until the other has stored it."""
+    for _ in range(100):
+        process.join(0.01)
+        if process.exitcode is not None:
+            break
+    return process.exitcode

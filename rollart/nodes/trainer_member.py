@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("rollart.trainer_member")
 
-STOP_RANKS_S = 5.0
-"""What a draining member keeps of its drain timeout to stop its ranks itself."""
+STOP_RANKS_S = 1.0
+"""What a draining member keeps of its drain timeout to stop its ranks itself (closing their pipes
+ends them at once)."""
 
 
 class TrainerMemberNode(NodeDaemon):
@@ -65,6 +66,7 @@ class TrainerMemberNode(NodeDaemon):
         )
         rank, code = self.rank_exit = await asyncio.to_thread(self.group.wait_exit)
         self._ranks_exited.set()
+        log.info("trainer_member.rank_exited", rank=rank, code=code)
         if code != 0:
             await asyncio.to_thread(self.group.close, 0.0)  # the group is broken: the others go too
             raise RollartError(f"rank {rank} exited with code {code}: the trainer group is broken")
@@ -74,12 +76,14 @@ class TrainerMemberNode(NodeDaemon):
     async def drain_work(self) -> None:
         if self.group is None:
             return
-        wait_s = max(0.0, self.topology.run.drain_timeout_s - STOP_RANKS_S)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, self.topology.run.drain_timeout_s - STOP_RANKS_S)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ranks_exited.wait(), wait_s)
+            await asyncio.wait_for(self._ranks_exited.wait(), deadline - loop.time())
         if not self._ranks_exited.is_set():
-            log.warning("trainer_member.stopping_ranks", waited_s=wait_s, why="the primary did not stop them")
-        await asyncio.to_thread(self.group.close, STOP_RANKS_S / 2)
+            log.warning("trainer_member.stopping_ranks", why="the primary did not stop them in the drain timeout")
+        # Ranks still finishing (a checkpoint write after the stop) get what is left; then they are stopped.
+        await asyncio.to_thread(self.group.close, max(0.0, deadline - loop.time()))
 
     def progress(self) -> str:
         layout = self.layout
