@@ -8,7 +8,11 @@ checkpoint and stop with every node exiting 0 (the member once the primary stops
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +21,17 @@ import torch
 
 from rollart.engines.fsdp import FSDPTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
-from rollart.rundir import RunDir
+from rollart.rundir import RunDir, read_jsonl
 from rollart.testkit.topology import TopologyBuilder
+from rollart.topology import load_topology
 from tests.batches import random_batch
-from tests.integration.cluster import NODES, Cluster, make_cluster, training_yaml
-from tests.support import healthy, http, start_node, wait_for
+from tests.integration.cluster import HARDWARE, NODES, Cluster, make_cluster, training_yaml
+from tests.support import ROOT, healthy, http, node_env, start_node, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 
+GROUP = {"trainer": {"rendezvous": True}, "trainer-b": {"primary": "trainer"}}
+"""`fields` of `write_topology` that make trainer-b a member of trainer's group."""
 SPEC: dict[str, Any] = {"backend": "fsdp2", "lr": 1e-3, "micro_batch_size": 3, "device": "cpu", "threads": 1}
 STEPS = 3
 
@@ -88,8 +95,7 @@ def test_trainer_group_training_run_checkpoints_and_every_node_exits_cleanly(
     """Two trainer nodes of one rank each: the primary trains, pushes and checkpoints (every rank
     writes its shard into the run folder), the member shows its rank, and a stop drains all."""
     yaml = training_yaml(tiny_model, steps=STEPS, checkpoint_every=1, trainer="backend: fsdp2")
-    fields = {"trainer": {"rendezvous": True}, "trainer-b": {"primary": "trainer"}}
-    cluster = make_cluster(clusters, tmp_path, yaml, nodes=NODES | {"trainer-b": "trainer"}, fields=fields)
+    cluster = make_cluster(clusters, tmp_path, yaml, nodes=NODES | {"trainer-b": "trainer"}, fields=GROUP)
     cluster.start()
     cluster.wait_healthy()
     member = cluster.status("trainer-b")
@@ -98,15 +104,17 @@ def test_trainer_group_training_run_checkpoints_and_every_node_exits_cleanly(
     assert done["rollout"]["version"] == done["rollout"]["batches"] == STEPS
     steps = [line for line in cluster.metrics() if "step" in line]
     assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
-    trained = [line for line in steps if line["tokens"] > 0]
-    assert trained and all(line["state_bytes_r1"] > 0 for line in trained), steps  # rank 1: the member's
+    trained = [line for line in steps if line["tokens"] > 0]  # a batch without signal takes no step
+    assert all(line["state_bytes_r1"] > 0 for line in trained), steps  # rank 1: the member's
     latest = RunDir(cluster.run_dir).latest_checkpoint()
     assert latest is not None and RunDir(cluster.run_dir).latest_step() == STEPS
+    # Whether or not a batch had signal, every checkpoint holds the member's shard, written by its rank.
     assert sorted(path.name for path in (latest / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     rank_pid = int(cluster.status("trainer-b")["ranks"]["1"])
     assert cluster.stop() == dict.fromkeys([*NODES, "trainer-b"], 0)
     assert not Path(f"/proc/{rank_pid}").exists() or "zombie" in Path(f"/proc/{rank_pid}/status").read_text()
-    assert not cluster.events("trainer-b", "fsdp.rank_group_failed")
+    assert [event["code"] for event in cluster.events("trainer-b", "trainer_member.rank_exited")] == [0]
+    assert not cluster.events("trainer-b", "fsdp.rank_group_failed", "trainer_member.stopping_ranks")
 
 
 def test_trainer_group_member_fails_when_the_primary_dies(tmp_path: Path, tiny_model: Path) -> None:
@@ -130,3 +138,65 @@ def test_trainer_group_member_fails_when_the_primary_dies(tmp_path: Path, tiny_m
         raise
     assert code == 1, (tmp_path / "trainer-b.log").read_text()[-3000:]
     assert "the trainer group is broken" in (tmp_path / "trainer-b.log").read_text()
+
+
+def rollart_run(topology: Path) -> subprocess.Popen[str]:
+    """`rollart run TOPOLOGY`, with the secret and admin token the launcher makes for the run."""
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
+    command = [sys.executable, "-m", "rollart.cli", "run", str(topology)]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(300)
+def test_trainer_group_under_rollart_run_trains_to_the_end_and_stops_cleanly(tmp_path: Path, tiny_model: Path) -> None:
+    """The local launcher starts the member like any node; the run ends when the primary is done."""
+    nodes = NODES | {"trainer-b": "trainer"}
+    run_yaml = training_yaml(tiny_model, steps=2, trainer="backend: fsdp2")
+    topology, _ = write_topology(tmp_path, nodes, hardware=HARDWARE, extra_run=run_yaml, fields=GROUP)
+    proc = rollart_run(topology)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "trainer finished the run" in out and f"all {len(nodes)} nodes stopped cleanly" in out, out
+    assert [line["step"] for line in read_jsonl(RunDir(tmp_path / "run").metrics) if "step" in line] == [1, 2]
+    member_log = RunDir(tmp_path / "run").node_log("trainer-b").read_text()
+    assert '"code": 0, "event": "trainer_member.rank_exited"' in member_log and "stopping_ranks" not in member_log
+
+
+def test_trainer_group_rendezvous_port_in_use_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    nodes = {"trainer": "trainer", "trainer-b": "trainer"}
+    topology, _ = write_topology(tmp_path, nodes, extra_run="  trainer: {backend: fsdp2}\n", fields=GROUP)
+    port = load_topology(topology).node("trainer").rendezvous_port
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        proc = rollart_run(topology)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert f"nodes[0].rendezvous_port: port {port} on 127.0.0.1 is not free" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_trainer_group_member_killed_mid_run_is_restarted_and_the_run_completes(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """kill -9 of the member: its rank goes with it, the primary's next step fails and the primary
+    restarts from its last checkpoint, the restarted member's rank waits for that new group rather
+    than rejoin the broken one, and the run trains to its last step."""
+    nodes = NODES | {"trainer-b": "trainer"}
+    run_yaml = training_yaml(tiny_model, steps=4, checkpoint_every=1, trainer="backend: fsdp2, rank_timeout_s: 90")
+    topology, ports = write_topology(tmp_path, nodes, hardware=HARDWARE, extra_run=run_yaml, fields=GROUP)
+    metrics = RunDir(tmp_path / "run").metrics
+    proc = rollart_run(topology)
+    try:
+        wait_for(lambda: metrics.exists() and any("step" in line for line in read_jsonl(metrics)), 180, "step 1")
+        os.kill(int(http("GET", ports["trainer-b"][1], "/status")[1]["pid"]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "node trainer-b was killed by SIGKILL" in out and "node trainer exited with code 1" in out, out
+    steps = [line["step"] for line in read_jsonl(metrics) if "step" in line]
+    assert steps[-1] == 4 and set(steps) == {1, 2, 3, 4}, steps
