@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def run_node(topology: Topology, name: str, *, exit_when_done: bool = False) -> None:
     """Build the node's daemon and run it until drained."""
-    from rollart.nodes import DAEMONS, TrainerNode
+    from rollart.nodes import TrainerNode, daemon_for
 
     spec = topology.node(name)
     secret = topology.read_secret()
@@ -60,7 +60,7 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
     # workers, vLLM's engine) inherits them.
     for variable in (topology.run.secret_env, topology.run.admin_token_env):
         os.environ.pop(variable, None)
-    daemon = DAEMONS[spec.role](topology, spec, secret=secret, admin_token=token)
+    daemon = daemon_for(spec)(topology, spec, secret=secret, admin_token=token)
     if exit_when_done and isinstance(daemon, TrainerNode):
 
         async def drain_when_done() -> None:

@@ -41,11 +41,13 @@ def write_topology(
     restart: str = "on-failure",
     extra_run: str = "",
     hardware: dict[str, str] | None = None,
+    fields: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[Path, dict[str, tuple[int, int]]]:
     """Write a topology with the given {name: role} nodes on free ports; returns its path and ports.
 
     `extra_run` is keys of the `run:` section as YAML (indented by two spaces), which replace those
-    set here."""
+    set here; `fields` adds keys to nodes by name (`TopologyBuilder.node`'s: `primary=`,
+    `rendezvous=True`)."""
     builder = TopologyBuilder(
         folder / "run",
         name="test",
@@ -54,7 +56,7 @@ def write_topology(
         session={"heartbeat_interval_s": 0.2, "heartbeat_deadline_s": 2.0},
     ).run_section(extra_run)
     for name, role in roles.items():
-        builder.node(name, role, hardware=(hardware or {}).get(name, "cpu"))
+        builder.node(name, role, hardware=(hardware or {}).get(name, "cpu"), **(fields or {}).get(name, {}))
     path = builder.write(folder / "topology.yaml")
     return path, {name: (given.port, given.admin_port) for name, given in builder.ports().items()}
 

@@ -95,6 +95,9 @@ class RankGroup:
         """Fails with `RankDied` when the group breaks (not when it is closed); never completes
         otherwise. Running from the start, so a waiter that gives up cannot cancel it."""
         self.failed.set_running_or_notify_cancel()
+        self.first_exit: tuple[int, int | None] | None = None
+        """The first of this node's ranks to exit, and its exit code (the reader sets it)."""
+        self._exited = threading.Event()
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="fsdp-ranks", daemon=True)
         self._reader.start()
@@ -115,8 +118,11 @@ class RankGroup:
                 else:
                     rank = sentinels[source]  # type: ignore[index]
                     process = self.processes[rank]
-                    process.join()
-                    self._fail(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+                    self.first_exit = rank, exit_code(process)
+                    # A member's ranks exit 0 when the primary stops them: not a failure to report.
+                    clean = self.commands is None and process.exitcode == 0
+                    self._fail(f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}", quiet=clean)
+                    self._exited.set()
                     return
 
     def _route(self, call: int, kind: str, payload: Any) -> None:
@@ -132,13 +138,13 @@ class RankGroup:
         elif waiting is not None:
             waiting.put((kind, payload))
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, quiet: bool = False) -> None:
         with self._lock:
             if self.broken is None:
                 self.broken = reason
             calls, self._calls = list(self._calls.values()), {}
             later, self._later = list(self._later.values()), {}
-        if not self._closing:
+        if not self._closing and not quiet:
             log.error("fsdp.rank_group_failed", reason=reason)
             with contextlib.suppress(InvalidStateError):  # it failed already
                 self.failed.set_exception(RankDied(reason))
@@ -149,10 +155,9 @@ class RankGroup:
 
     def wait_exit(self) -> tuple[int, int | None]:
         """Block until one of this node's ranks exits: (rank, exit code). For member nodes."""
-        sentinels = {process.sentinel: rank for rank, process in self.processes.items()}
-        rank = sentinels[wait(list(sentinels))[0]]  # type: ignore[index]
-        self.processes[rank].join()
-        return rank, self.processes[rank].exitcode
+        self._exited.wait()
+        assert self.first_exit is not None  # set before the event
+        return self.first_exit
 
     # -- calling rank 0 ---------------------------------------------------------------------------
 
@@ -205,3 +210,13 @@ class RankGroup:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def exit_code(process: BaseProcess) -> int | None:
+    """The exit code of a rank whose sentinel is ready. Two threads may reap it at once (the reader
+    and `close`): the one that loses the race sees no code until the other has stored it."""
+    for _ in range(100):
+        process.join(0.01)
+        if process.exitcode is not None:
+            break
+    return process.exitcode

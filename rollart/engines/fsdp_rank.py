@@ -1,7 +1,8 @@
 """One FSDP2 training rank: a process that holds a shard of the policy and its optimizer state.
 
 `rank_main` is the process's entry point (`rollart.engines.fsdp_group.RankGroup` starts it). The
-rank joins the process group through the trainer's rendezvous store, loads the model, shards every
+rank joins the process group through the trainer's rendezvous store (never a generation it joined in
+an earlier life: `join`), loads the model, shards every
 decoder layer and then the whole policy with `fully_shard`, and serves commands. Rank 0 reads them
 from its pipe to the trainer node and broadcasts each to the other ranks, so every rank runs the
 same collectives in the same order; rank 0 answers. The other ranks' pipes only tell them that their
@@ -26,6 +27,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from datetime import timedelta
@@ -49,6 +51,9 @@ from rollart.engines.logprobs import PolicyLogprobs, policy_logprobs
 from rollart.engines.step import StepRunner, World
 from rollart.engines.torch_train import compute_dtype, pick_device
 from rollart.engines.training import TrainerSpec
+
+REJOIN_S = 1.0
+"""How often a rank that found only a broken group looks for the next one (`join`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +81,8 @@ def rank_main(args: RankArgs, commands: Connection | None, alive: Connection) ->
         torch.cuda.set_device(device)
     elif spec.threads:
         torch.set_num_threads(spec.threads)
-    host, port = args.store
     timeout = timedelta(seconds=spec.rank_timeout_s)
-    client = TCPStore(host, port, is_master=False, timeout=timeout)
-    generation = client.get("generation").decode()
+    client, generation = join(args, timeout)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=PrefixStore(f"rollart/{generation}/", client),
@@ -93,6 +96,28 @@ def rank_main(args: RankArgs, commands: Connection | None, alive: Connection) ->
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def join(args: RankArgs, timeout: timedelta) -> tuple[TCPStore, str]:
+    """Connect to the rendezvous store and claim this rank's place in the generation it serves.
+
+    A place claimed already means an earlier life of this rank joined that generation: the group
+    broke (this rank's node died and was restarted) and the primary serving it is about to fail as
+    well. Joining it would wait on ranks that never answer, so wait instead for the primary's next
+    life and its fresh generation, on a new store (reconnecting once the old one is gone); a member
+    may well start before its primary. Raises TimeoutError after `timeout` in all."""
+    host, port = args.store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=left))
+            generation = client.get("generation").decode()
+            if client.add(f"joined/{generation}/{args.rank}", 1) == 1:
+                return client, generation
+        except dist.DistNetworkError:
+            pass  # no store there (yet, or any more): the primary is starting or going away
+        time.sleep(min(REJOIN_S, max(0.0, deadline - time.monotonic())))
+    raise TimeoutError(f"rank {args.rank} found no new group at {host}:{port} within {timeout.total_seconds():g} s")
 
 
 def _exit_with_node(alive: Connection) -> None:

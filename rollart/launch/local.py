@@ -70,8 +70,11 @@ def kill_group(pid: int) -> None:
 def check_ports_free(topology: Topology) -> None:
     """Fail early, with the node and key named, when a port of the topology is already taken."""
     for index, node in enumerate(topology.nodes):
-        session = ("listen_port" if node.listen_port else "port", node.host, node.bind_port)
-        for key, host, port in (session, ("admin_port", node.admin_host, node.admin_port)):
+        sockets = [("listen_port" if node.listen_port else "port", node.host, node.bind_port)]
+        sockets.append(("admin_port", node.admin_host, node.admin_port))
+        if node.rendezvous_port is not None:  # a trainer group's primary serves its ranks' store there
+            sockets.append(("rendezvous_port", node.host, node.rendezvous_port))
+        for key, host, port in sockets:
             with socket.socket() as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the nodes bind
                 try:

@@ -2,19 +2,21 @@
 
 The script asks for a **heterogeneous job**, one component per role group present (trainers,
 generators, env-hosts, the reward gateway), each with its own partition, CPUs, GPUs and memory,
-as disaggregated clusters schedule them. Its body hands the script's own table (node name ->
-component, CPUs, GPUs) to `rollart slurm-run`, the job's supervisor, which:
+as disaggregated clusters schedule them. A trainer that spans hosts (a primary trainer node and
+members that run more of its ranks: `primary:` in the topology) is the trainer component. Its
+body hands the script's own table (node name -> component, CPUs, GPUs) to `rollart slurm-run`, the
+job's supervisor, which:
 
-1. **resolves hosts and ports** from Slurm's allocation: each component's nodes are laid over its
-   hosts as Slurm placed its tasks (`SLURM_TASKS_PER_NODE_HET_GROUP_<g>`), each host's address read
-   with `scontrol show node`, and nodes placed on one host with the same port get the next free
-   one; the topology so resolved is written beside the original (`.NAME.slurm-JOBID.yaml`), so
-   nodes find each other without hand-edited addresses;
+1. **resolves hosts and ports** from Slurm's allocation (`rollart/launch/slurm_hosts.py`): each
+   component's nodes are laid over the hosts Slurm gave its tasks, and the topology so resolved is
+   written beside the original (`.NAME.slurm-JOBID.yaml`), so nodes (and a trainer group's ranks)
+   find each other without hand-edited addresses;
 2. starts every node as **its own job step** (`srun --het-group=G --nodelist=HOST --ntasks=1
    --exact ... bin/rollart-node`): Slurm never restarts a task, so a step that fails is started
    again by the supervisor under the node's restart policy (on-failure: backoff within the
    window; stop-all: every node is drained and the job fails naming the node; never: left down);
-3. ends the job when the trainer has checkpointed its last step (it runs with `--exit-when-done`):
+3. ends the job when the trainer (a group's primary) has checkpointed its last step (it runs with
+   `--exit-when-done`):
    the other nodes are drained with SIGTERM; and on `scancel` (SIGTERM to the batch step) drains
    every node, restarting none: what the buffer and the last checkpoint hold is kept
    (docs/training.md), and a new job resumes from it.
@@ -30,7 +32,6 @@ import collections
 import contextlib
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -40,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
 from rollart.errors import ConfigError
 from rollart.launch.local import after_failure
+from rollart.launch.slurm_hosts import group_env, node_address, resolve_hosts, write_resolved
 from rollart.launch.terminal import describe_exit
 from rollart.node import read_config_error
 from rollart.rundir import RunDir
@@ -77,6 +77,11 @@ def placements(topology: Topology) -> list[Placement]:
     ]
 
 
+def is_the_trainer(node: NodeSpec) -> bool:
+    """Whether `node` is the run's trainer, whose end is the job's (not a member of its group)."""
+    return node.role is Role.TRAINER and node.primary is None
+
+
 def sbatch_script(
     topology: Topology,
     topology_path: Path,
@@ -104,7 +109,8 @@ def sbatch_script(
         if g:
             lines.append("#SBATCH hetjob")
         cpus = max(max(1, math.ceil(n.resources.cpus)) for n in nodes)
-        lines.append(f"# component {g}: {role} ({len(nodes)} node{'s' * (len(nodes) > 1)})")
+        group = " of one trainer group" if role == Role.TRAINER.value and len(nodes) > 1 else ""
+        lines.append(f"# component {g}: {role} ({len(nodes)} node{'s' * (len(nodes) > 1)}{group})")
         lines.append(f"#SBATCH --ntasks={len(nodes)} --cpus-per-task={cpus}")
         if gpus := max(n.resources.gpus for n in nodes):
             lines.append(f"#SBATCH --gpus-per-task={gpus}")
@@ -137,87 +143,6 @@ def read_table(text: str) -> list[Placement]:
             name, group, cpus, gpus = line.split()
             rows.append(Placement(name, int(group), int(cpus), int(gpus)))
     return rows
-
-
-# -- resolving hosts from the allocation ---------------------------------------------------------
-
-
-def expand_counts(spec: str) -> list[int]:
-    """`SLURM_TASKS_PER_NODE` ("2(x3),1") as one count per host ([2, 2, 2, 1])."""
-    counts = []
-    for part in spec.split(","):
-        if m := re.fullmatch(r"(\d+)\(x(\d+)\)", part):
-            counts += [int(m.group(1))] * int(m.group(2))
-        else:
-            counts.append(int(part))
-    return counts
-
-
-def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
-
-
-def hostnames(nodelist: str) -> list[str]:
-    return _scontrol("show", "hostnames", nodelist).split()
-
-
-def node_address(host: str) -> str:
-    """A Slurm node's address (`NodeAddr`), which other nodes connect to."""
-    m = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", "-o", host))
-    return m.group(1) if m else host
-
-
-def group_env(env: dict[str, str], key: str, group: int, groups: int) -> str:
-    """A Slurm variable of one het-job component (plain name when the job has one component)."""
-    name = f"{key}_HET_GROUP_{group}" if groups > 1 else key
-    if name not in env:
-        raise ConfigError(f"{name} is not set: run this inside the job that `rollart slurm` wrote (sbatch)")
-    return env[name]
-
-
-def resolve_hosts(table: list[Placement], env: dict[str, str]) -> dict[str, str]:
-    """Each node's Slurm host: a component's nodes laid over its hosts as Slurm placed its tasks."""
-    groups = max(p.group for p in table) + 1
-    hosts: dict[str, str] = {}
-    for g in range(groups):
-        names = [p.name for p in table if p.group == g]
-        slots = [
-            host
-            for host, count in zip(
-                hostnames(group_env(env, "SLURM_JOB_NODELIST", g, groups)),
-                expand_counts(group_env(env, "SLURM_TASKS_PER_NODE", g, groups)),
-                strict=False,
-            )
-            for _ in range(count)
-        ]
-        if len(slots) < len(names):
-            raise ConfigError(f"component {g} has {len(slots)} task slots for {len(names)} nodes: {names}")
-        hosts.update(zip(names, slots, strict=False))
-    return hosts
-
-
-def write_resolved(topology_path: Path, addresses: dict[str, str], job_id: str) -> tuple[Path, list[str]]:
-    """The topology with each node's host set to its address, beside the original (relative paths
-    in it keep working), and the port moves that made it valid: nodes Slurm placed on one host that
-    the topology gave the same port (or admin port) get the next free one, in the topology's order.
-    Checked by loading it, so anything else wrong is a clear error before a node starts."""
-    raw = yaml.safe_load(topology_path.read_text())
-    used: dict[str, set[int]] = collections.defaultdict(set)
-    moves = []
-    for node in raw["nodes"]:
-        host = node["host"] = addresses[node["name"]]
-        for key in ("port", "admin_port"):
-            port = node[key]
-            while port in used[host]:
-                port += 1
-            if port != node[key]:
-                moves.append(f"{node['name']}: {key} {node[key]} -> {port} (taken on {host})")
-                node[key] = port
-            used[host].add(port)
-    out = topology_path.with_name(f".{topology_path.stem}.slurm-{job_id}.yaml")
-    out.write_text(yaml.safe_dump(raw, sort_keys=False))
-    load_topology(out)
-    return out, moves
 
 
 # -- the job's supervisor ------------------------------------------------------------------------
@@ -291,7 +216,7 @@ class Supervisor:
         if p.gpus:
             srun.append(f"--gpus-per-task={p.gpus}")
         node = [str(ROOT / "bin" / "rollart-node"), "--topology", str(self.resolved), "--node", p.name]
-        return srun + node + (["--exit-when-done"] if step.spec.role == Role.TRAINER else [])
+        return srun + node + (["--exit-when-done"] if is_the_trainer(step.spec) else [])
 
     async def run(self) -> int:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -350,7 +275,7 @@ class Supervisor:
                 return
             if code == 0:
                 self.say(f"{what}")
-                if step.spec.role == Role.TRAINER:
+                if is_the_trainer(step.spec):
                     self.stop(f"{name} finished the run")
                 return
             if code == 2:  # bad configuration: starting it again would fail the same way

@@ -8,7 +8,8 @@ from rollart.nodes.env_host import EnvHostNode
 from rollart.nodes.generator import GeneratorNode
 from rollart.nodes.reward_gateway import RewardGatewayNode
 from rollart.nodes.trainer import TrainerNode
-from rollart.topology import Role
+from rollart.nodes.trainer_member import TrainerMemberNode
+from rollart.topology import NodeSpec, Role
 
 DAEMONS: dict[Role, type[NodeDaemon]] = {
     Role.TRAINER: TrainerNode,
@@ -17,4 +18,20 @@ DAEMONS: dict[Role, type[NodeDaemon]] = {
     Role.REWARD_GATEWAY: RewardGatewayNode,
 }
 
-__all__ = ["DAEMONS", "EnvHostNode", "GeneratorNode", "NodeDaemon", "RewardGatewayNode", "TrainerNode"]
+
+def daemon_for(spec: NodeSpec) -> type[NodeDaemon]:
+    """The daemon that runs node `spec`: its role's, or for a member of a trainer group (a trainer
+    with `primary:`), the one that only runs its ranks."""
+    return TrainerMemberNode if spec.primary is not None else DAEMONS[spec.role]
+
+
+__all__ = [
+    "DAEMONS",
+    "EnvHostNode",
+    "GeneratorNode",
+    "NodeDaemon",
+    "RewardGatewayNode",
+    "TrainerMemberNode",
+    "TrainerNode",
+    "daemon_for",
+]

@@ -91,8 +91,10 @@ class NodeDaemon:
         )
         self.network = network
         self.clients: dict[str, ClientSession] = {}
+        # A member of a trainer group (`primary:`) only runs ranks: it has no sessions either way.
+        connects_to = CONNECTS_TO[self.role] if spec.primary is None else ()
         for peer in topology.nodes:
-            if peer.role in CONNECTS_TO[self.role] and peer.name != spec.name:
+            if peer.role in connects_to and peer.name != spec.name and peer.primary is None:
                 connector: Callable[[], Awaitable[Connection]] = (
                     functools.partial(tcp_connector, peer.host, peer.port, self.cfg)
                     if network is None

@@ -90,7 +90,8 @@ class EnvHostNode(NodeDaemon):
 
     def _peer(self, role: Role) -> ClientSession:
         for peer in self.topology.nodes_with_role(role):
-            return self.clients[peer.name]
+            if peer.name in self.clients:  # of a trainer group, only the primary (no member has sessions)
+                return self.clients[peer.name]
         raise ConfigError(f"{self.topology.source}: an env-host needs a {role.value} node in the topology")
 
     async def work(self) -> None:

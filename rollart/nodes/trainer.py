@@ -8,6 +8,10 @@ from the topology: train on it (`rollout.mode: train`, sync or async schedule), 
 (`rollout-only`), or record it and model a training step on the simulation clock
 (`run.sim.trainer`). Whatever the mode, a new policy version drops and aborts what it makes too
 stale, here in `bump_version`.
+
+A trainer that spans hosts is this node, the primary, and member trainer nodes that run more of its
+ranks (`rollart.nodes.trainer_member`): its training engine's rank layout counts theirs
+(`Topology.rank_layout`), and its ranks wait for them to join.
 """
 
 from __future__ import annotations
@@ -113,7 +117,13 @@ class TrainerNode(NodeDaemon):
                     bucket_bytes=spec.bucket_mb << 20,
                     transport=spec.weight_transport,
                 ),
-                build_engine=functools.partial(build_training_engine, spec, run.model.path, seed=rollout.seed),
+                build_engine=functools.partial(
+                    build_training_engine,
+                    spec,
+                    run.model.path,
+                    seed=rollout.seed,
+                    layout=self.topology.rank_layout(self.spec.name),  # members' ranks too, if it has any
+                ),
                 generators=self.topology.nodes_with_role(Role.GENERATOR),
                 clients=self.clients,
                 peer_status=self.peer_status,

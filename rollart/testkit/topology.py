@@ -9,7 +9,8 @@
 Ports are drawn once, for every node together, the first time they are needed (`ports()`,
 `to_dict()`, `write()`), so no two nodes get the same one. A node `behind_proxy` gets a third port,
 `listen_port`, where it listens while its peers dial `port` (a `PartitionProxy` forwards one to the
-other). The YAML is what `rollart.topology` loads; `topology()` loads it.
+other); a trainer with `rendezvous=True` gets one more, `rendezvous_port`, where a trainer group's
+primary serves its ranks' store. The YAML is what `rollart.topology` loads; `topology()` loads it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class NodePorts:
     admin_port: int
     listen_port: int | None = None
     """Where it listens when behind a proxy."""
+    rendezvous_port: int | None = None
+    """Where a trainer group's primary serves its ranks' store."""
 
 
 class TopologyBuilder:
@@ -43,6 +46,7 @@ class TopologyBuilder:
         self.run: dict[str, Any] = {"name": name, "run_dir": run_dir, **run}
         self.nodes: list[dict[str, Any]] = []
         self._behind_proxy: set[str] = set()
+        self._rendezvous: set[str] = set()
         self._ports: dict[str, NodePorts] | None = None
 
     def run_section(self, yaml_text: str = "", /, **keys: Any) -> TopologyBuilder:
@@ -56,26 +60,34 @@ class TopologyBuilder:
         self.run.update(keys)
         return self
 
-    def node(self, name: str, role: str, *, behind_proxy: bool = False, **fields: Any) -> TopologyBuilder:
-        """Add a node (`hardware=`, `host=`, `resources=`... as the topology spells them)."""
+    def node(
+        self, name: str, role: str, *, behind_proxy: bool = False, rendezvous: bool = False, **fields: Any
+    ) -> TopologyBuilder:
+        """Add a node (`hardware=`, `host=`, `primary=`... as the topology spells them); `rendezvous`:
+        give it a `rendezvous_port` (the primary of a trainer group)."""
         if self._ports is not None:
             raise RuntimeError(f"node {name!r} added after the ports were drawn")
         self.nodes.append({"name": name, "role": role, **fields})
         if behind_proxy:
             self._behind_proxy.add(name)
+        if rendezvous:
+            self._rendezvous.add(name)
         return self
 
     def ports(self) -> dict[str, NodePorts]:
         """Each node's ports, drawn together on first use."""
         if self._ports is None:
-            wanted = sum(3 if node["name"] in self._behind_proxy else 2 for node in self.nodes)
+            wanted = sum(
+                2 + (node["name"] in self._behind_proxy) + (node["name"] in self._rendezvous) for node in self.nodes
+            )
             free = iter(free_ports(wanted))
             self._ports = {}
             for node in self.nodes:
                 name = node["name"]
                 port, admin = next(free), next(free)
                 listen = next(free) if name in self._behind_proxy else None
-                self._ports[name] = NodePorts(port, admin, listen)
+                rendezvous = next(free) if name in self._rendezvous else None
+                self._ports[name] = NodePorts(port, admin, listen, rendezvous)
         return self._ports
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +98,8 @@ class TopologyBuilder:
             placed = {"port": given.port, "admin_port": given.admin_port}
             if given.listen_port is not None:
                 placed["listen_port"] = given.listen_port
+            if given.rendezvous_port is not None:
+                placed["rendezvous_port"] = given.rendezvous_port
             nodes.append({**node, **placed})
         plain: dict[str, Any] = _plain({"run": self.run, "nodes": nodes})
         return plain

@@ -157,8 +157,15 @@ class Cluster:
         return read_jsonl(RunDir(self.run_dir).timeline)
 
 
-def make_cluster(clusters: list[Cluster], folder: Path, run_yaml: str, nodes: dict[str, str] = NODES) -> Cluster:
-    topology, ports = write_topology(folder, nodes, hardware=HARDWARE, extra_run=run_yaml)
+def make_cluster(
+    clusters: list[Cluster],
+    folder: Path,
+    run_yaml: str,
+    nodes: dict[str, str] = NODES,
+    fields: dict[str, dict[str, Any]] | None = None,
+) -> Cluster:
+    """`nodes` ({name: role}) on free ports, with `fields` added to nodes by name (`write_topology`)."""
+    topology, ports = write_topology(folder, nodes, hardware=HARDWARE, extra_run=run_yaml, fields=fields)
     cluster = Cluster(folder, topology, ports)
     clusters.append(cluster)
     return cluster

@@ -6,7 +6,9 @@ reward gateway: a heterogeneous job of four components).
 - `scancel` drains every node (none killed), the trainer checkpoints what it trained, and the job
   submitted again resumes from there and completes;
 - a node killed with kill -9 inside the job is restarted (on-failure) and the run completes;
-- under stop-all, the same kill ends the job with an error naming the node."""
+- under stop-all, the same kill ends the job with an error naming the node;
+- a trainer group (a primary and a member trainer node) runs as the trainer component, and only
+  the primary's end ends the job."""
 
 from __future__ import annotations
 
@@ -44,11 +46,22 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.Lo
 class Job:
     """One topology's sbatch script, submitted to the local cluster."""
 
-    def __init__(self, slurm: slurm_cluster.LocalSlurm, folder: Path, model: Path, steps: int, restart: str) -> None:
+    def __init__(
+        self,
+        slurm: slurm_cluster.LocalSlurm,
+        folder: Path,
+        model: Path,
+        steps: int,
+        restart: str,
+        *,
+        nodes: dict[str, str] = NODES,
+        fields: dict[str, dict[str, Any]] | None = None,
+        trainer: str = "",
+    ) -> None:
         self.slurm, self.folder = slurm, folder
-        run_yaml = training_yaml(model, steps=steps, checkpoint_every=1)
+        run_yaml = training_yaml(model, steps=steps, checkpoint_every=1, trainer=trainer)
         self.topology, self.ports = write_topology(
-            folder, NODES, hardware=HARDWARE, restart=restart, extra_run=run_yaml
+            folder, nodes, hardware=HARDWARE, restart=restart, extra_run=run_yaml, fields=fields
         )
         self.run_dir = folder / "run"
         self.script = folder / "job.sbatch"
@@ -166,3 +179,26 @@ def test_under_stop_all_a_killed_node_fails_the_job_naming_it(
     assert "rollart slurm: node gen-compute" in out and "restart policy stop-all" in out, out
     for name in set(NODES) - {"gen-compute"}:
         assert job.events(name, "node.stopped"), name  # the others drained
+
+
+def test_trainer_group_is_one_component_and_its_primary_ends_the_job(
+    slurm: slurm_cluster.LocalSlurm, tmp_path: Path, tiny_model: Path
+) -> None:
+    nodes = NODES | {"trainer-b": "trainer"}
+    fields = {"trainer": {"rendezvous": True}, "trainer-b": {"primary": "trainer"}}
+    job = Job(
+        slurm, tmp_path, tiny_model, steps=2, restart="on-failure", nodes=nodes, fields=fields, trainer="backend: fsdp2"
+    )
+    script = job.script.read_text()
+    assert script.count("#SBATCH hetjob") == 3 and "component 0: trainer (2 nodes of one trainer group)" in script, (
+        script
+    )
+    job.submit()
+    ended = job.end()
+    assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), (ended, job.output())
+    assert job.steps() == [1, 2]
+    out = job.output()
+    assert "trainer finished the run" in out and "trainer-b finished" not in out, out
+    for name in nodes:
+        assert job.events(name, "node.stopped"), name
+    assert not job.events("trainer-b", "fsdp.rank_group_failed")

@@ -3,32 +3,33 @@
 A topology is YAML (see `configs/local.yaml` and `docs/topology.md`) decoded into the frozen
 msgspec structs below by `load_topology(path)` or `parse_topology(text)`. Every problem,
 from a YAML syntax error to two nodes on one port, raises one `ConfigError` whose lines read
-`{source}: {yaml path}: {problem}`. This module imports no torch and nothing of `rollart`
-but the protocol's config and errors, so the launcher and CLI start fast.
+`{source}: {yaml path}: {problem}` (msgspec's own messages put in those terms by `explain.py`).
+A trainer that spans hosts is a group of trainer nodes; its rules are in `trainers.py`. The package
+imports no torch, and of `rollart` only the specs' parts and the errors, so the launcher and CLI
+start fast.
 """
 
 from __future__ import annotations
 
-import difflib
 import enum
 import os
 import pathlib
 import re
-import types
-import typing
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 import msgspec
 import yaml
 
 from rollart.engines.config import GeneratorSpec
-from rollart.engines.training import TrainerSpec
+from rollart.engines.training import RankLayout, TrainerSpec
 from rollart.envs.registry import unknown_env
 from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
 from rollart.rewards.config import RewardPoolSpec
 from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
+from rollart.topology import trainers
+from rollart.topology.explain import explain
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _WILDCARD_HOSTS = {"0.0.0.0", "::"}
@@ -97,6 +98,12 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     """What the node needs from its machine."""
     restart: RestartPolicy | None = None
     """This node's restart policy; None: use run.restart."""
+    primary: str | None = None
+    """On a trainer node: the primary trainer whose group it joins, running `run.trainer.ranks` more
+    of its ranks and nothing else (a member); None: the run's trainer, the primary of its group."""
+    rendezvous_port: int | None = None
+    """On the primary trainer: the port (on `host`) where it serves its ranks' rendezvous store,
+    needed when it has members; None: a free port, found only by ranks on its own host."""
 
     @property
     def bind_port(self) -> int:
@@ -168,6 +175,14 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
         """Return the nodes of `role`, in file order."""
         return [spec for spec in self.nodes if spec.role is role]
 
+    def trainer_group(self, name: str) -> list[NodeSpec]:
+        """Trainer node `name`'s group: its primary, then the members in file order."""
+        return trainers.trainer_group(self, name)
+
+    def rank_layout(self, name: str) -> RankLayout:
+        """Where trainer node `name`'s ranks sit in its group (`rollart.topology.trainers`)."""
+        return trainers.rank_layout(self, name)
+
     def restart_policy(self, node: NodeSpec | str) -> RestartPolicy:
         """Return the node's own restart policy, or run.restart when it has none."""
         spec = self.node(node) if isinstance(node, str) else node
@@ -234,7 +249,7 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
     try:
         topology = msgspec.convert({**data, "source": source}, Topology)
     except msgspec.ValidationError as exc:
-        path, problem = _explain(str(exc), data)
+        path, problem = explain(str(exc), data, Topology)
         raise ConfigError(f"{source}: {path + ': ' if path else ''}{problem}") from exc
     problems = _check(topology)
     if problems:
@@ -245,67 +260,6 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
         rollout = msgspec.structs.replace(rollout, alpha=0, env_stepping="batch")
         topology = msgspec.structs.replace(topology, run=msgspec.structs.replace(topology.run, rollout=rollout))
     return topology
-
-
-_MSGSPEC_ERROR = re.compile(
-    r"^(?P<msg>.*?)(?: - at `(?P<key>key)` in `\$(?P<kpath>[^`]*)`| - at `\$(?P<path>[^`]*)`)?$"
-)
-_YAML_KINDS = {"object": "mapping", "array": "list"}
-
-
-def _explain(message: str, data: Any) -> tuple[str, str]:
-    """Turn a msgspec validation message into (YAML path, problem) in the topology's terms."""
-    match = _MSGSPEC_ERROR.match(message)
-    assert match is not None  # the pattern's groups are all optional
-    msg, path = match["msg"], (match["path"] or match["kpath"] or "").lstrip(".")
-    if match["key"]:
-        return path, "expected every key to be a string"
-    target = _type_at(path)
-    if (quoted := re.match(r"Object contains unknown field `(.*)`$", msg)) is not None:
-        key, problem = quoted[1], f"unknown key {quoted[1]!r}"
-        fields = [f.encode_name for f in msgspec.structs.fields(target) if f.name != "source"]
-        hint = difflib.get_close_matches(key, fields, n=1)
-        return path, problem + (f"; did you mean {hint[0]!r}?" if hint else "")
-    if (quoted := re.match(r"Object missing required field `(.*)`$", msg)) is not None:
-        return path, f"missing required key {quoted[1]!r}"
-    if (allowed := _choices(target)) is not None:
-        return path, f"expected one of {', '.join(allowed)}; got {_value_at(data, path)!r}"
-    if (kinds := re.match(r"Expected `(.*)`, got `(.*)`$", msg)) is not None:
-        want, got = (_YAML_KINDS.get(kind, kind) for kind in kinds.groups())
-        return path, f"expected {want}; got {got}"
-    return path, msg[:1].lower() + msg[1:]
-
-
-def _segments(path: str) -> list[str | int]:
-    return [int(index) if index else name for name, index in re.findall(r"(\w+)|\[(\d+)\]", path)]
-
-
-def _type_at(path: str) -> Any:
-    """The declared type at a YAML path, Optional unwrapped (e.g. `nodes[0].role` is Role)."""
-    kind: Any = Topology
-    for segment in _segments(path):
-        if isinstance(segment, int):
-            (kind,) = typing.get_args(kind)
-        else:
-            kind = next(f.type for f in msgspec.structs.fields(kind) if f.encode_name == segment)
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-    return kind
-
-
-def _value_at(data: Any, path: str) -> Any:
-    for segment in _segments(path):
-        data = data[segment]
-    return data
-
-
-def _choices(kind: Any) -> list[str] | None:
-    """The allowed values of an enum or Literal type, else None."""
-    if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return [str(member.value) for member in kind]
-    if typing.get_origin(kind) is Literal:
-        return [str(value) for value in typing.get_args(kind)]
-    return None
 
 
 def _check(topology: Topology) -> list[tuple[str, str]]:
@@ -343,7 +297,9 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
             problems.append((f"{at}.name", problem))
         if (first := first_with_name.setdefault(node.name, i)) != i:
             problems.append((f"{at}.name", f"duplicate node name {node.name!r} (also at nodes[{first}])"))
-        for key, host in (("listen_port" if node.listen_port else "port", node.host), ("admin_port", node.admin_host)):
+        sockets = [("listen_port" if node.listen_port else "port", node.host), ("admin_port", node.admin_host)]
+        sockets += [("rendezvous_port", node.host)] if node.rendezvous_port is not None else []
+        for key, host in sockets:
             port = getattr(node, key)
             if not 1 <= port <= 65535:
                 problems.append((f"{at}.{key}", f"expected an integer from 1 to 65535; got {port}"))
@@ -356,7 +312,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb"), ("gpus",))
         if node.restart is not None:
             problems += _check_restart(f"{at}.restart", node.restart)
-    return problems
+    return problems + trainers.check_trainer_groups(topology)
 
 
 def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tuple[str, str]]:
