@@ -123,27 +123,18 @@ def empty_micro_batch(batch: PackedBatch) -> PackedBatch:
     return batch.select([0], width=1)
 
 
+@dataclasses.dataclass
 class StepRunner:
     """Runs `train_step` for one rank: a model (plain or FSDP2-sharded), its optimizer and its world."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        spec: TrainerSpec,
-        *,
-        logprobs: Logprobs,
-        world: World = World(),
-        ref_model: torch.nn.Module | None = None,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.spec = spec
-        self.logprobs = logprobs
-        self.world = world
-        self.ref_model = ref_model
-        self.autocast = autocast
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    spec: TrainerSpec
+    _: dataclasses.KW_ONLY
+    logprobs: Logprobs
+    world: World = World()
+    ref_model: torch.nn.Module | None = None
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
     def _forward(self, model: torch.nn.Module, mb: PackedBatch) -> torch.Tensor:
         with self.autocast():
