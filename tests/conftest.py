@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollart.tiny.model import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op torch thread while the test runs: the tiny model's matmuls gain nothing from
+    more, and on a busy machine spinning threads made training 3-4x slower. Restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,7 +10,6 @@ wrong: no checkpoint, a half-written one, an OUT that is in the way.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,9 @@ from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.rundir import RunDir
 from tests.batches import random_batch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 STEPS = 2
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def trained_run(model: Path, run_dir: Path, spec: TrainerSpec) -> dict[str, torch.Tensor]:

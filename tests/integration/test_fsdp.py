@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +28,9 @@ from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.errors import RollartError
 from tests.batches import random_batch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 SPEC: dict[str, Any] = {"lr": 1e-3, "micro_batch_size": 3, "device": "cpu", "threads": 1}
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def fsdp(model: Path, ranks: int, **spec: Any) -> FSDPTrainer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import msgspec
 import pytest
@@ -19,16 +18,7 @@ from rollart.algorithms.grpo import (
     token_logprobs,
 )
 from rollart.algorithms.selection import groups_with_signal
-
-
-@dataclass
-class Seq:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    segments: list[int] = field(default_factory=list)
+from tests.batches import Seq
 
 
 def row_batch(*, mask: list[float], behaviour: list[float], advantages: list[float]) -> PackedBatch:

@@ -17,7 +17,6 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +37,7 @@ from rollart.tiny.warmup import format_warmup, random_episode, random_policy_bas
 from rollart.topology import parse_topology
 from tests.batches import synthetic_batch
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread: the tiny model's matmuls gain nothing from more, and on a busy machine
-    spinning threads made the warm-up 3-4x slower. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
