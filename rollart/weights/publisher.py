@@ -163,9 +163,7 @@ class WeightPublisher:
                 for name, target in self._targets.items():
                     target.task = tg.create_task(self._serve(target), name=f"weights->{name}")
                 await self._closing.wait()
-                for target in self._targets.values():
-                    if target.task is not None:
-                        target.task.cancel()
+                await _cancel_all([t.task for t in self._targets.values() if t.task is not None])
         finally:
             self._tg = None
             self._stopped.set()
@@ -187,7 +185,8 @@ class WeightPublisher:
         conn: Connection | None = None
         attempt = 0
         try:
-            while True:
+            # Checked as well as cancelled: a cancellation can be lost (`_cancel_all`).
+            while self._targets.get(t.stats.name) is t and not self._closing.is_set():
                 t.wake.clear()  # before reading the latest: a publish after this read wakes the wait below
                 snap, delay = self._store.take_latest(), 0.0
                 try:
@@ -285,6 +284,18 @@ class WeightPublisher:
                 "weights.pushed", target=s.name, version=snap.version, seconds=round(seconds, 4), bytes=snap.nbytes
             )
         await self._notify()
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait for them, cancelling again any that carries on.
+
+    A cancellation can be lost: on Python 3.11 `asyncio.wait_for` returns the inner result when it
+    completes in the same loop turn as the cancel (ucxx's `create_endpoint` awaits it), and the push
+    loop would then retry as if nothing happened."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)
 
 
 async def _recv(conn: Connection, kind: type[M]) -> M:

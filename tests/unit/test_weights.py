@@ -29,6 +29,7 @@ from rollart.weights.buckets import (
     unpack_bucket,
 )
 from rollart.weights.pool import BufferPool
+from rollart.weights.publisher import _cancel_all
 from rollart.weights.snapshot import SnapshotStore
 from rollart.weights.wire import (
     WEIGHTS,
@@ -462,3 +463,24 @@ async def test_fuzz_a_receiver_fed_anything_ends_the_connection_with_a_protocol_
         await asyncio.wait_for(served[0], 5)
     event(type(info.value).__name__ + (", applied" if engine.applied else ""))
     assert receiver.version == max((version for version, _ in engine.applied), default=0)
+
+
+async def test_closing_the_publisher_stops_a_push_task_that_swallowed_a_cancel() -> None:
+    # What asyncio.wait_for on Python 3.11 can do when its inner future completes as the cancel lands.
+    lost = 0
+
+    async def stubborn() -> None:
+        nonlocal lost
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                lost += 1
+                if lost > 1:
+                    raise
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    async with asyncio.timeout(5):
+        await _cancel_all([task])
+    assert task.cancelled() and lost == 2
