@@ -1,24 +1,26 @@
-"""Weight-sync benchmark: what a push costs next to plain TCP (and plain UCX), and what the trainer waits for.
+"""Weight-sync benchmark: pushes next to plain TCP, star vs relay fan-out to 1, 2 and 4 generators.
 
-Run from the repository root (a full run takes about half a minute):
+Run from the repository root (a full run takes a few minutes on 2 cores):
 
     .venv/bin/python benchmarks/weight_sync.py            # writes benchmarks/results/weight_sync.md
-    .venv/bin/python benchmarks/weight_sync.py --quick    # 2 rounds: a smoke run
+    .venv/bin/python benchmarks/weight_sync.py --quick    # 100 MiB only, 2 rounds: a smoke run
     .venv/bin/python benchmarks/weight_sync.py --out /tmp/weight_sync.md
 
-Two state dicts: (a) the tiny default model's (`rollart.tiny.model`, built into a temp
-folder and read back from its safetensors, plus the tied `lm_head.weight` the trainer sends), and
-(b) 25 tensors of 4 MiB fp32 (100 MiB). Each is pushed by a `WeightPublisher` to a `WeightReceiver`
-in another process (spawn; both ends on uvloop) over TCP (`on_bulk` of a `SessionServer`) and over
-UCX (ucxx, `listen_ucx`); the receiver's `apply` does nothing, so a push is transfer + checksum +
-unpack. Against: the same number of bytes as one blocking `socket.sendall` to a thread doing
-`recv_into` one reused buffer (raw TCP), and as one ucxx `send` into one reused buffer (raw UCX).
+Two state dicts of fp32 tensors of 4 MiB: 100 MiB and 1 GiB, sent as they are (no wire dtype, so
+the bytes on the wire are the state's). Four receiver processes (spawn; uvloop), each a
+`WeightReceiver` behind a `SessionServer` (TCP) and a UCX listener, each able to relay. Per
+configuration (transport TCP or UCX; 1, 2 or 4 generators; star or relay) one `WeightPublisher`
+pushes a warm-up version and then N measured ones; after each measured push, raw TCP moves the
+same bytes (one blocking `sendall` to a thread doing `recv_into` one reused buffer in receiver
+0), so every ratio compares rounds taken next to each other. UCX is also compared with one raw
+ucxx send of the same bytes. The receivers' `apply` does nothing: a push is transfer, checksum
+checks and unpacking.
 
-Per round: `stall` = what `publish()` took (the copy into bucket buffers: all the trainer waits
-for), `push` = first byte sent to the receiver's acknowledgement (the publisher's `last_push_s`),
-`total` = `publish()` called to `wait_delivered()` returning. A round of a baseline is one payload
-to its one-byte answer. There is a warm-up round, then N rounds, interleaved across routes so that
-load from other jobs falls on all of them alike; the report gives medians and every round.
+Per round: `push` = the trainer's first byte to the last generator's acknowledgement (its
+`last_push_s`: for a relayed generator, from the first byte the trainer sent); `rate` = state
+bytes / push for one generator; `egress` = bytes the trainer sent / state bytes; `stall` = what
+`publish()` took (the trainer's wait); `packed` = when the background packer had copied the last
+bucket (the trainer may run its next forward and backward meanwhile, not its optimizer step).
 """
 
 from __future__ import annotations
@@ -35,10 +37,9 @@ import socket
 import statistics
 import struct
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from importlib.metadata import version as pkg_version
 from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
@@ -51,11 +52,12 @@ from machine import describe  # benchmarks/machine.py: this folder is on sys.pat
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
 from rollart.weights import WeightPublisher, WeightReceiver, ucx, ucx_unavailable
+from rollart.weights.publisher import Fanout
 
 HOST = "127.0.0.1"
 SECRET = b"weight sync benchmark"
-GENERATOR = Identity("bench-gen", "generator")
 TRAINER = Identity("bench-trainer", "trainer")
+GENERATORS = 4
 _U64 = struct.Struct(">Q")
 MIB = 1024**2
 GIB = 1024**3
@@ -66,23 +68,9 @@ def quiet_logs() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 
-# -- state dicts -----------------------------------------------------------------------------------
-
-
-def tiny_model_state_dict() -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    from rollart.tiny.model import ensure_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = load_file(str(ensure_tiny_model(Path(tmp) / "tiny") / "model.safetensors"))
-    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: the trainer sends it
-    return weights
-
-
-def big_state_dict() -> dict[str, torch.Tensor]:
+def state_dict(mib: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i}.weight": torch.randn(1024, 1024, generator=gen) for i in range(25)}
+    return {f"model.layers.{i}.weight": torch.randn(1024, 1024, generator=gen) for i in range(mib // 4)}
 
 
 # -- the receiver process ------------------------------------------------------------------------------
@@ -96,8 +84,13 @@ class _NoMessages:
 
 
 def raw_tcp_server(listener: socket.socket) -> None:
-    """Rounds of u64 N then N bytes into one reused buffer; answers each with one byte."""
-    conn, _ = listener.accept()
+    """Each connection in turn: rounds of u64 N then N bytes into one reused buffer, each answered with one byte."""
+    while True:
+        conn, _ = listener.accept()
+        raw_tcp_rounds(conn)
+
+
+def raw_tcp_rounds(conn: socket.socket) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buffer = memoryview(bytearray(0))
     with conn, contextlib.suppress(ConnectionError):
@@ -130,14 +123,16 @@ async def raw_ucx_server(ep: Any) -> None:
         ep.abort()  # before the receiver resets ucxx, which refuses while an endpoint is alive
 
 
-async def serve(pipe: Pipe) -> None:
+async def serve(pipe: Pipe, index: int) -> None:
     async def apply(version: int, weights: dict[str, torch.Tensor]) -> None:
         pass
 
     cfg = SessionConfig()
+    me = Identity(f"gen-{index}", "generator")
     receiver = WeightReceiver(apply)
+    receiver.relay_as(me, SECRET, cfg)
     server = SessionServer(
-        local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=cfg, on_bulk=receiver.on_bulk
+        local=me, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=cfg, on_bulk=receiver.on_bulk
     )
     loop = asyncio.get_running_loop()
     parent_gone = asyncio.Event()
@@ -151,7 +146,7 @@ async def serve(pipe: Pipe) -> None:
         ports = {"tcp": listener.sockets[0].getsockname()[1], "raw-tcp": raw.getsockname()[1]}
         raw_ucx, raw_ucx_tasks = None, []
         if ucx_unavailable() is None:
-            ports["ucx"] = await receiver.listen_ucx(local=GENERATOR, secret=SECRET, cfg=cfg)
+            ports["ucx"] = await receiver.listen_ucx(local=me, secret=SECRET, cfg=cfg)
             raw_ucx = ucx.listen_ucx(lambda ep: raw_ucx_tasks.append(tg.create_task(raw_ucx_server(ep))))
             ports["raw-ucx"] = raw_ucx.port
         pipe.send(ports)
@@ -167,157 +162,184 @@ async def serve(pipe: Pipe) -> None:
         await server.close()
 
 
-def child_main(pipe: Pipe) -> None:
+def child_main(pipe: Pipe, index: int) -> None:
     quiet_logs()
     with contextlib.suppress(KeyboardInterrupt):
-        uvloop.run(serve(pipe))
+        uvloop.run(serve(pipe, index))
 
 
-# -- the routes -----------------------------------------------------------------------------------------
+# -- measuring --------------------------------------------------------------------------------------------
 
 
-Round = tuple[float, float, float]
-"""(stall, push, total) seconds."""
+@dataclass(frozen=True)
+class Config:
+    transport: str  # "TCP" or "UCX"
+    generators: int
+    fanout: Fanout
+
+    @property
+    def label(self) -> str:
+        fanout = "" if self.generators == 1 else f", {self.fanout}"
+        return f"WeightPublisher over {self.transport}, {self.generators} gen{fanout}"
 
 
-class Route:
-    """One way of moving a payload: `run(state_dict)` moves it once and returns its `Round`."""
+@dataclass
+class Row:
+    config: Config | str
+    push: list[float] = field(default_factory=list)
+    raw: list[float] = field(default_factory=list)
+    """Raw TCP seconds for the same bytes, taken right after each push."""
+    egress: list[float] = field(default_factory=list)
+    stall: list[float] = field(default_factory=list)
+    packed: list[float] = field(default_factory=list)
 
-    def __init__(
-        self,
-        name: str,
-        run: Callable[[dict[str, torch.Tensor]], Awaitable[Round]],
-        close: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
-        self.name, self.run, self.close = name, run, close
-        self.rounds: dict[str, list[Round]] = {}
+
+class RawTcp:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection((HOST, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payloads: dict[int, bytearray] = {}
+
+    def push(self, n: int) -> float:
+        payload = self.payloads.setdefault(n, bytearray(os.urandom(16)) * (n // 16) + bytearray(n % 16))
+        t0 = time.perf_counter()
+        self.sock.sendall(_U64.pack(n))
+        self.sock.sendall(payload)
+        self.sock.recv(1, socket.MSG_WAITALL)
+        return time.perf_counter() - t0
+
+
+async def raw_ucx(port: int, n: int, rounds: int) -> list[float]:
+    ep = await ucx.import_ucxx().create_endpoint(HOST, port)
+    payload, ack, seconds = bytearray(os.urandom(16)) * (n // 16), bytearray(1), []
+    try:
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            await ep.send(bytearray(_U64.pack(n)))
+            await ep.send(payload)
+            await ep.recv(ack)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        await ep.close()
+    return seconds[1:]
 
 
 class Versions:
     def __init__(self) -> None:
         self.n = 0
 
-    def next(self) -> int:  # one receiver for both publishers: every push must be newer than the last
+    def next(self) -> int:  # the receivers outlive each publisher: every push must be newer than the last
         self.n += 1
         return self.n
 
 
-def publisher_route(name: str, publisher: WeightPublisher, versions: Versions) -> Route:
-    async def run(weights: dict[str, torch.Tensor]) -> Round:
-        version = versions.next()
-        t0 = time.perf_counter()
-        stall = publisher.publish(version, weights)
-        await publisher.wait_delivered(version, timeout=120)
-        total = time.perf_counter() - t0
-        return stall, publisher.stats()["gen"].last_push_s, total
-
-    return Route(name, run)
+async def measure_config(
+    config: Config, ports: list[dict[str, int]], weights: dict[str, torch.Tensor], rounds: int, versions: Versions
+) -> Row:
+    transport = "ucx" if config.transport == "UCX" else "tcp"
+    publisher = WeightPublisher(TRAINER, SECRET, SessionConfig(), transport=transport, fanout=config.fanout)
+    for i, port in enumerate(ports[: config.generators]):
+        publisher.add_target(f"gen-{i}", HOST, port["tcp"], ucx_port=port.get("ucx") if transport == "ucx" else None)
+    raw = RawTcp(ports[0]["raw-tcp"])
+    size = nbytes(weights)
+    row = Row(config)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        for round_ in range(rounds + 1):  # round 0 warms up: connections, fresh buffers
+            version, egress = versions.next(), publisher.egress_bytes
+            stall = publisher.publish(version, weights)
+            await publisher.wait_delivered(version, timeout=600)
+            if round_ == 0:
+                continue
+            stats = publisher.stats()
+            row.push.append(max(s.last_push_s for s in stats.values()))
+            row.egress.append((publisher.egress_bytes - egress) / size)
+            row.stall.append(stall)
+            row.packed.append(max(snap.pack_s for snap in publisher._store.latest_all()))
+            row.raw.append(await asyncio.to_thread(raw.push, size))
+        await publisher.close()
+    raw.sock.close()
+    return row
 
 
 def nbytes(weights: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-async def raw_tcp_route(port: int) -> Route:
-    sock = socket.create_connection((HOST, port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    payloads: dict[int, bytearray] = {}
-
-    def push(n: int) -> float:
-        payload = payloads.setdefault(n, bytearray(os.urandom(16)) * (n // 16) + bytearray(n % 16))
-        t0 = time.perf_counter()
-        sock.sendall(_U64.pack(n))
-        sock.sendall(payload)
-        sock.recv(1, socket.MSG_WAITALL)
-        return time.perf_counter() - t0
-
-    async def run(weights: dict[str, torch.Tensor]) -> Round:
-        seconds = await asyncio.to_thread(push, nbytes(weights))
-        return 0.0, seconds, seconds
-
-    async def close() -> None:
-        sock.close()
-
-    return Route("raw TCP (sendall into one reused buffer)", run, close)
+def configs(have_ucx: bool) -> list[Config]:
+    out = []
+    for transport in ["TCP", "UCX"] if have_ucx else ["TCP"]:
+        out.append(Config(transport, 1, "star"))
+        for generators in (2, 4):
+            out += [Config(transport, generators, "star"), Config(transport, generators, "relay")]
+    return out
 
 
-async def raw_ucx_route(port: int) -> Route:
-    ep = await ucx.import_ucxx().create_endpoint(HOST, port)
-    payloads: dict[int, bytearray] = {}
-    ack = bytearray(1)
-
-    async def run(weights: dict[str, torch.Tensor]) -> Round:
-        n = nbytes(weights)
-        payload = payloads.setdefault(n, bytearray(os.urandom(16)) * (n // 16) + bytearray(n % 16))
-        t0 = time.perf_counter()
-        await ep.send(bytearray(_U64.pack(n)))
-        await ep.send(payload)
-        await ep.recv(ack)
-        seconds = time.perf_counter() - t0
-        return 0.0, seconds, seconds
-
-    async def close() -> None:
-        await ep.close()
-
-    return Route("raw UCX (one ucxx send into one reused buffer)", run, close)
-
-
-async def measure(ports: dict[str, int], payloads: dict[str, dict[str, torch.Tensor]], rounds: int) -> list[Route]:
+async def measure(ports: list[dict[str, int]], sizes: list[int], rounds: dict[int, int]) -> dict[int, list[Row]]:
     versions = Versions()
-    have_ucx = "ucx" in ports
-    publishers = {"TCP": WeightPublisher(TRAINER, SECRET, SessionConfig(), transport="tcp")}
+    have_ucx = "ucx" in ports[0]
+    results: dict[int, list[Row]] = {}
     if have_ucx:
-        ucx.RUNTIME.acquire()  # the raw UCX route shares the publisher's ucxx context
-        publishers["UCX"] = WeightPublisher(TRAINER, SECRET, SessionConfig(), transport="ucx")
-    for kind, publisher in publishers.items():
-        publisher.add_target("gen", HOST, ports["tcp"], ucx_port=ports.get("ucx") if kind == "UCX" else None)
-    async with asyncio.TaskGroup() as tg:
-        for publisher in publishers.values():
-            tg.create_task(publisher.run())
-        routes = [publisher_route(f"WeightPublisher over {kind}", p, versions) for kind, p in publishers.items()]
-        routes.append(await raw_tcp_route(ports["raw-tcp"]))
+        ucx.RUNTIME.acquire()  # the raw UCX rounds share the publishers' ucxx context
+    try:
+        for mib in sizes:
+            weights = state_dict(mib)
+            rows = []
+            for config in configs(have_ucx):
+                rows.append(await measure_config(config, ports, weights, rounds[mib], versions))
+                print(f"{mib} MiB, {config.label}: push {statistics.median(rows[-1].push) * 1e3:.0f} ms", flush=True)
+            if have_ucx:
+                row = Row("raw UCX (one ucxx send into one reused buffer)")
+                row.push = await raw_ucx(ports[0]["raw-ucx"], nbytes(weights), rounds[mib])
+                rows.append(row)
+            results[mib] = rows
+            del weights
+    finally:
         if have_ucx:
-            routes.append(await raw_ucx_route(ports["raw-ucx"]))
-        for label, weights in payloads.items():
-            for route in routes:
-                route.rounds[label] = [await route.run(weights)]  # warm-up, kept apart: its stall is the cold one
-            for _ in range(rounds):
-                for route in routes:
-                    route.rounds[label].append(await route.run(weights))
-        for publisher in publishers.values():
-            await publisher.close()
-        for route in routes:
-            if route.close is not None:
-                await route.close()
-    if have_ucx:
-        ucx.RUNTIME.release()
-    return routes
+            ucx.RUNTIME.release()
+    return results
 
 
 # -- report --------------------------------------------------------------------------------------------
 
 
-def table(routes: list[Route], payloads: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(results: dict[int, list[Row]]) -> tuple[list[str], dict[str, float]]:
     lines = [
-        "| state dict | route | bytes | push ms | push GiB/s | push / raw TCP | stall ms: publish() | stall / total"
-        " | total ms | push, every round (ms) | stall: cold; every round (ms) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| state | route | push ms (until the last generator holds it) | push GiB/s (1 gen) | raw TCP GiB/s"
+        " (same rounds) | push rate / raw TCP rate | trainer egress / state | stall ms: publish() | stall / push"
+        " | packed ms (background) | push, every round (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for label, weights in payloads.items():
-        size = nbytes(weights)
-        raw_tcp = next(r for r in routes if r.name.startswith("raw TCP"))
-        raw = statistics.median(r[1] for r in raw_tcp.rounds[label][1:])
-        for route in routes:
-            cold, measured = route.rounds[label][0], route.rounds[label][1:]
-            stall, push, total = (statistics.median(r[i] for r in measured) for i in range(3))
-            pushes = ", ".join(f"{r[1] * 1e3:.1f}" for r in measured)
-            stalls = f"{cold[0] * 1e3:.1f}; " + ", ".join(f"{r[0] * 1e3:.1f}" for r in measured) if stall else "-"
+    summary: dict[str, float] = {}
+    for mib, rows in results.items():
+        size = mib * MIB
+        for row in rows:
+            push = median(row.push)
+            pushes = ", ".join(f"{p * 1e3:.0f}" for p in row.push)
+            if isinstance(row.config, str):
+                lines.append(
+                    f"| {mib} MiB | {row.config} | {push * 1e3:.1f} | {size / push / GIB:.2f} | - | - | - | - | - | - |"
+                    f" {pushes} |"
+                )
+                continue
+            config, raw = row.config, median(row.raw)
+            one = config.generators == 1
+            ratio = raw / push
+            egress, stall, packed = median(row.egress), median(row.stall), median(row.packed)
             lines.append(
-                f"| {label} | {route.name} | {size / MIB:.1f} MiB | {push * 1e3:.1f} | {size / push / GIB:.2f}"
-                f" | {push / raw:.2f} | {f'{stall * 1e3:.1f}' if stall else '-'}"
-                f" | {f'{stall / total:.2f}' if stall else '-'} | {total * 1e3:.1f} | {pushes} | {stalls} |"
+                f"| {mib} MiB | {config.label} | {push * 1e3:.1f} | {f'{size / push / GIB:.2f}' if one else '-'}"
+                f" | {size / raw / GIB:.2f} | {f'{ratio:.2f}' if one else '-'} | {egress:.2f}"
+                f" | {stall * 1e3:.2f} | {stall / push:.4f} | {packed * 1e3:.0f} | {pushes} |"
             )
-    return lines
+            if config.transport == "TCP" and one:
+                summary[f"push_over_raw_{mib}"] = ratio
+            if config.transport == "TCP" and config.generators == 4 and config.fanout == "relay":
+                summary[f"relay_egress_4gen_{mib}"] = egress
+    return lines, summary
 
 
 def machine() -> str:
@@ -328,46 +350,70 @@ def machine() -> str:
     return describe(["torch", "uvloop"], ucx_note)
 
 
+def start_receivers(count: int) -> tuple[list[Any], list[Pipe], list[dict[str, int]]]:
+    ctx = multiprocessing.get_context("spawn")
+    procs, pipes, ports = [], [], []
+    for i in range(count):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(target=child_main, args=(theirs, i), name=f"weights-receiver-{i}", daemon=True)
+        proc.start()
+        theirs.close()
+        procs.append(proc)
+        pipes.append(ours)
+    for proc, pipe in zip(procs, pipes, strict=True):
+        if not pipe.poll(60):
+            raise RuntimeError(f"a receiver did not start within 60 s (exit code {proc.exitcode})")
+        ports.append(pipe.recv())
+    return procs, pipes, ports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds: a smoke run")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per route (default 5)")
+    parser.add_argument("--quick", action="store_true", help="100 MiB only, 2 rounds: a smoke run")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="measured rounds per configuration (default 5; 3 at 1 GiB)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
     args = parser.parse_args()
-    rounds = 2 if args.quick else args.rounds
+    sizes = [100] if args.quick else [100, 1024]
+    rounds = {100: 2, 1024: 2} if args.quick else {100: args.rounds, 1024: max(2, args.rounds - 2)}
     quiet_logs()
     started, host, t0 = datetime.datetime.now().astimezone(), machine(), time.perf_counter()
-    payloads = {"(a) tiny model": tiny_model_state_dict(), "(b) 25 x 4 MiB fp32": big_state_dict()}
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=child_main, args=(theirs,), name="weights-receiver", daemon=True)
-    proc.start()
-    theirs.close()
+    procs, pipes, ports = start_receivers(GENERATORS)
     try:
-        if not ours.poll(60):
-            raise RuntimeError(f"the receiver did not start within 60 s (exit code {proc.exitcode})")
-        routes = uvloop.run(measure(ours.recv(), payloads, rounds))
+        results = uvloop.run(measure(ports, sizes, rounds))
     finally:
-        ours.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        for pipe in pipes:
+            pipe.close()
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    rows, summary = table(results)
     lines = [
         "# Weight-sync benchmark",
         "",
         f"- date: {started.isoformat(timespec='seconds')}",
         f"- machine: {host}",
         f"- command: `{shlex.join(sys.orig_argv)}` (from the repository root; took {time.perf_counter() - t0:.0f} s)",
-        f"- {rounds} measured rounds per route after a warm-up round; medians first, then every round",
-        "- push: first byte to the receiver's ack; stall: what publish() took (all the trainer waits for);"
-        " total: publish() called to wait_delivered() returning",
-        "- stall cold: the warm-up round (fresh bucket buffers); the first measured round copies into fresh buffers"
-        " too (two versions are in use before one is recycled), later rounds into reused ones",
+        f"- rounds per configuration after a warm-up push: {', '.join(f'{r} at {m} MiB' for m, r in rounds.items())};"
+        " medians first, then every round",
+        "- fp32 tensors of 4 MiB, pushed as they are (bytes on the wire = state bytes); 4 receiver processes on"
+        " this machine, every one relay-capable; relay = one chain trainer -> gen-0 -> gen-1 -> ...",
+        "- push: the trainer's first byte to the last generator's ack; rate and ratio for one generator;"
+        " raw TCP: the same bytes by one blocking sendall into one reused buffer, right after each push",
+        "- stall: what publish() took (all the trainer waits for, if it does not step its optimizer before"
+        " the packer is done); packed: when the packer thread had copied and checksummed the last bucket",
         "",
-        *table(routes, payloads),
+        *rows,
         "",
     ]
-    report = "\n".join(lines)
+    if "push_over_raw_1024" in summary and "relay_egress_4gen_1024" in summary:
+        lines.append(
+            f"summary: push_over_raw_1gib={summary['push_over_raw_1024']:.2f}"
+            f" relay_egress_4gen={summary['relay_egress_4gen_1024']:.2f}"
+        )
+    report = "\n".join(lines) + "\n"
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)

@@ -81,6 +81,13 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     """How weights reach generators: ucx when ucxx is installed (auto), else our TCP bulk path."""
     bucket_mb: int = 64
     """Weight-push bucket size."""
+    weight_fanout: Literal["star", "relay"] = "relay"
+    """How a version reaches the generators: relay (the trainer sends it once, to the head of a chain
+    of generators ordered by cluster and host, and each forwards every bucket to the next as it
+    arrives: the trainer's egress is one state dict) or star (the trainer sends it to each)."""
+    push_timeout_s: float | None = None
+    """Seconds a push may take before it counts as failed and is retried; None: scaled with its bytes
+    (30 s plus four times the transfer at the slowest rate measured so far)."""
     threads: int = 0
     """torch intra-op threads on CPU; 0: torch's default."""
 
@@ -105,6 +112,10 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
             problems.append(("ranks", f"the torch backend trains on one device; use backend fsdp2 for {self.ranks}"))
         if self.keep_checkpoints < 1:
             problems.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
+        if self.push_timeout_s is not None and self.push_timeout_s <= 0:
+            problems.append(
+                ("push_timeout_s", f"must be > 0 (or null: scaled with the bytes), got {self.push_timeout_s}")
+            )
         return problems
 
 

@@ -69,8 +69,15 @@ class GeneratorNode(NodeDaemon):
         self.aborted = 0
         self.engine_start_s: float | None = None
         self._engine_started: float | None = None
-        self.receiver = WeightReceiver(self._load_weights)
+        self.receiver = WeightReceiver(self._load_weights, dtype=self._weights_dtype())
+        self.receiver.relay_as(self.identity, self.secret, self.cfg)  # relay chains pass through generators
         self.ucx_port = 0
+
+    def _weights_dtype(self) -> Any:
+        """The dtype the engine runs floating-point weights in: what they must arrive in."""
+        from rollart.weights.buckets import wire_dtype
+
+        return wire_dtype(self.topology.run.generator.dtype, what=f"generator {self.spec.name}")
 
     async def _load_weights(self, version: int, weights: dict[str, Any]) -> None:
         await self.ready.wait()
@@ -119,7 +126,7 @@ class GeneratorNode(NodeDaemon):
             case Generate():
                 return await self._generate(msg)
             case WeightsWhere():
-                return WeightsHere(self.receiver.version, self.ucx_port)
+                return WeightsHere(self.receiver.version, self.ucx_port, self.topology.run.generator.dtype)
             case SimWeights():
                 return await self._sim_weights(msg)
             case _:

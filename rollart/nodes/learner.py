@@ -34,6 +34,8 @@ from rollart.protocol.retry import Backoff, retry
 from rollart.rundir import JsonlLog, RunDir
 
 if TYPE_CHECKING:
+    import torch
+
     from rollart.engines.training import TrainerSpec, TrainingEngine
     from rollart.protocol import ClientSession
     from rollart.rollout.config import TaskSpec
@@ -90,6 +92,7 @@ class Learner:
         self._recent: dict[str, collections.deque[tuple[float, float]]] = {}
         self._busy: dict[str, tuple[float, float]] = {}
         self._ucx_ports: dict[str, int] = {}
+        self._dtypes: dict[str, torch.dtype | None] = {}
         self._saving: asyncio.Task[None] | None = None
 
     # -- start and resume -------------------------------------------------------------------------
@@ -154,8 +157,10 @@ class Learner:
         return state
 
     async def connect_generators(self) -> int:
-        """Ask every generator where to push weights, and add it as a publisher target; returns the
-        newest version any of them holds."""
+        """Ask every generator where to push weights (and in which dtype), and add it as a publisher
+        target; returns the newest version any of them holds."""
+        from rollart.weights.buckets import wire_dtype
+
         held = 0
         for spec in self._generators:
             client = self._clients[spec.name]
@@ -166,24 +171,37 @@ class Learner:
                 backoff=Backoff.for_retries(client.cfg),
                 deadline_s=client.cfg.retry_deadline_s,
             )
-            self.publisher.add_target(spec.name, spec.host, spec.port, ucx_port=here.ucx_port or None)
+            self._dtypes[spec.name] = wire_dtype(here.dtype, what=f"generator {spec.name}'s weights")
+            self._add_target(spec, here.ucx_port)
             self._ucx_ports[spec.name] = here.ucx_port
             held = max(held, here.version)
         return held
 
-    def _follow_ucx_ports(self) -> None:
-        """A restarted generator listens for UCX on a new port: push there from now on."""
+    def _add_target(self, spec: NodeSpec, ucx_port: int) -> None:
+        self.publisher.add_target(
+            spec.name,
+            spec.host,
+            spec.port,
+            ucx_port=ucx_port or None,
+            dtype=self._dtypes.get(spec.name),
+            place=f"{spec.cluster}/{spec.host}",
+        )
+
+    def _follow_generators(self) -> None:
+        """A restarted generator listens for UCX on a new port (push there from now on) and may hold
+        an older version than it last acknowledged (it gets the latest again), as its status says."""
         generators = {spec.name: spec for spec in self._generators}
         for name, status in self._peer_status.items():
             if name not in self._ucx_ports or not isinstance(status, NodeStatus) or "ucx_port" not in status.load:
                 continue
             port = int(status.load["ucx_port"])
             if port != self._ucx_ports[name]:
-                spec = generators[name]
                 self.publisher.remove_target(name)
-                self.publisher.add_target(name, spec.host, spec.port, ucx_port=port or None)
+                self._add_target(generators[name], port)
                 self._ucx_ports[name] = port
                 log.info("learner.generator_moved", generator=name, ucx_port=port)
+            if "version" in status.load:
+                self.publisher.report_holding(name, int(status.load["version"]))
 
     # -- a step -----------------------------------------------------------------------------------
 
@@ -207,6 +225,10 @@ class Learner:
         def step() -> dict[str, Any]:
             import torch
 
+            # The last version's packer may still read the weights: the optimizer must not change them yet.
+            if self.stall_s:
+                self.stall_s[-1] += self.publisher.wait_packed()
+
             advantages = group_advantages(torch.tensor(rewards), normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
             counts = {
                 "groups_trained": float(len(chosen.signal)),
@@ -224,10 +246,10 @@ class Learner:
         return await asyncio.to_thread(step)
 
     def publish(self, version: int) -> float:
-        """Export the weights (from the ranks, with FSDP2) and snapshot them for the push; returns
-        the seconds the trainer waited for both (its stall)."""
+        """Export the weights (from the ranks, with FSDP2) and start the push; returns the seconds the
+        trainer waited for both (its stall; the next step adds any wait for the packer to finish)."""
         assert self.engine is not None
-        self._follow_ucx_ports()
+        self._follow_generators()
         started = time.perf_counter()
         weights = self.engine.export_weights()
         stall = time.perf_counter() - started + self.publisher.publish(version, weights)

@@ -116,6 +116,8 @@ class TrainerNode(NodeDaemon):
                     self.cfg,
                     bucket_bytes=spec.bucket_mb << 20,
                     transport=spec.weight_transport,
+                    fanout=spec.weight_fanout,
+                    push_timeout_s=spec.push_timeout_s,
                 ),
                 build_engine=functools.partial(
                     build_training_engine,

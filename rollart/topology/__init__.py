@@ -92,6 +92,9 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     """Where the admin HTTP endpoint binds; loopback unless the topology says otherwise."""
     admin_port: int
     """Admin HTTP port (1-65535)."""
+    cluster: str = ""
+    """Which cluster (site, network) the node is in: weight relay chains stay within one where they
+    can (generators ordered by cluster, then host)."""
     hardware: Hardware = "cpu"
     """Kind of machine: cpu, compute (prefill-friendly) or bandwidth (decode-friendly)."""
     resources: Resources = Resources()

@@ -51,12 +51,13 @@ class BufferPool:
         if self.cap_bytes is None:
             return
         total = sum(buffer.numel() for buffer, _ in self._entries)
-        for entry in list(self._entries):
-            if total <= self.cap_bytes:
-                break
-            if entry[1]() is None:
-                self._entries.remove(entry)
+        kept = []
+        for entry in self._entries:
+            if total > self.cap_bytes and entry[1]() is None:
                 total -= entry[0].numel()
+            else:
+                kept.append(entry)
+        self._entries = kept
 
     @property
     def nbytes(self) -> int:

@@ -1,18 +1,31 @@
 """The trainer's end of weight sync: snapshot a version, push it to every generator in the background.
 
-    publisher = WeightPublisher(identity, secret, cfg)           # transport "auto": UCX where it can, else TCP
-    publisher.add_target("gen-0", host, session_port, ucx_port=port_from_generator)
-    tg.create_task(publisher.run())                               # owns one push task per target
-    stall_s = publisher.publish(step, model.state_dict())         # copies into bucket buffers, returns
+    publisher = WeightPublisher(identity, secret, cfg, fanout="relay")   # transport "auto": UCX where it can
+    publisher.add_target("gen-0", host, session_port, ucx_port=port, dtype=torch.bfloat16, place="cluster-a/h1")
+    tg.create_task(publisher.run())                                       # plans and runs the pushes
+    stall_s = publisher.publish(step, model.state_dict())                 # plans the buckets and returns
     ...
     await publisher.close()
 
-`publish` is the only thing the trainer waits for: it copies the tensors into bucket buffers (the
-optimizer changes the originals next step) and returns. Each target's task pushes on its own
-schedule, so a slow or dead generator delays nobody else. Latest wins: a target still receiving
-version n when n+2 is published gets n+2 next; n+1 is skipped, never queued. A target that cannot
-be reached is retried with jittered exponential backoff, and gets the newest version when it is
-back. `publish` may be called from a worker thread (e.g. the training step's), one caller at a time.
+`publish` is the only thing the trainer waits for: it plans the buckets of each wire dtype its
+targets asked for and returns; a packer thread copies (and casts) the tensors into bucket buffers
+while the first buckets are already on their way (`snapshot`). The trainer must not change the
+tensors it handed over before `wait_packed` (its next optimizer step); an export made for the push
+needs no wait.
+
+Who gets what from whom is planned per round: every target that lacks the latest version and is
+not in backoff joins a push. With `fanout="star"` each such target gets its own push from the
+trainer; with `"relay"` the targets of one wire dtype form a chain ordered by `place` (cluster,
+then host), the trainer pushes to its head only, and every hop forwards each bucket to the next as
+it arrives (`relay`): the trainer's egress is one state dict whatever the number of generators.
+Every hop's ack comes back on the trainer's connection to the head. A target that fails (cannot be
+reached, refuses, dies mid-push) is retried with jittered exponential backoff; the hops a failed
+relay stranded are planned into the next round at once, without it. Latest wins: a target still
+receiving version n when n+2 is published gets n+2 next; n+1 is skipped, never queued.
+
+A push's deadline scales with its bytes: `push_timeout_s` when set, else 30 s plus four times the
+transfer time at the slowest rate measured so far (at first, an assumed 100 MiB/s). `stats()` says,
+per target, what it holds and how far the push in flight has got.
 """
 
 from __future__ import annotations
@@ -36,29 +49,47 @@ from rollart.protocol.framing import Connection
 from rollart.weights import ucx
 from rollart.weights.buckets import DEFAULT_BUCKET_BYTES, byte_view
 from rollart.weights.snapshot import Snapshot, SnapshotStore
-from rollart.weights.wire import WEIGHTS, Holding, VersionAck, WeightMsg
+from rollart.weights.wire import WEIGHTS, Holding, Hop, RelayFailed, VersionAck, WeightMsg
 
 log = structlog.get_logger("rollart.weights.publisher")
 
 Transport = Literal["auto", "tcp", "ucx"]
+Fanout = Literal["star", "relay"]
 M = TypeVar("M", bound=WeightMsg)
+
+_FIRST_RATE = 100 * 1024**2
+"""Bytes per second assumed for a push's deadline until one has been measured (then: the slowest seen)."""
+_DEADLINE_SLACK = 4.0
+_DEADLINE_BASE_S = 30.0
 
 
 @dataclasses.dataclass
 class TargetStats:
     name: str
     transport: str
+    dtype: str = ""
+    """The dtype floating-point weights travel to it in; empty: as the trainer holds them."""
     version: int = -1
     """The version the target holds, as it last said (-1: not heard from yet)."""
     pushes: int = 0
+    """Versions it acknowledged, from the trainer or through a relay."""
+    relayed: int = 0
+    """Of those, how many came through another generator."""
     last_push_s: float = 0.0
-    """First byte sent to acknowledgement, of the last push (includes the target's `apply`)."""
+    """First byte the trainer sent for the version to this target's acknowledgement (includes `apply`)."""
     last_push_bytes: int = 0
     bytes_sent: int = 0
+    """Bytes the trainer sent to it (none when it gets its versions through a relay)."""
     failures: int = 0
     skipped: int = 0
     """Published versions this target never got because a newer one was ready first."""
     in_flight: int | None = None
+    """The version being pushed to it (directly or through a relay)."""
+    via: str = ""
+    """Who the version in flight comes from: 'trainer' or the generator relaying it."""
+    progress_bytes: int = 0
+    """Of the push in flight from the trainer, the bytes sent so far (of `progress_of`)."""
+    progress_of: int = 0
     connected: bool = False
     last_error: str = ""
 
@@ -68,12 +99,20 @@ class _Target:
     host: str
     port: int
     ucx_port: int | None
+    dtype: torch.dtype | None
+    place: str
     stats: TargetStats
-    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     settled: int = -1
     """Newest version not to push again: the one it holds, or one it refused."""
     last_seq: int = 0
-    task: asyncio.Task[None] | None = None
+    busy: bool = False
+    attempt: int = 0
+    retry_at: float = 0.0
+    conn: Connection | None = None
+    watch: asyncio.Task[None] | None = None
+
+    def hop(self) -> Hop:
+        return Hop(self.stats.name, self.host, self.port, self.ucx_port or 0)
 
 
 class WeightPublisher:
@@ -87,25 +126,45 @@ class WeightPublisher:
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         transport: Transport = "auto",
-        push_timeout_s: float = 120.0,
+        fanout: Fanout = "star",
+        push_timeout_s: float | None = None,
     ) -> None:
         if transport == "ucx":
             ucx.import_ucxx()  # TransportUnavailable now, rather than at the first push
         self.local, self.cfg, self.bucket_bytes, self.transport = local, cfg, bucket_bytes, transport
+        self.fanout: Fanout = fanout
         self.push_timeout_s = push_timeout_s
         self.last_stall_s = 0.0
+        self.egress_bytes = 0
+        """Payload bytes the trainer has sent, to every target together."""
+        self._rate = float(_FIRST_RATE)
+        self._rate_measured: float | None = None
         self._secret = secret
         self._targets: dict[str, _Target] = {}
         self._store = SnapshotStore(bucket_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: asyncio.TaskGroup | None = None
+        self._wake = asyncio.Event()
         self._closing = asyncio.Event()
         self._stopped = asyncio.Event()
         self._changed = asyncio.Condition()
         self._ucx_held = False
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def add_target(self, name: str, host: str, port: int, ucx_port: int | None = None) -> None:
-        """Push to the generator `name`: TCP to its session `port`, or UCX to `ucx_port` (its receiver's)."""
+    # -- targets ----------------------------------------------------------------------------------
+
+    def add_target(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        ucx_port: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        place: str = "",
+    ) -> None:
+        """Push to the generator `name`: TCP to its session `port`, or UCX to `ucx_port` (its receiver's);
+        floating-point weights in `dtype` (None: as published); `place` orders relay chains."""
         if name in self._targets:
             raise ValueError(f"target {name!r} is already added")
         kind = "tcp"
@@ -118,32 +177,51 @@ class WeightPublisher:
             kind = "tcp" if reason else "ucx"
             if reason:
                 log.warning("weights.ucx_unavailable", target=name, reason=reason)
-        target = _Target(host, port, ucx_port, TargetStats(name, kind), last_seq=max(0, self._store.seq - 1))
-        self._targets[name] = target
-        if self._tg is not None:
-            target.task = self._tg.create_task(self._serve(target), name=f"weights->{name}")
-        log.info("weights.target_added", target=name, host=host, port=ucx_port if kind == "ucx" else port, via=kind)
+        if kind == "tcp":
+            ucx_port = None
+        dtype_label = str(dtype).removeprefix("torch.") if dtype is not None else ""
+        stats = TargetStats(name, kind, dtype_label)
+        self._targets[name] = _Target(host, port, ucx_port, dtype, place, stats, last_seq=max(0, self._store.seq - 1))
+        self._wake.set()
+        log.info("weights.target_added", target=name, host=host, port=ucx_port or port, via=kind, dtype=dtype_label)
 
     def remove_target(self, name: str) -> None:
         target = self._targets.pop(name)
-        if target.task is not None:
-            target.task.cancel()
+        _hang_up(target)
+
+    def report_holding(self, name: str, version: int) -> None:
+        """What a target said it holds, heard another way (its status): a restarted target that lost
+        its version gets the latest again."""
+        target = self._targets.get(name)
+        if target is not None and not target.busy and version < target.settled:
+            log.info("weights.target_behind", target=name, holds=version, had=target.settled)
+            target.settled = target.stats.version = version
+            self._wake.set()
 
     def stats(self) -> dict[str, TargetStats]:
         return {name: dataclasses.replace(t.stats) for name, t in self._targets.items()}
 
+    # -- publishing -------------------------------------------------------------------------------
+
     def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> float:
-        """Snapshot `state_dict` as `version` and return the seconds it took; the pushes run in the background."""
+        """Plan `version` in every wire dtype a target asked for and return the seconds it took; packing
+        and pushing run in the background (see `wait_packed`)."""
         t0 = time.perf_counter()
-        self._store.put(version, state_dict)
+        dtypes = tuple(dict.fromkeys(t.dtype for t in self._targets.values())) or (None,)
+        self._store.put(version, state_dict, dtypes)
         self.last_stall_s = time.perf_counter() - t0
         if (loop := self._loop) is not None:
-            loop.call_soon_threadsafe(self._wake_all)
+            loop.call_soon_threadsafe(self._wake.set)
         return self.last_stall_s
 
-    def _wake_all(self) -> None:
-        for target in self._targets.values():
-            target.wake.set()
+    def wait_packed(self, timeout: float | None = None) -> float:
+        """Block until the tensors of the last `publish` are no longer read; returns the seconds waited.
+        Call before changing them (the next optimizer step); from any thread."""
+        t0 = time.perf_counter()
+        for snap in self._store.latest_all():
+            if not snap.packed.wait(timeout):
+                raise TimeoutError(f"weights of version {snap.version} still packing after {timeout} s")
+        return time.perf_counter() - t0
 
     async def wait_delivered(self, version: int, *, timeout: float) -> None:
         """Return once every target holds `version` or newer; `TimeoutError` past `timeout`."""
@@ -154,89 +232,119 @@ class WeightPublisher:
         async with self._changed:
             self._changed.notify_all()
 
+    def deadline_s(self, nbytes: int, hops: int = 1) -> float:
+        """How long a push of `nbytes` through `hops` generators may take before it counts as failed."""
+        if self.push_timeout_s is not None:
+            return self.push_timeout_s
+        pipeline = nbytes + (hops - 1) * min(nbytes, self.bucket_bytes)
+        return _DEADLINE_BASE_S + _DEADLINE_SLACK * pipeline / self._rate
+
+    # -- the push loop ----------------------------------------------------------------------------
+
     async def run(self) -> None:
-        """Run every target's push task until `close()`."""
+        """Plan and run pushes until `close()`."""
         self._loop = asyncio.get_running_loop()
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                for name, target in self._targets.items():
-                    target.task = tg.create_task(self._serve(target), name=f"weights->{name}")
-                await self._closing.wait()
-                await _cancel_all([t.task for t in self._targets.values() if t.task is not None])
+                while not self._closing.is_set():
+                    self._wake.clear()
+                    self._plan_round()
+                    await self._sleep_until_due()
+                await _cancel_all(list(self._tasks))
         finally:
             self._tg = None
+            for target in self._targets.values():
+                _hang_up(target)
+            self._store.close()
             self._stopped.set()
 
     async def close(self) -> None:
         """Stop every push (one in progress is abandoned) and `run()`."""
         self._closing.set()
+        self._wake.set()
         if self._loop is not None:
             await self._stopped.wait()
         if self._ucx_held:
             self._ucx_held = False
             ucx.RUNTIME.release()
 
-    async def _serve(self, t: _Target) -> None:
-        """One target, forever: connect, push the latest version it lacks, idle until the next one."""
-        if t.stats.transport == "ucx" and not self._ucx_held:
-            ucx.RUNTIME.acquire()
-            self._ucx_held = True
-        conn: Connection | None = None
-        attempt = 0
+    async def _sleep_until_due(self) -> None:
+        now = time.monotonic()
+        due = [t.retry_at - now for t in self._targets.values() if not t.busy and t.retry_at > now]
+        wake = asyncio.ensure_future(self._wake.wait())
         try:
-            # Checked as well as cancelled: a cancellation can be lost (`_cancel_all`).
-            while self._targets.get(t.stats.name) is t and not self._closing.is_set():
-                t.wake.clear()  # before reading the latest: a publish after this read wakes the wait below
-                snap, delay = self._store.take_latest(), 0.0
-                try:
-                    if snap is None or (conn is not None and snap.version <= t.settled):
-                        await self._idle(t, conn)
-                        continue
-                    if conn is None:
-                        conn = await self._connect(t)
-                    if snap.version > t.settled:
-                        await self._push(t, conn, snap)
-                    attempt = 0
-                except (OSError, TimeoutError, RollartError) as exc:
-                    t.stats.failures += 1
-                    t.stats.last_error = f"{type(exc).__name__}: {exc}"
-                    delay = random.uniform(0, min(self.cfg.backoff_cap_s, self.cfg.backoff_base_s * 2**attempt))
-                    attempt += 1
-                    log.warning("weights.push_failed", target=t.stats.name, error=t.stats.last_error, attempt=attempt)
-                    if conn is not None:
-                        conn.close()
-                        conn, t.stats.connected = None, False
-                finally:
-                    if snap is not None:
-                        self._store.drop(snap)
-                if delay:
-                    await asyncio.sleep(delay)
+            await asyncio.wait([wake], timeout=min(due, default=None))
         finally:
-            if conn is not None:
-                conn.close()
-            t.stats.connected = False
+            wake.cancel()
 
-    async def _idle(self, t: _Target, conn: Connection | None) -> None:
-        """Wait to be woken; the connection closing (or saying anything) ends the wait with an error."""
-        waits: list[asyncio.Future[object]] = [asyncio.ensure_future(t.wake.wait())]
-        if conn is not None:
-            waits.append(asyncio.ensure_future(conn.recv()))
+    def _plan_round(self) -> None:
+        """Start a push for every target that lacks its latest version and is neither busy nor in backoff."""
+        assert self._tg is not None
+        now = time.monotonic()
+        by_dtype: dict[torch.dtype | None, list[_Target]] = {}
+        for target in self._targets.values():
+            snap = self._store.latest(target.dtype)
+            if snap is None or target.busy or target.retry_at > now:
+                continue
+            if target.settled < snap.version:
+                by_dtype.setdefault(target.dtype, []).append(target)
+        for dtype, ready in by_dtype.items():
+            ready.sort(key=lambda t: (t.place, t.host, t.stats.name))
+            chains = [ready] if self.fanout == "relay" else [[t] for t in ready]
+            for chain in chains:
+                snap = self._store.take_latest(dtype)
+                assert snap is not None
+                for target in chain:
+                    target.busy = True
+                task = self._tg.create_task(self._push_chain(chain, snap), name=f"weights->{chain[0].stats.name}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _push_chain(self, chain: list[_Target], snap: Snapshot) -> None:
+        """Push `snap` to the chain's head, which relays it down the rest; settle every member."""
+        head = chain[0]
+        waiting = {t.stats.name: t for t in chain}
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if (watch := head.watch) is not None:
+                head.watch = None
+                watch.cancel()
+                # Let the cancelled receive finish now: its cleanup (TcpConnection clears its waiter)
+                # would otherwise run later and drop the waiter of this push's acknowledgement.
+                await asyncio.wait([watch])
+            if head.stats.transport == "ucx" and not self._ucx_held:
+                ucx.RUNTIME.acquire()
+                self._ucx_held = True
+            if head.conn is None or head.conn.closed:
+                await self._connect(head)
+            if len(chain) == 1 and snap.version <= head.settled:
+                waiting.clear()
+                return
+            assert head.conn is not None
+            await self._push(chain, snap, head.conn, waiting)
+            head.attempt = 0
+        except (OSError, TimeoutError, RollartError) as exc:
+            self._failed(head, exc)
+            waiting.pop(head.stats.name, None)
+            _hang_up(head)
         finally:
-            for waiting in waits:
-                waiting.cancel()
-            # Let the cancelled receive finish now: its cleanup (TcpConnection clears its waiter) would
-            # otherwise run later and drop the waiter of the next receive, the push's acknowledgement.
-            await asyncio.wait(waits)
-        if len(waits) > 1 and not waits[1].cancelled():
-            waits[1].result()  # ConnectionClosed: the target went away (restarted?)
-            raise ProtocolError(f"weights: target {t.stats.name} sent a frame while idle")
+            for target in chain:
+                target.busy = False
+                target.stats.in_flight = None
+                target.stats.via = ""
+            for target in waiting.values():  # stranded by a failed head or relay: the next round replans them
+                if target.settled < snap.version:
+                    log.info("weights.replan", target=target.stats.name, version=snap.version)
+            self._store.drop(snap)
+            if head.conn is not None and head.watch is None and not self._closing.is_set():
+                head.watch = asyncio.ensure_future(self._watch_idle(head, head.conn))
+            self._wake.set()
+            await self._notify()
 
-    async def _connect(self, t: _Target) -> Connection:
+    async def _connect(self, t: _Target) -> None:
         conn: Connection
         cfg = self.cfg
+        _hang_up(t)
         if t.stats.transport == "ucx":
             assert t.ucx_port is not None
             conn = await ucx.open_ucx(t.host, t.ucx_port, local=self.local, secret=self._secret, cfg=cfg)
@@ -248,42 +356,105 @@ class WeightPublisher:
         except BaseException:
             conn.close()
             raise
+        t.conn = conn
         t.stats.connected, t.stats.version, t.settled = True, holding.version, holding.version
         log.info("weights.connected", target=t.stats.name, holds=holding.version, via=t.stats.transport)
         await self._notify()
-        return conn
 
-    async def _push(self, t: _Target, conn: Connection, snap: Snapshot) -> None:
-        t.stats.in_flight = snap.version
+    async def _push(self, chain: list[_Target], snap: Snapshot, conn: Connection, waiting: dict[str, _Target]) -> None:
+        head = chain[0]
+        members = {t.stats.name: t for t in chain}
+        for target in chain:
+            target.stats.in_flight = snap.version
+            target.stats.via = "trainer" if target is head else chain[chain.index(target) - 1].stats.name
+        s = head.stats
+        s.progress_bytes, s.progress_of = 0, snap.nbytes
         t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(self.push_timeout_s):
-                for index, buffer in enumerate(snap.buffers):
-                    conn.send(WEIGHTS.encode(await snap.manifest(index)))
-                    await conn.send_bulk(byte_view(buffer))
-                ack = await _recv(conn, VersionAck)
-        finally:
-            t.stats.in_flight = None
-        seconds = time.perf_counter() - t0
-        if ack.version != snap.version:
-            raise ProtocolError(
-                f"weights: target {t.stats.name} acknowledged version {ack.version}; sent {snap.version}"
-            )
+        async with asyncio.timeout(self.deadline_s(snap.nbytes, len(chain))):
+            conn.send(WEIGHTS.encode(snap.push_header(tuple(t.hop() for t in chain[1:]))))
+            for index, buffer in enumerate(snap.buffers):
+                conn.send(WEIGHTS.encode(await snap.manifest(index)))
+                payload = byte_view(buffer)
+                await conn.send_bulk(payload)
+                s.progress_bytes += len(payload)
+                s.bytes_sent += len(payload)
+                self.egress_bytes += len(payload)
+            while waiting:
+                msg = WEIGHTS.decode(await conn.recv())
+                if isinstance(msg, RelayFailed):
+                    self._relay_failed(msg, snap, members, waiting)
+                    continue
+                if not isinstance(msg, VersionAck):
+                    raise ProtocolError(f"weights: expected an ack from {s.name}; got {type(msg).__name__}")
+                acked = members.get(msg.node or s.name)
+                if acked is None or msg.version != snap.version:
+                    raise ProtocolError(
+                        f"weights: ack for {msg.node or s.name} version {msg.version}; sent {snap.version}"
+                    )
+                self._acked(acked, msg, snap, time.perf_counter() - t0, relayed=acked is not head)
+                waiting.pop(acked.stats.name, None)
+        rate = (snap.nbytes + (len(chain) - 1) * min(snap.nbytes, self.bucket_bytes)) / (time.perf_counter() - t0)
+        self._rate = rate if self._rate_measured is None else min(self._rate_measured, rate)
+        self._rate_measured = self._rate
+
+    def _acked(self, t: _Target, ack: VersionAck, snap: Snapshot, seconds: float, *, relayed: bool) -> None:
         s = t.stats
         s.version, t.settled = ack.holding, max(ack.holding, snap.version)
         if ack.error:
             s.failures += 1
             s.last_error = f"version {snap.version} refused: {ack.error}"
             log.error("weights.refused", target=s.name, version=snap.version, error=ack.error)
-        else:
-            s.pushes, s.last_push_s, s.last_push_bytes = s.pushes + 1, seconds, snap.nbytes
-            s.bytes_sent += snap.nbytes
-            s.skipped += max(0, snap.seq - t.last_seq - 1)
-            t.last_seq = snap.seq
-            log.info(
-                "weights.pushed", target=s.name, version=snap.version, seconds=round(seconds, 4), bytes=snap.nbytes
-            )
-        await self._notify()
+            return
+        s.pushes, s.relayed = s.pushes + 1, s.relayed + relayed
+        s.last_push_s, s.last_push_bytes = seconds, snap.nbytes
+        s.skipped += max(0, snap.seq - t.last_seq - 1)
+        t.last_seq, t.attempt = snap.seq, 0
+        log.info("weights.pushed", target=s.name, version=snap.version, seconds=round(seconds, 4), relayed=relayed)
+
+    def _relay_failed(
+        self, msg: RelayFailed, snap: Snapshot, members: dict[str, _Target], waiting: dict[str, _Target]
+    ) -> None:
+        if msg.version != snap.version:
+            return
+        failed = members.get(msg.node)
+        if failed is not None and waiting.pop(msg.node, None) is not None:
+            self._failed(failed, RollartError(f"relayed to by another generator: {msg.error}"))
+        for name in msg.unreached:
+            waiting.pop(name, None)  # not its fault: planned again next round
+
+    def _failed(self, t: _Target, exc: BaseException) -> None:
+        t.stats.failures += 1
+        t.stats.last_error = f"{type(exc).__name__}: {exc}"
+        delay = random.uniform(0, min(self.cfg.backoff_cap_s, self.cfg.backoff_base_s * 2**t.attempt))
+        t.attempt += 1
+        t.retry_at = time.monotonic() + delay
+        log.warning("weights.push_failed", target=t.stats.name, error=t.stats.last_error, attempt=t.attempt)
+
+    async def _watch_idle(self, t: _Target, conn: Connection) -> None:
+        """While no push uses it (a push cancels this first), a connection that closes (a restarted
+        target) or speaks is ended; the next round connects again and learns what the target holds."""
+        try:
+            await conn.recv()
+            raise ProtocolError(f"weights: target {t.stats.name} sent a frame while idle")
+        except (OSError, RollartError) as exc:
+            if t.conn is conn:
+                log.info("weights.target_hung_up", target=t.stats.name, error=str(exc))
+                _hang_up(t, watcher=False)
+                t.settled = -1  # connect again to learn what it holds
+                self._wake.set()
+        finally:
+            if t.watch is asyncio.current_task():
+                t.watch = None
+
+
+def _hang_up(t: _Target, *, watcher: bool = True) -> None:
+    if watcher and t.watch is not None:
+        t.watch.cancel()
+        t.watch = None
+    if t.conn is not None:
+        t.conn.close()
+        t.conn = None
+    t.stats.connected = False
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:

@@ -27,6 +27,7 @@ import structlog
 import torch
 
 from rollart.protocol.auth import Identity, server_handshake
+from rollart.protocol.bulk import open_bulk
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
@@ -34,7 +35,17 @@ from rollart.protocol.messages import Hello
 from rollart.weights import ucx
 from rollart.weights.buckets import VersionAssembly, unpack_bucket
 from rollart.weights.pool import BufferPool
-from rollart.weights.wire import WEIGHTS, BucketManifest, ChecksumMismatch, Holding, VersionAck, WeightFormatError
+from rollart.weights.relay import Relay
+from rollart.weights.wire import (
+    WEIGHTS,
+    BucketManifest,
+    ChecksumMismatch,
+    Holding,
+    Hop,
+    Push,
+    VersionAck,
+    WeightFormatError,
+)
 
 log = structlog.get_logger("rollart.weights.receiver")
 
@@ -69,11 +80,65 @@ ApplyWeights = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
 """What `WeightReceiver` hands each whole version to: `apply(version, tensors)` (an engine's `load_weights`)."""
 
 
+class _Incoming:
+    """One version arriving: each bucket is checked in a worker thread while the next one arrives."""
+
+    def __init__(
+        self,
+        push: Push,
+        relay: Relay | None,
+        unpack: Callable[[BucketManifest, memoryview], Awaitable[dict[str, torch.Tensor]]],
+    ) -> None:
+        self.push = push
+        self.relay = relay
+        self.done = False
+        self.started = time.perf_counter()
+        self._unpack = unpack
+        self._assembly = VersionAssembly(push.version, push.count)
+        self._checks: list[tuple[BucketManifest, asyncio.Task[dict[str, torch.Tensor]]]] = []
+
+    def add(self, manifest: BucketManifest, payload: memoryview) -> None:
+        if manifest.count != self.push.count:
+            raise WeightFormatError(
+                f"version {manifest.version} bucket {manifest.index}: says {manifest.count} buckets; "
+                f"its push said {self.push.count}"
+            )
+        if self.relay is not None:
+            self.relay.forward(manifest, payload)
+        self._checks.append((manifest, asyncio.ensure_future(self._unpack(manifest, payload))))
+
+    async def finish(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, checked, with the tied aliases; raises on a bad bucket."""
+        try:
+            for manifest, check in self._checks:
+                self._assembly.add(manifest, await check)
+        finally:
+            for _, check in self._checks:
+                check.cancel()
+            self._checks = []
+        weights = self._assembly.finish()
+        for alias, name in self.push.tied:
+            if name not in weights or alias in weights:
+                raise WeightFormatError(f"version {self.push.version}: tied {alias!r} -> {name!r} does not fit")
+            weights[alias] = weights[name]
+        return weights
+
+
+def _wrong_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+    """Why `weights` are not what a receiver of `dtype` takes ('' when they are)."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            return f"tensor {name!r} arrived as {tensor.dtype}"
+    return ""
+
+
 class WeightReceiver:
     """Assembles pushed versions and applies each whole one, newest only, one at a time."""
 
-    def __init__(self, apply: ApplyWeights, *, version: int = 0) -> None:
+    def __init__(self, apply: ApplyWeights, *, version: int = 0, dtype: torch.dtype | None = None) -> None:
         self._apply = apply
+        self._dtype = dtype
+        self._relay_as: tuple[Identity, bytes, SessionConfig] | None = None
         self._apply_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._stats = ReceiverStats(version)
@@ -99,6 +164,18 @@ class WeightReceiver:
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: self._stats.version >= version)
 
+    def relay_as(self, local: Identity, secret: bytes, cfg: SessionConfig) -> None:
+        """Pass versions on when a push says so (`Push.relay`), connecting to the next hop as `local`."""
+        self._relay_as = (local, secret, cfg)
+
+    async def _dial(self, hop: Hop) -> Connection:
+        if self._relay_as is None:
+            raise ProtocolError("weights: asked to relay, but this receiver has no identity to relay as")
+        local, secret, cfg = self._relay_as
+        if hop.ucx_port and self._ucx_held:
+            return await ucx.open_ucx(hop.host, hop.ucx_port, local=local, secret=secret, cfg=cfg)
+        return await open_bulk(hop.host, hop.port, local=local, secret=secret, cfg=cfg)
+
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
         """Serve one authenticated bulk connection until it closes (`SessionServer(on_bulk=...)`)."""
         if isinstance(conn, TcpConnection | ucx.UcxConnection):
@@ -106,38 +183,61 @@ class WeightReceiver:
         self._stats.connections += 1
         log.info("weights.connected", peer=peer.node, conn=conn.peer, version=self.version)
         conn.send(WEIGHTS.encode(Holding(self.version)))
-        partial: VersionAssembly | None = None
-        started = 0.0
+        relays: dict[tuple[str, str, int, int], Relay] = {}
+        try:
+            await self._serve_pushes(conn, peer, relays)
+        finally:
+            for relay in relays.values():
+                await relay.close()
+
+    async def _serve_pushes(
+        self, conn: Connection, peer: Identity, relays: dict[tuple[str, str, int, int], Relay]
+    ) -> None:
+        incoming: _Incoming | None = None
         while True:
-            manifest = WEIGHTS.decode(await conn.recv())
-            if not isinstance(manifest, BucketManifest):
-                raise ProtocolError(f"weights: expected a bucket manifest; got {type(manifest).__name__}")
+            msg = WEIGHTS.decode(await conn.recv())
+            if isinstance(msg, Push):
+                if incoming is not None and not incoming.done:
+                    self._stats.replaced += 1
+                    log.info("weights.replaced", dropped=incoming.push.version, by=msg.version, peer=peer.node)
+                relay = None
+                if msg.relay:
+                    hop = msg.relay[0]
+                    key = (hop.name, hop.host, hop.port, hop.ucx_port)
+                    if key not in relays:
+                        relays[key] = Relay(hop, conn, self._dial)
+                    relay = relays[key]
+                    relay.begin(Push(msg.version, msg.count, msg.nbytes, msg.dtype, msg.tied, msg.relay[1:]))
+                incoming = _Incoming(msg, relay, self._unpack)
+                continue
+            if not isinstance(msg, BucketManifest):
+                raise ProtocolError(f"weights: expected a push or a bucket manifest; got {type(msg).__name__}")
             payload = await conn.recv_bulk()
             self._stats.bytes_received += len(payload)
-            last = manifest.index == manifest.count - 1
-            if manifest.version <= self.version:
-                if last:
-                    self._stats.ignored += 1
-                    conn.send(WEIGHTS.encode(VersionAck(manifest.version, self.version)))
-                continue
-            if partial is None or manifest.version > partial.version:
-                if partial is not None:
-                    self._stats.replaced += 1
-                    log.info("weights.replaced", dropped=partial.version, by=manifest.version, peer=peer.node)
-                partial, started = VersionAssembly(manifest.version, manifest.count), time.perf_counter()
-            elif manifest.version < partial.version:
-                raise WeightFormatError(f"bucket of version {manifest.version} after version {partial.version} began")
-            partial.add(manifest, await self._unpack(manifest, payload))
-            del payload  # the buffer is free for reuse as soon as its tensors are gone
-            if last:
-                weights = partial.finish()
-                # Idle buffers kept: enough for the version being received while `apply` holds this one.
-                self._pool.cap_bytes = max(self._pool.cap_bytes or 0, 2 * partial.nbytes)
-                partial = None
-                self._stats.last_receive_s = time.perf_counter() - started
-                error = await self._apply_version(manifest.version, weights)
-                del weights  # unless `apply` kept them, these buffers can take the next version
-                conn.send(WEIGHTS.encode(VersionAck(manifest.version, self.version, error)))
+            if incoming is None or msg.version != incoming.push.version or incoming.done:
+                raise WeightFormatError(f"bucket {msg.index} of version {msg.version} outside its push")
+            incoming.add(msg, payload)
+            del payload  # the buffer is free for reuse as soon as its tensors (and the relay) are done with it
+            if msg.index == msg.count - 1:
+                incoming.done = True
+                conn.send(WEIGHTS.encode(await self._take(incoming)))
+
+    async def _take(self, incoming: _Incoming) -> VersionAck:
+        """Check a whole version and apply it, unless it is not newer; the ack to send back."""
+        push = incoming.push
+        if push.version <= self.version:
+            self._stats.ignored += 1
+            return VersionAck(push.version, self.version)
+        weights = await incoming.finish()
+        # Idle buffers kept: enough for the version being received while `apply` holds this one.
+        self._pool.cap_bytes = max(self._pool.cap_bytes or 0, 2 * push.nbytes)
+        self._stats.last_receive_s = time.perf_counter() - incoming.started
+        if self._dtype is not None and (wrong := _wrong_dtype(weights, self._dtype)):
+            self._stats.apply_failures += 1
+            return VersionAck(push.version, self.version, f"{wrong}; this receiver takes {self._dtype}")
+        error = await self._apply_version(push.version, weights)
+        del weights  # unless `apply` kept them, these buffers can take the next version
+        return VersionAck(push.version, self.version, error)
 
     async def _unpack(self, manifest: BucketManifest, payload: memoryview) -> dict[str, torch.Tensor]:
         try:

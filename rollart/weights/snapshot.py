@@ -1,97 +1,168 @@
-"""Published versions held in bucket buffers, and the buffers recycled once no push reads them.
+"""Published versions in bucket buffers, packed in the background, recycled once no push reads them.
 
-`SnapshotStore.put` is the trainer's whole stall: plan the buckets and copy every tensor into
-them. Buffers of a version that is no longer the latest and that no target is pushing are kept
-for the next `put` (a copy into warm pages runs ~5x faster than into fresh ones: 7.8 vs 1.4 GiB/s
-measured here for 64 MiB). `put` may run in a worker thread while the event loop's push tasks
-take and drop snapshots, hence the lock.
+`SnapshotStore.put` plans the buckets and returns: a packer thread copies (and casts, to the wire
+dtype) the tensors into bucket buffers and computes each bucket's CRC-32C, one bucket after the
+other, and a push sends bucket i as soon as it is packed, while the packer works on i + 1. What the
+trainer must not do until `Snapshot.packed` is set is change the tensors it handed over (its next
+optimizer step); its forward and backward passes may run meanwhile. Tensors it will not touch
+again (`owned=True`: an export made for this version, a bf16 cast) need no such wait.
+
+Buffers of a version that is no longer the latest and that no push or packer uses are kept for the
+next `put` (a copy into warm pages runs ~5x faster than into fresh ones: 7.8 vs 1.4 GiB/s measured
+here for 64 MiB). `put` may run in a worker thread while the event loop's push tasks take and drop
+snapshots, hence the lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Mapping
 
 import torch
 
-from rollart.weights.buckets import BucketPlan, byte_view, checksum, new_buffer, pack_bucket, plan_buckets
-from rollart.weights.wire import BucketManifest
+from rollart.weights.buckets import (
+    BucketPlan,
+    byte_view,
+    checksum,
+    dtype_name,
+    new_buffer,
+    pack_bucket,
+    plan_buckets,
+    split_tied,
+)
+from rollart.weights.wire import BucketManifest, Push
 
 _SPARE_SETS = 2  # bucket-buffer sets kept for reuse
 
 
 class Snapshot:
-    """One published version in bucket buffers; `users` push tasks are reading it."""
+    """One published version in one wire dtype; `users` pushes (and the packer, until done) read it."""
 
-    def __init__(self, version: int, seq: int, plans: list[BucketPlan], buffers: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        version: int,
+        *,
+        seq: int,
+        dtype: torch.dtype | None,
+        plans: list[BucketPlan],
+        buffers: list[torch.Tensor],
+        tied: dict[str, str],
+    ) -> None:
         self.version = version
         self.seq = seq
         """1 for the first version published, 2 for the next, ...: counts the versions a target skipped."""
+        self.dtype = dtype
         self.plans = plans
         self.buffers = buffers
+        self.tied = tied
         self.nbytes = sum(plan.nbytes for plan in plans)
-        self.users = 0
-        self._crcs: list[asyncio.Future[int] | None] = [None] * len(buffers)
+        self.users = 1  # the packer
+        self.crcs: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in plans]
+        self.packed = threading.Event()
+        """Set once every bucket is packed: the tensors handed to `put` are no longer read."""
+        self.pack_s = 0.0
+
+    def push_header(self, relay: tuple[object, ...] = ()) -> Push:
+        return Push(
+            self.version,
+            len(self.plans),
+            self.nbytes,
+            dtype_name(self.dtype) if self.dtype is not None else "",
+            tuple(self.tied.items()),
+            relay,  # type: ignore[arg-type]
+        )
 
     async def manifest(self, index: int) -> BucketManifest:
-        """Bucket `index`'s manifest. CRC-32s run in a worker thread one at a time, each while the bucket
-        before it is sent (all at once, they would share the cores and delay the first bucket)."""
-        crc = await self._crc(index)
-        if index + 1 < len(self.buffers):
-            self._crc(index + 1)
-        return self.plans[index].manifest(version=self.version, index=index, count=len(self.plans), crc32=crc)
-
-    def _crc(self, index: int) -> asyncio.Future[int]:
-        future = self._crcs[index]
-        if future is None:  # computed once per version, however many targets push it
-            loop = asyncio.get_running_loop()
-            future = self._crcs[index] = loop.run_in_executor(None, checksum, byte_view(self.buffers[index]))
-        return future
+        """Bucket `index`'s manifest, once the packer has packed it."""
+        crc = await asyncio.wrap_future(self.crcs[index])
+        return self.plans[index].manifest(version=self.version, index=index, count=len(self.plans), crc32c=crc)
 
 
 class SnapshotStore:
-    """The latest published version, and spare buffers to copy the next one into."""
+    """The latest published version per wire dtype, and spare buffers to pack the next one into."""
 
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
         self.seq = 0
         self._lock = threading.Lock()
-        self._latest: Snapshot | None = None
+        self._latest: dict[torch.dtype | None, Snapshot] = {}
         self._spare: list[list[torch.Tensor]] = []
+        self._packer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-pack")
 
-    def put(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> Snapshot:
-        """Copy `state_dict` into bucket buffers as the new latest version (CUDA sources: via pinned memory)."""
+    def put(
+        self,
+        version: int,
+        state_dict: Mapping[str, torch.Tensor],
+        dtypes: tuple[torch.dtype | None, ...] = (None,),
+    ) -> list[Snapshot]:
+        """Make `version` the latest in each wire dtype (None: as given); packing goes on in the background."""
         if not state_dict:
             raise ValueError("a weights version needs at least one tensor")
-        latest = self._latest
-        if latest is not None and version <= latest.version:
-            raise ValueError(f"version {version} is not newer than the last one published ({latest.version})")
-        plans = plan_buckets(state_dict, self.bucket_bytes)
-        pinned = any(t.is_cuda for t in state_dict.values())
-        buffers = self._buffers([plan.nbytes for plan in plans], pinned)
-        for plan, buffer in zip(plans, buffers, strict=True):
-            pack_bucket(plan, state_dict, buffer)
-        if pinned:
-            torch.cuda.synchronize()  # the copies were issued without blocking
-        with self._lock:
-            self.seq += 1
-            old, self._latest = self._latest, Snapshot(version, self.seq, plans, buffers)
-            if old is not None:
-                self._recycle_locked(old)
-            return self._latest
+        newest = max((snap.version for snap in self._latest.values()), default=None)
+        if newest is not None and version <= newest:
+            raise ValueError(f"version {version} is not newer than the last one published ({newest})")
+        unique, tied = split_tied(state_dict)
+        pinned = any(t.is_cuda for t in unique.values())
+        made = []
+        for dtype in dict.fromkeys(dtypes):
+            plans = plan_buckets(unique, self.bucket_bytes, dtype=dtype)
+            buffers = self._buffers([plan.nbytes for plan in plans], pinned)
+            with self._lock:
+                self.seq += 1
+                snap = Snapshot(version, seq=self.seq, dtype=dtype, plans=plans, buffers=buffers, tied=tied)
+                old, self._latest[dtype] = self._latest.get(dtype), snap
+                if old is not None:
+                    self._recycle_locked(old)
+            made.append(snap)
+        for snap in made:
+            self._packer.submit(self._pack, snap, unique, pinned)
+        return made
 
-    def take_latest(self) -> Snapshot | None:
-        """The latest snapshot, counted as in use until `drop`ped."""
+    def _pack(self, snap: Snapshot, tensors: Mapping[str, torch.Tensor], pinned: bool) -> None:
+        started = time.perf_counter()
+        try:
+            for plan, buffer, crc in zip(snap.plans, snap.buffers, snap.crcs, strict=True):
+                try:
+                    pack_bucket(plan, tensors, buffer)
+                    if pinned:
+                        torch.cuda.synchronize()  # the copies were issued without blocking
+                    crc.set_result(checksum(byte_view(buffer)))
+                except BaseException as exc:  # a push waiting for this bucket gets the error
+                    crc.set_exception(exc)
+                    for rest in snap.crcs:
+                        if not rest.done():
+                            rest.set_exception(exc)
+                    raise
+        finally:
+            snap.pack_s = time.perf_counter() - started
+            snap.packed.set()
+            self.drop(snap)
+
+    def latest(self, dtype: torch.dtype | None) -> Snapshot | None:
+        return self._latest.get(dtype)
+
+    def latest_all(self) -> list[Snapshot]:
         with self._lock:
-            if self._latest is not None:
-                self._latest.users += 1
-            return self._latest
+            return list(self._latest.values())
+
+    def take_latest(self, dtype: torch.dtype | None = None) -> Snapshot | None:
+        """The latest snapshot in `dtype`, counted as in use until `drop`ped."""
+        with self._lock:
+            snap = self._latest.get(dtype)
+            if snap is not None:
+                snap.users += 1
+            return snap
 
     def drop(self, snap: Snapshot) -> None:
         with self._lock:
             snap.users -= 1
             self._recycle_locked(snap)
+
+    def close(self) -> None:
+        self._packer.shutdown(wait=True)
 
     def _buffers(self, sizes: list[int], pinned: bool) -> list[torch.Tensor]:
         with self._lock:
@@ -101,6 +172,6 @@ class SnapshotStore:
         return [new_buffer(n, pin_memory=pinned) for n in sizes]
 
     def _recycle_locked(self, snap: Snapshot) -> None:
-        if snap.users == 0 and snap is not self._latest and snap.buffers:
+        if snap.users == 0 and self._latest.get(snap.dtype) is not snap and snap.buffers:
             self._spare = [*self._spare, snap.buffers][-_SPARE_SETS:]
             snap.buffers = []

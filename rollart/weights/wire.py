@@ -3,9 +3,15 @@
 A push runs over a bulk connection (TCP: `rollart.protocol.bulk.open_bulk`; UCX:
 `rollart.weights.ucx.open_ucx`), both after the same HMAC handshake. Then:
 
-    receiver -> publisher   Holding(version)                     the version it has applied
-    publisher -> receiver   BucketManifest, bulk frame (payload)  once per bucket, index 0..count-1
-    receiver -> publisher   VersionAck(version, holding, error)   after the last bucket
+    receiver -> sender      Holding(version)                      the version it has applied
+    sender -> receiver      Push(version, count, ..., relay)      a version starts; `relay`: pass it on
+    sender -> receiver      BucketManifest, bulk frame (payload)  once per bucket, index 0..count-1
+    receiver -> sender      VersionAck(version, holding, error)   after the last bucket is applied
+    receiver -> sender      VersionAck(..., node=N), RelayFailed  about the hops after it, passed back
+
+The sender is the trainer, or a generator relaying: it forwards each bucket to the first hop of
+`relay` as soon as it has the bucket, announcing the rest of the chain, and passes the acks of every
+hop behind it back up, so the trainer learns what each generator holds over its one connection.
 
 Schema evolution as in `rollart.protocol.messages`: new fields get defaults and go at the end.
 """
@@ -42,9 +48,35 @@ class BucketManifest(msgspec.Struct, tag="bucket", **_WIRE):
     """How many buckets this version has."""
     nbytes: int
     """Payload size in bytes."""
-    crc32: int
-    """`zlib.crc32` of the whole payload."""
+    crc32c: int
+    """CRC-32C of the whole payload (`buckets.checksum`), computed by the trainer and checked at every hop."""
     tensors: tuple[TensorEntry, ...]
+
+
+class Hop(msgspec.Struct, **_WIRE):
+    """A generator further down a relay chain, and where its weights go."""
+
+    name: str
+    host: str
+    port: int
+    """Its session port (TCP bulk connections)."""
+    ucx_port: int = 0
+    """Its UCX receiver's port; 0: TCP."""
+
+
+class Push(msgspec.Struct, tag="push", **_WIRE):
+    """Sender -> receiver: a version begins; its `count` buckets follow."""
+
+    version: int
+    count: int
+    nbytes: int
+    """Bytes of all its payloads: what progress is measured against."""
+    dtype: str = ""
+    """The dtype floating-point tensors travel in; empty: each as the trainer holds it."""
+    tied: tuple[tuple[str, str], ...] = ()
+    """(alias, name): the alias is the same tensor as `name` (tied embeddings travel once)."""
+    relay: tuple[Hop, ...] = ()
+    """Pass the version on to `relay[0]`, telling it to pass it on to the rest."""
 
 
 class Holding(msgspec.Struct, tag="holding", **_WIRE):
@@ -60,9 +92,21 @@ class VersionAck(msgspec.Struct, tag="ack", **_WIRE):
     holding: int
     error: str = ""
     """Set when `apply` failed: the version arrived intact but the engine refused it."""
+    node: str = ""
+    """Whose ack this is, when passed back by a relay; empty: the receiver's own."""
 
 
-WeightMsg = BucketManifest | Holding | VersionAck
+class RelayFailed(msgspec.Struct, tag="relay-failed", **_WIRE):
+    """Relay -> sender: `version` could not be passed on to `node` (it failed: `error`), so the hops
+    after it (`unreached`) did not get it from here either."""
+
+    version: int
+    node: str
+    error: str
+    unreached: tuple[str, ...] = ()
+
+
+WeightMsg = BucketManifest | Holding | VersionAck | Push | RelayFailed
 WEIGHTS: Channel[WeightMsg] = Channel("weights", WeightMsg)
 
 

@@ -1,16 +1,20 @@
-"""Weight pushes over real loopback, to a receiver in its own process, over TCP and over UCX (ucxx):
+"""Weight pushes over real loopback, to receivers in their own processes, over TCP and over UCX (ucxx):
 a slow receiver skips to the newest version, one that is down gets the newest when it comes up,
-one that restarts gets the latest again, and a publisher with the wrong secret is refused.
+one that restarts gets the latest again, a publisher with the wrong secret is refused; relayed
+down a chain of four, every receiver ends with the same bytes and the trainer sends one copy, and
+a relay killed mid-push strands nobody behind it.
 
 Each receiver process (multiprocessing, spawn) runs a `SessionServer` whose `on_bulk` is the
 `WeightReceiver`'s, plus its UCX listener; it checks every tensor it is given against the values
-the test publishes for that version and reports what it applied through a pipe.
+the test publishes for that version and reports what it applied (and a CRC-32C of what it got)
+through a pipe.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
@@ -20,13 +24,14 @@ import torch
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
 from rollart.weights import Transport, WeightPublisher, WeightReceiver, plan_buckets, ucx_unavailable
+from rollart.weights.buckets import byte_view, checksum
+from rollart.weights.publisher import Fanout
 from tests.support import free_ports
 
 pytestmark = pytest.mark.integration
 
 HOST = "127.0.0.1"
 SECRET = b"weights integration secret"
-GENERATOR = Identity("gen-0", "generator")
 TRAINER = Identity("trainer", "trainer")
 CFG = SessionConfig(handshake_timeout_s=1.0, backoff_base_s=0.05, backoff_cap_s=0.3)
 BUCKET_BYTES = 256 * 1024
@@ -37,10 +42,10 @@ TRANSPORTS = [
 ]
 
 
-def weights(version: int) -> dict[str, torch.Tensor]:
-    """What the test publishes as `version`: ~1.2 MB in 5 buckets, three dtypes."""
+def weights(version: int, rows: int = 256) -> dict[str, torch.Tensor]:
+    """What the test publishes as `version`: ~1.2 MB in 5 buckets, three dtypes (more `rows`: bigger)."""
     return {
-        "model.embed_tokens.weight": torch.full((256, 1024), float(version)),
+        "model.embed_tokens.weight": torch.full((rows, 1024), float(version)),
         "model.norm.weight": torch.full((64,), float(version), dtype=torch.bfloat16),
         "model.positions": torch.arange(1000, dtype=torch.int64) + version,
         "lm_head.weight": torch.full((32, 1024), -float(version)),
@@ -58,21 +63,33 @@ class _NoMessages:
         raise AssertionError(f"unexpected request {msg!r}")
 
 
-async def _serve(pipe: Pipe, port: int, ucx_port: int | None, apply_delay_s: float) -> None:
+def crc_of(tensors: dict[str, torch.Tensor]) -> int:
+    crc = 0
+    for name in sorted(tensors):
+        crc = checksum(byte_view(tensors[name].contiguous().reshape(-1).view(torch.uint8)), crc)
+    return crc
+
+
+async def _serve(pipe: Pipe, name: str, ports: tuple[int, int | None], apply_delay_s: float, rows: int) -> None:
     applied: list[int] = []
+    crcs: list[int] = []
     intact = True
 
     async def apply(version: int, received: dict[str, torch.Tensor]) -> None:
         nonlocal intact
-        expected = weights(version)
+        expected = weights(version, rows)
         intact = intact and received.keys() == expected.keys()
         intact = intact and all(torch.equal(received[name], tensor) for name, tensor in expected.items())
         applied.append(version)
+        crcs.append(crc_of(received))
         await asyncio.sleep(apply_delay_s)  # a generator busy swapping weights in
 
+    me = Identity(name, "generator")
+    port, ucx_port = ports
     receiver = WeightReceiver(apply)
+    receiver.relay_as(me, SECRET, CFG)
     server = SessionServer(
-        local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
+        local=me, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
     )
     loop = asyncio.get_running_loop()
     requests: asyncio.Queue[str | None] = asyncio.Queue()
@@ -90,27 +107,29 @@ async def _serve(pipe: Pipe, port: int, ucx_port: int | None, apply_delay_s: flo
         tg.create_task(receiver.serve())
         await server.listen_tcp(HOST, port)
         if ucx_port is not None:
-            await receiver.listen_ucx(local=GENERATOR, secret=SECRET, cfg=CFG, port=ucx_port)
-        pipe.send("ready")
+            await receiver.listen_ucx(local=me, secret=SECRET, cfg=CFG, port=ucx_port)
+        pipe.send(os.getpid())
         while await requests.get() == "stats":
             refusals = server.refusals + receiver.stats().refusals
-            pipe.send({"applied": list(applied), "intact": intact, "refusals": refusals})
+            pipe.send({"applied": list(applied), "intact": intact, "refusals": refusals, "crcs": list(crcs)})
         await receiver.close()
         await server.close()
 
 
-def receiver_main(pipe: Pipe, port: int, ucx_port: int | None, apply_delay_s: float) -> None:
-    asyncio.run(_serve(pipe, port, ucx_port, apply_delay_s))
+def receiver_main(pipe: Pipe, name: str, ports: tuple[int, int | None], apply_delay_s: float, rows: int) -> None:
+    asyncio.run(_serve(pipe, name, ports, apply_delay_s, rows))
 
 
 class ReceiverProcess:
-    def __init__(self, transport: str, apply_delay_s: float, ports: tuple[int, int]) -> None:
+    def __init__(self, name: str, transport: str, apply_delay_s: float, ports: tuple[int, int], rows: int) -> None:
         self.port, ucx_port = ports
         self.ucx_port = ucx_port if transport == "ucx" else None
         ctx = multiprocessing.get_context("spawn")
         self.pipe, theirs = ctx.Pipe()
         self.proc = ctx.Process(
-            target=receiver_main, args=(theirs, self.port, self.ucx_port, apply_delay_s), name="weights-receiver"
+            target=receiver_main,
+            args=(theirs, name, (self.port, self.ucx_port), apply_delay_s, rows),
+            name=f"weights-receiver-{name}",
         )
         self.proc.start()
         theirs.close()
@@ -121,7 +140,7 @@ class ReceiverProcess:
         return self.pipe.recv()
 
     async def ready(self) -> None:
-        assert await self._reply(30) == "ready"
+        assert await self._reply(30) == self.proc.pid
 
     async def stats(self) -> dict[str, Any]:
         self.pipe.send("stats")
@@ -143,11 +162,23 @@ class Receivers:
 
     def __init__(self) -> None:
         self.procs: list[ReceiverProcess] = []
-        port, ucx_port = free_ports(2)
-        self.ports = (port, ucx_port)
+        self._ports: dict[str, tuple[int, int]] = {}
 
-    async def start(self, transport: str, apply_delay_s: float = 0.0) -> ReceiverProcess:
-        proc = ReceiverProcess(transport, apply_delay_s, self.ports)
+    def ports_of(self, name: str = "gen-0") -> tuple[int, int]:
+        """(session port, UCX port) of receiver `name`: the same each time it is started."""
+        if name not in self._ports:
+            port, ucx_port = free_ports(2)
+            self._ports[name] = (port, ucx_port)
+        return self._ports[name]
+
+    @property
+    def ports(self) -> tuple[int, int]:
+        return self.ports_of("gen-0")
+
+    async def start(
+        self, transport: str, apply_delay_s: float = 0.0, *, name: str = "gen-0", rows: int = 256
+    ) -> ReceiverProcess:
+        proc = ReceiverProcess(name, transport, apply_delay_s, self.ports_of(name), rows)
         self.procs.append(proc)
         await proc.ready()
         return proc
@@ -164,10 +195,18 @@ async def receivers() -> AsyncIterator[Receivers]:
                 await proc.stop(kill=True)
 
 
-def publisher_for(transport: Transport, receivers: Receivers, secret: bytes = SECRET) -> WeightPublisher:
-    publisher = WeightPublisher(TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport)
-    port, ucx_port = receivers.ports
-    publisher.add_target("gen-0", HOST, port, ucx_port=ucx_port if transport == "ucx" else None)
+def publisher_for(
+    transport: Transport,
+    receivers: Receivers,
+    secret: bytes = SECRET,
+    *,
+    names: tuple[str, ...] = ("gen-0",),
+    fanout: Fanout = "star",
+) -> WeightPublisher:
+    publisher = WeightPublisher(TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport, fanout=fanout)
+    for name in names:
+        port, ucx_port = receivers.ports_of(name)
+        publisher.add_target(name, HOST, port, ucx_port=ucx_port if transport == "ucx" else None)
     return publisher
 
 
@@ -264,3 +303,53 @@ async def test_a_publisher_with_the_wrong_secret_is_refused(transport: Transport
     report = await proc.stats()
     assert report["applied"] == []
     assert report["refusals"] >= 2
+
+
+# -- relay ---------------------------------------------------------------------------------------------
+
+CHAIN = ("gen-0", "gen-1", "gen-2", "gen-3")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_relay_chain_of_4_ends_with_identical_checksums(transport: Transport, receivers: Receivers) -> None:
+    procs = [await receivers.start(transport, name=name) for name in CHAIN]
+    publisher = publisher_for(transport, receivers, names=CHAIN, fanout="relay")
+    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        for version in (1, 2, 3):
+            publisher.publish(version, weights(version))
+            await publisher.wait_delivered(version, timeout=30)
+        await publisher.close()
+    sent = crc_of(weights(3))
+    for proc in procs:
+        report = await proc.stats()
+        assert report["applied"] == [1, 2, 3] and report["intact"]
+        assert report["crcs"][-1] == sent
+    stats = publisher.stats()
+    state_bytes = sum(plan.nbytes for plan in plan_buckets(weights(3), BUCKET_BYTES))
+    assert publisher.egress_bytes == 3 * state_bytes  # one copy per version, whatever the chain's length
+    assert [stats[name].bytes_sent for name in CHAIN] == [3 * state_bytes, 0, 0, 0]
+    assert [stats[name].relayed for name in CHAIN] == [0, 3, 3, 3]
+
+
+@pytest.mark.timeout(120)
+async def test_kill_9_of_a_relay_mid_push_and_every_other_receiver_converges(receivers: Receivers) -> None:
+    rows = 16384  # 64 MiB a version, in 256 KiB buckets: long enough to kill a relay in the middle of it
+    procs = {name: await receivers.start("tcp", name=name, rows=rows) for name in CHAIN}
+    publisher = publisher_for("tcp", receivers, names=CHAIN, fanout="relay")
+    others = [name for name in CHAIN if name != "gen-1"]
+    async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        publisher.publish(1, weights(1, rows))
+        await until(lambda: publisher.stats()["gen-0"].progress_bytes > 0, timeout=20)
+        await procs["gen-1"].stop(kill=True)  # kill -9 of the relay between gen-0 and gen-2
+        await until(lambda: all(publisher.stats()[name].version >= 1 for name in others), timeout=60)
+        assert publisher.stats()["gen-1"].version < 1 and publisher.stats()["gen-1"].failures >= 1
+        procs["gen-1"] = await receivers.start("tcp", name="gen-1", rows=rows)  # back: it gets the version too
+        await publisher.wait_delivered(1, timeout=60)
+        await publisher.close()
+    for proc in procs.values():
+        report = await proc.stats()
+        assert report["applied"] == [1] and report["intact"]
+        assert report["crcs"] == [crc_of(weights(1, rows))]

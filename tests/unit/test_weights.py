@@ -37,6 +37,7 @@ from rollart.weights.wire import (
     ChecksumMismatch,
     Holding,
     MissingBucket,
+    Push,
     TensorEntry,
     VersionAck,
     WeightFormatError,
@@ -62,8 +63,13 @@ def packed(tensors: Mapping[str, torch.Tensor], bucket_bytes: int, version: int 
         buffer = new_buffer(plan.nbytes)
         pack_bucket(plan, tensors, buffer)
         payload = bytearray(byte_view(buffer))
-        out.append((plan.manifest(version=version, index=index, count=len(plans), crc32=checksum(payload)), payload))
+        out.append((plan.manifest(version=version, index=index, count=len(plans), crc32c=checksum(payload)), payload))
     return out
+
+
+def push_of(buckets: Buckets) -> Push:
+    first = buckets[0][0]
+    return Push(first.version, first.count, sum(manifest.nbytes for manifest, _ in buckets))
 
 
 def mixed_state_dict() -> dict[str, torch.Tensor]:
@@ -197,13 +203,14 @@ def test_a_version_announcing_more_buckets_than_can_be_listed_is_refused_at_once
 async def test_a_snapshot_is_a_copy_and_its_buffers_are_reused_once_unused() -> None:
     store = SnapshotStore(bucket_bytes=1 << 20)
     weights = {"w": torch.ones(1000), "b": torch.zeros(10, dtype=torch.bfloat16)}
-    first = store.put(1, weights)
+    [first] = store.put(1, weights)
+    first.packed.wait()
     weights["w"].add_(1)  # the optimizer's next step
     manifest = await first.manifest(0)
     assert torch.equal(unpack_bucket(manifest, byte_view(first.buffers[0]))["w"], torch.ones(1000))
     first_ptr = first.buffers[0].data_ptr()
-    store.put(2, weights)  # version 1 is no longer the latest and nobody pushes it: its buffers are spare
-    third = store.put(3, weights)
+    store.put(2, weights)[0].packed.wait()  # version 1 is no longer the latest and nobody pushes it: spare
+    [third] = store.put(3, weights)
     assert third.buffers[0].data_ptr() == first_ptr
     with pytest.raises(ValueError, match="version 3 is not newer than the last one published"):
         store.put(3, weights)
@@ -212,11 +219,11 @@ async def test_a_snapshot_is_a_copy_and_its_buffers_are_reused_once_unused() -> 
 async def test_a_snapshot_being_pushed_keeps_its_buffers() -> None:
     store = SnapshotStore(bucket_bytes=1 << 20)
     weights = {"w": torch.ones(1000)}
-    store.put(1, weights)
+    store.put(1, weights)[0].packed.wait()
     pushing = store.take_latest()
     assert pushing is not None
-    store.put(2, weights)
-    store.put(3, weights)
+    store.put(2, weights)[0].packed.wait()
+    store.put(3, weights)[0].packed.wait()
     latest = store.take_latest()
     assert latest is not None and pushing.buffers
     assert latest.buffers[0].data_ptr() != pushing.buffers[0].data_ptr()  # version 3 did not take them
@@ -248,6 +255,16 @@ def test_idle_receive_buffers_beyond_the_cap_are_let_go() -> None:
     pool.cap_bytes = 4000
     pool.take(500)
     assert pool.nbytes == 3500  # the least recently used idle ones went first
+
+
+def test_idle_receive_buffers_behind_one_in_use_are_let_go() -> None:
+    pool = BufferPool()
+    held = pool.take(1000)  # first in the pool, and in use
+    for size in (2000, 3000):
+        pool.take(size)
+    pool.cap_bytes = 2000
+    pool.take(500)
+    assert pool.nbytes == 1500 and len(held) == 1000
 
 
 # -- the receiver's rules ----------------------------------------------------------------------------
@@ -293,6 +310,7 @@ async def pushed() -> AsyncIterator[Pushed]:
 
 
 async def send(conn: MemoryConnection, buckets: Buckets) -> None:
+    conn.send(WEIGHTS.encode(push_of(buckets)))
     for manifest, payload in buckets:
         conn.send(WEIGHTS.encode(manifest))
         await conn.send_bulk(payload)
@@ -447,7 +465,8 @@ def test_fuzz_a_version_assembles_from_its_buckets_or_is_refused(count: int, dat
 @given(data=st.data())
 async def test_fuzz_a_receiver_fed_anything_ends_the_connection_with_a_protocol_error(data: st.DataObject) -> None:
     honest = [(WEIGHTS.encode(manifest), bytes(payload)) for manifest, payload in HONEST_VERSION]
-    steps = list(honest) if data.draw(st.booleans(), label="whole version first") else []
+    start: list[tuple[bytes, bytes | None]] = [(WEIGHTS.encode(push_of(HONEST_VERSION)), None)]
+    steps = start + list(honest) if data.draw(st.booleans(), label="whole version first") else list(start)
     for _ in range(data.draw(st.integers(1, 3), label="buckets altered")):
         frame, payload = data.draw(st.sampled_from(honest), label="bucket")
         any_manifest = messages_of(WEIGHTS).map(WEIGHTS.encode)
@@ -457,7 +476,8 @@ async def test_fuzz_a_receiver_fed_anything_ends_the_connection_with_a_protocol_
     conn, receiver, engine, served = await serve_receiver()
     for frame, payload in steps:
         conn.send(frame)
-        await conn.send_bulk(payload)
+        if payload is not None:
+            await conn.send_bulk(payload)
     conn.close()  # what was sent is still delivered, then the connection ends
     with pytest.raises((ProtocolError, ConnectionClosed)) as info:
         await asyncio.wait_for(served[0], 5)

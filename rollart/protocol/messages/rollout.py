@@ -165,11 +165,14 @@ class WeightsWhere(Request["WeightsHere"], tag="weights?", **_WIRE):
 
 
 class WeightsHere(msgspec.Struct, tag="weights", **_WIRE):
-    """Generator -> trainer: the version it holds, and its UCX receiver's port (0: TCP bulk only,
-    to the session port)."""
+    """Generator -> trainer: the version it holds, its UCX receiver's port (0: TCP bulk only, to the
+    session port), and the dtype its weights should arrive in."""
 
     version: int
     ucx_port: int = 0
+    dtype: str = ""
+    """The dtype its engine runs floating-point weights in (`float32`, `bfloat16`): what they travel
+    in; empty: as the trainer holds them."""
 
 
 class SimWeights(Request["SimWeights"], tag="sim-weights", **_WIRE):
