@@ -11,7 +11,8 @@ a 200 Gb/s Ethernet link to the generators, one copy per engine:
 - **bound**: the same run with a weight push that costs nothing.
 
 In-process on a virtual clock (`rollart.launch.inprocess`). Reports step time, the speed-up of the
-async push, the paper's numbers, and the efficiency against the free-push bound.
+async push, the paper's numbers, and the efficiency against the free-push bound, as one section of
+fig11b.md (`fig11b_relay.py` adds star vs relay at 8 and 32 generators beside it).
 
     .venv/bin/python benchmarks/paper/fig11b_weight_sync.py            # a few minutes on 2 cores
 """
@@ -22,10 +23,13 @@ import argparse
 import time
 from pathlib import Path
 
-from simrun import PAPER_NODES, ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, write_report
+from simrun import PAPER_NODES, ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, write_section
 
 from rollart.sim.hardware import MODELS, transfer_s
 
+TITLE = "Fig. 11b: asynchronous vs synchronous cross-cluster weight sync (simulation)"
+HEADING = "Async vs sync push, the paper's 12 engines, a copy each (star)"
+"""This experiment's section of fig11b.md (`fig11b_relay.py` writes another)."""
 LINK_GBPS = 200.0
 PUSHES = {
     "sync push (NCCL-like)": {"push": "sync"},
@@ -67,10 +71,9 @@ def main() -> None:
         f"a simulated 32-H800 trainer, alpha 1), a {LINK_GBPS:g} Gb/s link, one copy per engine; in-process, "
         f"virtual clock; {args.steps} batches per run"
     )
-    title = "Fig. 11b: asynchronous vs synchronous cross-cluster weight sync (simulation)"
-    write_report(args.out, title, began=began, shape=shape, body=table)
+    write_section(args.out, TITLE, HEADING, began=began, shape=shape, body=table)
     speedups = {name: sync.mean_step_s / result.mean_step_s for name, result in measured.items()}
-    save_plot(args.out, title, "speed-up over the sync push", speedups, {"async push (Mooncake-like)": 1.10})
+    save_plot(args.out, TITLE, "speed-up over the sync push", speedups, {"async push (Mooncake-like)": 1.10})
 
 
 if __name__ == "__main__":

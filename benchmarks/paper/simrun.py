@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,9 @@ class Result:
     """In-process runs: prompt and response tokens of each batch, by version."""
     batched: int | None = None
     """In-process runs: trajectories in the batches taken."""
+    weights_pushed: list[int] | None = None
+    """In-process runs with a simulated trainer: the versions it pushed, in order (an asynchronous
+    push skips a version made while the trainer's link was still busy, when a newer one follows)."""
 
     @property
     def mean_step_s(self) -> float:
@@ -159,7 +163,7 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
     from rollart.launch.inprocess import run_inprocess
     from rollart.nodes import EnvHostNode, TrainerNode
-    from rollart.nodes.trainer_steps import as_record
+    from rollart.nodes.trainer_steps import SimulatedStep, as_record
     from rollart.topology import parse_topology
 
     placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused
@@ -183,6 +187,9 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     result.batch_tokens = {batch.version: batch.tokens for batch in done.batches}
     result.turns = sum(sum(g.calls.values()) for node in env_hosts for g in node.proxy.generators)
     result.batched = done.trajectories
+    for node in done.nodes.values():
+        if isinstance(node, TrainerNode) and isinstance(node.steps, SimulatedStep):
+            result.weights_pushed = list(node.steps.pushed)
     return result
 
 
@@ -201,6 +208,31 @@ def write_report(out: Path, title: str, *, began: float, shape: str, body: str) 
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"wrote {out}")
+
+
+def write_section(out: Path, title: str, heading: str, *, began: float, shape: str, body: str) -> None:
+    """Write one `## heading` section of a result file that several experiments share: the same
+    lines as `write_report`, under the heading; the file's other sections stay as they are."""
+    command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
+    section = (
+        f"## {heading}\n\n"
+        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
+        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
+        f"Python {platform.python_version()}\n"
+        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
+        f"- code: {CODE}\n"
+        f"- shape: {shape}\n\n{body}\n"
+    )
+    parts = re.split(r"(?m)^(?=## )", out.read_text()) if out.exists() else [f"# {title}\n\n"]
+    sections = parts[1:]
+    same = [i for i, part in enumerate(sections) if part.splitlines()[0] == f"## {heading}"]
+    if same:
+        sections[same[0]] = section  # where it was: a re-run does not reorder the file
+    else:
+        sections.append(section)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(parts[0] + "\n".join(part.rstrip("\n") + "\n" for part in sections))
+    print(f"wrote {heading!r} in {out}")
 
 
 def save_plot(

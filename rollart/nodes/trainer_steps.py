@@ -227,10 +227,15 @@ class RolloutOnlyStep:
 
 class SimulatedStep(RolloutOnlyStep):
     """`run.sim.trainer`: each batch also costs the modelled training step on the batch's tokens, a
-    new version, and the weight push: a synchronous push (and the sync schedule, with the dispenser
-    held) waits while every engine receives its copy over the link, generation stopped; an
-    asynchronous one goes on at once while each engine receives in the background and stops only to
-    load from host memory."""
+    new version, and the weight push, timed by `rollart/sim/weight_sync.py` (star or relay; a node
+    holds a version when its last engine replica does).
+
+    A synchronous push (and the sync schedule, with the dispenser held) waits until the last
+    generator holds the version, each engine stopped until its own copy is in. An asynchronous one
+    goes on at once: a background pusher sends the newest version whenever the trainer's egress is
+    free (a version made while the previous one is still leaving is skipped if a newer one follows,
+    as the real publisher sends only the newest), and each engine stops only to load it from host
+    memory."""
 
     def __init__(
         self,
@@ -242,37 +247,87 @@ class SimulatedStep(RolloutOnlyStep):
         generators: Mapping[str, EngineShape],
         clients: Mapping[str, ClientSession],
     ) -> None:
+        from rollart.sim.hardware import MODELS
+        from rollart.sim.weight_sync import Links, engine_places, sync_times
+
         super().__init__(core, rollout, run_dir)
+        assert sim.trainer is not None  # choose_step picks this strategy only then
         self.sim, self.generators, self.clients = sim, dict(generators), clients
         self.clock = SimClock(sim.speedup)
         self._background: set[asyncio.Future[None]] = set()
         """Asynchronous weight pushes in flight."""
+        trainer, model = sim.trainer, MODELS[sim.model]
+        places = engine_places(self.generators)
+        self.sync = sync_times(
+            model.weight_bytes,
+            [place for _, place in places],
+            trainer.plan,
+            fanout=trainer.relay_fanout,
+            bucket_bytes=trainer.bucket_mb << 20,
+            links=Links(cross_gbps=trainer.link_gbps, cluster_gbps=trainer.cluster_gbps, host_gbps=trainer.host_gbps),
+        )
+        """One version's sync, the same every step."""
+        self.arrival_s: dict[str, float] = {}
+        """Per generator node: when its last replica holds a version, from the start of its push."""
+        for (name, _), arrival in zip(places, self.sync.arrival_s, strict=True):
+            self.arrival_s[name] = max(arrival, self.arrival_s.get(name, 0.0))
+        self.load_s = {
+            name: model.weight_bytes / shape.gpus / (trainer.host_load_gbs * 1e9)
+            for name, shape in self.generators.items()
+        }
+        """Async push: per node, how long loading a version from host memory stops its engine."""
+        self.pushed: list[int] = []
+        """Versions sent, in order (async: the newest when the trainer's egress came free)."""
+        self._new_version = asyncio.Event()
+        self._pusher: asyncio.Task[None] | None = None
+
+    @property
+    def synchronous(self) -> bool:
+        assert self.sim.trainer is not None
+        return self.rollout.schedule == "sync" or self.sim.trainer.push == "sync"
+
+    async def start(self, tg: asyncio.TaskGroup) -> None:
+        if not self.synchronous:
+            self._pusher = tg.create_task(self._push_newest(), name="sim-weight-pusher")
+
+    async def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
 
     async def step(self, batch: list[GroupDone]) -> None:
-        from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
+        from rollart.sim.hardware import GPUS, MODELS, train_step_s
 
         sim = self.sim
-        assert sim.trainer is not None  # choose_step picks this strategy only then
+        assert sim.trainer is not None
         await self._record(batch, hold=self.rollout.schedule == "sync")
         model, gpu = MODELS[sim.model], GPUS[sim.trainer.gpu]
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
         await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
         await self.core.bump_version()
-        copies = sum(shape.replicas for shape in self.generators.values())  # each replica receives its own copy
-        cross_s = transfer_s(model, gbps=sim.trainer.link_gbps) * copies
-        if self.rollout.schedule == "sync" or sim.trainer.push == "sync":
-            pushes = [self._push(name, after_s=0.0, pause_s=cross_s) for name in self.generators]
-            await asyncio.gather(*pushes, self.clock.sleep(cross_s))
-            self.core.dispenser.held = False
-            self.core.dispenser.changed()
-        else:
-            for name, shape in self.generators.items():
-                load_s = model.weight_bytes / shape.gpus / (sim.trainer.host_load_gbs * 1e9)
-                self._background.add(task := asyncio.ensure_future(self._push(name, cross_s, load_s)))
-                task.add_done_callback(self._background.discard)
-
-    async def _push(self, generator: str, after_s: float, pause_s: float) -> None:
+        if not self.synchronous:
+            self._new_version.set()
+            return
         version = self.core.version
+        self.pushed.append(version)
+        pushes = [self._push(name, version, after_s=0.0, pause_s=self.arrival_s[name]) for name in self.generators]
+        await asyncio.gather(*pushes, self.clock.sleep(self.sync.last_s))
+        self.core.dispenser.held = False
+        self.core.dispenser.changed()
+
+    async def _push_newest(self) -> None:
+        """Async push: send the newest version each time the trainer's egress is free."""
+        while True:
+            await self._new_version.wait()
+            self._new_version.clear()
+            version = self.core.version
+            self.pushed.append(version)
+            for name in self.generators:
+                push = self._push(name, version, after_s=self.arrival_s[name], pause_s=self.load_s[name])
+                self._background.add(task := asyncio.ensure_future(push))
+                task.add_done_callback(self._background.discard)
+            await self.clock.sleep(self.sync.trainer_busy_s)
+
+    async def _push(self, generator: str, version: int, after_s: float, pause_s: float) -> None:
         try:
             await self.clients[generator].request(SimWeights(version, after_s, pause_s), timeout=SYNC_PUSH_TIMEOUT_S)
         except RollartError as exc:  # the push is a model: a generator gone is logged, not fatal

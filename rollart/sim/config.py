@@ -43,8 +43,9 @@ class SimTrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     mfu: float = 0.4
     """Fraction of peak FLOPs training reaches (assumption)."""
     link_gbps: float = 200.0
-    """Bandwidth of the weight push to the generators: 400 for InfiniBand inside a cluster, 200 for
-    the paper's Ethernet across clusters. Every engine replica gets its own copy over it."""
+    """Bandwidth of the trainer's egress to the generators, which sit in another cluster: the
+    paper's 200 Gb/s Ethernet across clusters (400 for InfiniBand inside one). A star shares it
+    among a copy per engine replica; a relay sends one copy over it."""
     push: Literal["async", "sync"] = "async"
     """sync: after each step the trainer sends the weights to every engine and waits, and the engines
     stop generating while they receive (an NCCL broadcast, veRL's way); async: the trainer hands them
@@ -52,6 +53,18 @@ class SimTrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     host memory (the paper's Mooncake store). The sync schedule always pushes synchronously."""
     host_load_gbs: float = 25.0
     """Async push: GB/s per GPU from host memory to the GPU (PCIe), what an engine stops for."""
+    plan: Literal["star", "relay"] = "star"
+    """How the weights reach the engine replicas (`rollart/sim/weight_sync.py`): star, the trainer
+    sends each its own copy at once; relay, the trainer sends each bucket once and the replicas
+    forward it as it arrives, along a chain or tree planned by cluster and host."""
+    relay_fanout: int = 1
+    """Relay: how many replicas each one forwards to (1: a chain)."""
+    bucket_mb: int = 64
+    """MiB per bucket, as the real trainer's `run.trainer.bucket_mb`."""
+    cluster_gbps: float = 400.0
+    """Relay: between generator hosts inside their cluster (the paper's 400 Gb/s InfiniBand)."""
+    host_gbps: float = 3200.0
+    """Relay: between replicas on one host (an H800's 400 GB/s NVLink, NVIDIA's data sheet)."""
 
 
 class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -126,9 +139,11 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
             )
         if self.trainer is not None:
             problems += _unknown("trainer.gpu", self.trainer.gpu, GPUS)
-            for key in ("gpus", "mfu", "link_gbps", "host_load_gbs"):
+            for key in ("gpus", "mfu", "link_gbps", "host_load_gbs", "cluster_gbps", "host_gbps"):
                 if getattr(self.trainer, key) <= 0:
                     problems.append((f"trainer.{key}", f"expected a value > 0; got {getattr(self.trainer, key)}"))
+            for key in ("relay_fanout", "bucket_mb"):
+                problems += _at_least(f"trainer.{key}", getattr(self.trainer, key), 1)
         if self.reward is not None:
             problems += self.reward.validate()
         problems += _at_least("max_steps_per_wake", self.max_steps_per_wake, 1)
