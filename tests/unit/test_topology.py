@@ -187,8 +187,8 @@ def test_secret_file_empty_or_absent(tmp_path: pathlib.Path) -> None:
             id="unknown-key-with-hint",
         ),
         pytest.param(
-            _yaml(_nodes(_node("g", "generator", 7102, 7202, colour="red"))),
-            "nodes[2]: unknown key 'colour'",
+            _yaml(_nodes(_node("g", "generator", 7102, 7202, weather="rain"))),
+            "nodes[2]: unknown key 'weather'",
             id="unknown-key-without-hint",
         ),
         pytest.param(

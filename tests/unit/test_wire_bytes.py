@@ -133,7 +133,7 @@ PINNED: list[tuple[Channel[Any], Any, str]] = [
     ),
     (APP, Scored(1.0, {"box": "left"}), "93a673636f726564cb3ff000000000000081a3626f78a46c656674"),
     (APP, WeightsWhere(), "91a8776569676874733f"),
-    (APP, WeightsHere(3, 4567), "93a77765696768747303cd11d7"),
+    (APP, WeightsHere(3, 4567), "94a77765696768747303cd11d7a0"),  # dtype "" appended (issue 17): old peers skip it
     (APP, SimWeights(5, 0.5, 0.25), "94ab73696d2d7765696768747305cb3fe0000000000000cb3fd0000000000000"),
 ]
 
