@@ -15,8 +15,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from rollart.protocol import Identity, MemoryConnection, MemoryNetwork
+from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, ProtocolError
-from rollart.weights import WeightReceiver
+from rollart.weights import WeightPublisher, WeightReceiver
 from rollart.weights.buckets import (
     ALIGN,
     DTYPES,
@@ -26,6 +27,7 @@ from rollart.weights.buckets import (
     new_buffer,
     pack_bucket,
     plan_buckets,
+    split_tied,
     unpack_bucket,
 )
 from rollart.weights.pool import BufferPool
@@ -504,3 +506,39 @@ async def test_closing_the_publisher_stops_a_push_task_that_swallowed_a_cancel()
     async with asyncio.timeout(5):
         await _cancel_all([task])
     assert task.cancelled() and lost == 2
+
+
+def test_tied_weights_travel_once_and_come_back_under_both_names() -> None:
+    embed = torch.randn(16, 8)
+    state = {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(8), "lm_head.weight": embed}
+    unique, tied = split_tied(state)
+    assert list(unique) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert split_tied({"a": embed, "b": embed.clone()})[1] == {}  # equal values, own storage: both travel
+
+
+def test_floating_point_tensors_travel_in_the_wire_dtype_and_others_as_they_are() -> None:
+    state = {"w": torch.randn(5, 3), "ids": torch.arange(4), "half": torch.randn(2, dtype=torch.float16)}
+    [plan] = plan_buckets(state, 1 << 20, dtype=torch.bfloat16)
+    assert [(e.name, e.dtype, e.nbytes) for e in plan.entries] == [
+        ("w", "bfloat16", 30),
+        ("ids", "int64", 32),
+        ("half", "bfloat16", 4),
+    ]
+    buffer = new_buffer(plan.nbytes)
+    pack_bucket(plan, state, buffer)
+    out = unpack_bucket(
+        plan.manifest(version=1, index=0, count=1, crc32c=checksum(byte_view(buffer))), byte_view(buffer)
+    )
+    assert torch.equal(out["w"], state["w"].to(torch.bfloat16)) and torch.equal(out["ids"], state["ids"])
+    assert torch.equal(out["half"], state["half"].to(torch.bfloat16))
+
+
+def test_a_push_deadline_grows_with_its_bytes_and_hops_unless_set() -> None:
+    publisher = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), bucket_bytes=64 << 20)
+    one_gib = publisher.deadline_s(1 << 30)
+    assert one_gib > publisher.deadline_s(100 << 20) > 30.0
+    assert publisher.deadline_s(1 << 30, hops=4) > one_gib  # three more buckets' worth down a chain
+    assert one_gib == pytest.approx(30.0 + 4 * (1 << 30) / (100 * 1024**2))  # at the assumed 100 MiB/s
+    fixed = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), push_timeout_s=7.0)
+    assert fixed.deadline_s(1 << 40, hops=9) == 7.0
