@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gc
 import logging
 import multiprocessing
 import os
@@ -259,6 +260,8 @@ async def measure_config(
             row.raw.append(await asyncio.to_thread(raw.push, size))
         await publisher.close()
     raw.sock.close()
+    del publisher, raw
+    gc.collect()  # the next configuration's buffers must not sit next to this one's (1 GiB each)
     return row
 
 

@@ -117,6 +117,7 @@ class _Incoming:
                 check.cancel()
             self._checks = []
         weights = self._assembly.finish()
+        self._assembly = VersionAssembly(self.push.version, self.push.count)  # holds no tensor past this
         for alias, name in self.push.tied:
             if name not in weights or alias in weights:
                 raise WeightFormatError(f"version {self.push.version}: tied {alias!r} -> {name!r} does not fit")

@@ -162,7 +162,11 @@ class SnapshotStore:
             self._recycle_locked(snap)
 
     def close(self) -> None:
+        """Stop the packer and let every buffer go (the publisher is closed: nothing pushes them)."""
         self._packer.shutdown(wait=True)
+        with self._lock:
+            self._spare = []
+            self._latest = {}
 
     def _buffers(self, sizes: list[int], pinned: bool) -> list[torch.Tensor]:
         with self._lock:
