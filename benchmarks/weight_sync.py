@@ -177,11 +177,15 @@ class Config:
     transport: str  # "TCP" or "UCX"
     generators: int
     fanout: Fanout
+    owned: bool = True
+    """publish(owned=True): an export made for the push (a cast, a gather), sent over TCP from its own
+    memory; False: the trainer's live weights, copied into bucket buffers first."""
 
     @property
     def label(self) -> str:
         fanout = "" if self.generators == 1 else f", {self.fanout}"
-        return f"WeightPublisher over {self.transport}, {self.generators} gen{fanout}"
+        live = "" if self.owned else ", live weights (copied)"
+        return f"WeightPublisher over {self.transport}, {self.generators} gen{fanout}{live}"
 
 
 @dataclass
@@ -248,7 +252,7 @@ async def measure_config(
         tg.create_task(publisher.run())
         for round_ in range(rounds + 1):  # round 0 warms up: connections, fresh buffers
             version, egress = versions.next(), publisher.egress_bytes
-            stall = publisher.publish(version, weights)
+            stall = publisher.publish(version, weights, owned=config.owned)
             await publisher.wait_delivered(version, timeout=600)
             if round_ == 0:
                 continue
@@ -273,6 +277,8 @@ def configs(have_ucx: bool) -> list[Config]:
     out = []
     for transport in ["TCP", "UCX"] if have_ucx else ["TCP"]:
         out.append(Config(transport, 1, "star"))
+        if transport == "TCP":
+            out.append(Config(transport, 1, "star", owned=False))
         for generators in (2, 4):
             out += [Config(transport, generators, "star"), Config(transport, generators, "relay")]
     return out
@@ -338,7 +344,7 @@ def table(results: dict[int, list[Row]]) -> tuple[list[str], dict[str, float]]:
                 f" | {size / raw / GIB:.2f} | {f'{ratio:.2f}' if one else '-'} | {egress:.2f}"
                 f" | {stall * 1e3:.2f} | {stall / push:.4f} | {packed * 1e3:.0f} | {pushes} |"
             )
-            if config.transport == "TCP" and one:
+            if config.transport == "TCP" and one and config.owned:
                 summary[f"push_over_raw_{mib}"] = ratio
             if config.transport == "TCP" and config.generators == 4 and config.fanout == "relay":
                 summary[f"relay_egress_4gen_{mib}"] = egress
@@ -403,6 +409,10 @@ def main() -> None:
         " medians first, then every round",
         "- fp32 tensors of 4 MiB, pushed as they are (bytes on the wire = state bytes); 4 receiver processes on"
         " this machine, every one relay-capable; relay = one chain trainer -> gen-0 -> gen-1 -> ...",
+        "- `publish(owned=True)` (every row but the one marked live): the tensors are an export made for the push"
+        " (as a bf16 cast or an FSDP2 gather is), so over TCP they go from their own memory, checksummed, no copy;"
+        " UCX needs one buffer per bucket, so its rows pack (copy) them; the live row copies too (the"
+        " trainer's own parameters, which its optimizer changes next)",
         "- push: the trainer's first byte to the last generator's ack; rate and ratio for one generator;"
         " raw TCP: the same bytes by one blocking sendall into one reused buffer, right after each push",
         "- stall: what publish() took (all the trainer waits for, if it does not step its optimizer before"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, cast
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
@@ -345,16 +345,23 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
             raise self._error or ConnectionClosed(f"connection to {self._peer} closed")
 
     async def send_bulk(self, payload: bytes | bytearray | memoryview) -> None:
-        view = memoryview(payload).cast("B")
+        await self.send_bulk_parts([memoryview(payload).cast("B")])
+
+    async def send_bulk_parts(self, parts: Sequence[memoryview]) -> None:
+        """Write one bulk frame whose payload is `parts` back to back, from their own memory (no copy)."""
         if self.closed or self._transport is None:
             raise self._error or ConnectionClosed(f"connection to {self._peer} closed")
-        if len(view) > self.max_bulk_bytes:
-            raise FrameTooLarge(f"refusing to send a {len(view)}-byte bulk frame (limit {self.max_bulk_bytes})")
+        nbytes = sum(len(part) for part in parts)
+        if nbytes > self.max_bulk_bytes:
+            raise FrameTooLarge(f"refusing to send a {nbytes}-byte bulk frame (limit {self.max_bulk_bytes})")
         self._flush()  # frames queued before this one go first
-        self._transport.write(_LEN.pack(BULK_MARK) + _BULK_LEN.pack(len(view)))
-        for offset in range(0, len(view), _BULK_CHUNK):
-            self._transport.write(view[offset : offset + _BULK_CHUNK])
-            await self.drain()
+        self._transport.write(_LEN.pack(BULK_MARK) + _BULK_LEN.pack(nbytes))
+        for part in parts:
+            for offset in range(0, len(part), _BULK_CHUNK):
+                self._transport.write(part[offset : offset + _BULK_CHUNK])
+                if not self._can_write.is_set():
+                    await self.drain()
+        await self.drain()
 
     def close(self) -> None:
         self._flush()

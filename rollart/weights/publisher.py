@@ -45,9 +45,9 @@ from rollart.protocol.auth import Identity
 from rollart.protocol.bulk import open_bulk
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ProtocolError
-from rollart.protocol.framing import Connection
+from rollart.protocol.framing import Connection, TcpConnection
 from rollart.weights import ucx
-from rollart.weights.buckets import DEFAULT_BUCKET_BYTES, byte_view
+from rollart.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollart.weights.snapshot import Snapshot, SnapshotStore
 from rollart.weights.wire import WEIGHTS, Holding, Hop, RelayFailed, VersionAck, WeightMsg
 
@@ -203,12 +203,16 @@ class WeightPublisher:
 
     # -- publishing -------------------------------------------------------------------------------
 
-    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> float:
+    def publish(self, version: int, state_dict: Mapping[str, torch.Tensor], *, owned: bool = False) -> float:
         """Plan `version` in every wire dtype a target asked for and return the seconds it took; packing
-        and pushing run in the background (see `wait_packed`)."""
+        and pushing run in the background (see `wait_packed`).
+
+        `owned`: the caller never changes these tensors again (an export made for this push: a cast,
+        a gather), so over TCP they are sent from their own memory, no copy, once checksummed."""
         t0 = time.perf_counter()
         dtypes = tuple(dict.fromkeys(t.dtype for t in self._targets.values())) or (None,)
-        self._store.put(version, state_dict, dtypes)
+        ucx_targets = any(t.stats.transport == "ucx" for t in self._targets.values())
+        self._store.put(version, state_dict, dtypes, owned=owned, contiguous=ucx_targets)
         self.last_stall_s = time.perf_counter() - t0
         if (loop := self._loop) is not None:
             loop.call_soon_threadsafe(self._wake.set)
@@ -372,13 +376,12 @@ class WeightPublisher:
         t0 = time.perf_counter()
         async with asyncio.timeout(self.deadline_s(snap.nbytes, len(chain))):
             conn.send(WEIGHTS.encode(snap.push_header(tuple(t.hop() for t in chain[1:]))))
-            for index, buffer in enumerate(snap.buffers):
+            for index, plan in enumerate(snap.plans):
                 conn.send(WEIGHTS.encode(await snap.manifest(index)))
-                payload = byte_view(buffer)
-                await conn.send_bulk(payload)
-                s.progress_bytes += len(payload)
-                s.bytes_sent += len(payload)
-                self.egress_bytes += len(payload)
+                await _send_payload(conn, snap.payload(index))
+                s.progress_bytes += plan.nbytes
+                s.bytes_sent += plan.nbytes
+                self.egress_bytes += plan.nbytes
             while waiting:
                 msg = WEIGHTS.decode(await conn.recv())
                 if isinstance(msg, RelayFailed):
@@ -467,6 +470,15 @@ async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
         for task in pending:
             task.cancel()
         await asyncio.wait(pending, timeout=0.5)
+
+
+async def _send_payload(conn: Connection, parts: list[memoryview]) -> None:
+    if isinstance(conn, TcpConnection):
+        await conn.send_bulk_parts(parts)
+    elif len(parts) == 1:
+        await conn.send_bulk(parts[0])
+    else:  # a UCX target added after an owned version was planned for TCP alone: one copy
+        await conn.send_bulk(b"".join(parts))
 
 
 async def _recv(conn: Connection, kind: type[M]) -> M:

@@ -57,6 +57,9 @@ class Snapshot:
         self.dtype = dtype
         self.plans = plans
         self.buffers = buffers
+        """Per bucket: the buffer it is packed into, or an empty one when it is sent from `parts`."""
+        self.parts: list[list[memoryview] | None] = [None] * len(plans)
+        """Per bucket sent without a copy: its tensors' own bytes, with the padding between them."""
         self.tied = tied
         self.nbytes = sum(plan.nbytes for plan in plans)
         self.users = 1  # the packer
@@ -76,9 +79,14 @@ class Snapshot:
         )
 
     async def manifest(self, index: int) -> BucketManifest:
-        """Bucket `index`'s manifest, once the packer has packed it."""
+        """Bucket `index`'s manifest, once the packer has packed (or checksummed) it."""
         crc = await asyncio.wrap_future(self.crcs[index])
         return self.plans[index].manifest(version=self.version, index=index, count=len(self.plans), crc32c=crc)
+
+    def payload(self, index: int) -> list[memoryview]:
+        """Bucket `index`'s bytes, as the parts to send back to back (after `manifest`)."""
+        parts = self.parts[index]
+        return parts if parts is not None else [byte_view(self.buffers[index])]
 
 
 class SnapshotStore:
@@ -97,8 +105,15 @@ class SnapshotStore:
         version: int,
         state_dict: Mapping[str, torch.Tensor],
         dtypes: tuple[torch.dtype | None, ...] = (None,),
+        *,
+        owned: bool = False,
+        contiguous: bool = True,
     ) -> list[Snapshot]:
-        """Make `version` the latest in each wire dtype (None: as given); packing goes on in the background."""
+        """Make `version` the latest in each wire dtype (None: as given); packing goes on in the background.
+
+        `owned`: the caller will not change these tensors again (an export made for this push), so a
+        bucket of contiguous CPU tensors already in the wire dtype is sent from their own memory, no
+        copy, unless `contiguous` (a transport that needs one buffer per bucket: UCX)."""
         if not state_dict:
             raise ValueError("a weights version needs at least one tensor")
         newest = max((snap.version for snap in self._latest.values()), default=None)
@@ -109,7 +124,10 @@ class SnapshotStore:
         made = []
         for dtype in dict.fromkeys(dtypes):
             plans = plan_buckets(unique, self.bucket_bytes, dtype=dtype)
-            buffers = self._buffers([plan.nbytes for plan in plans], pinned)
+            direct = [owned and not contiguous and _sendable_as_is(plan, unique) for plan in plans]
+            buffers = self._buffers(
+                [0 if as_is else plan.nbytes for plan, as_is in zip(plans, direct, strict=True)], pinned
+            )
             with self._lock:
                 self.seq += 1
                 snap = Snapshot(version, seq=self.seq, dtype=dtype, plans=plans, buffers=buffers, tied=tied)
@@ -124,8 +142,15 @@ class SnapshotStore:
     def _pack(self, snap: Snapshot, tensors: Mapping[str, torch.Tensor], pinned: bool) -> None:
         started = time.perf_counter()
         try:
-            for plan, buffer, crc in zip(snap.plans, snap.buffers, snap.crcs, strict=True):
+            for index, (plan, buffer, crc) in enumerate(zip(snap.plans, snap.buffers, snap.crcs, strict=True)):
                 try:
+                    if not buffer.numel() and plan.nbytes:
+                        parts = snap.parts[index] = _parts(plan, tensors)
+                        value = 0
+                        for part in parts:
+                            value = checksum(part, value)
+                        crc.set_result(value)
+                        continue
                     pack_bucket(plan, tensors, buffer)
                     if pinned:
                         torch.cuda.synchronize()  # the copies were issued without blocking
@@ -178,4 +203,26 @@ class SnapshotStore:
     def _recycle_locked(self, snap: Snapshot) -> None:
         if snap.users == 0 and self._latest.get(snap.dtype) is not snap and snap.buffers:
             self._spare = [*self._spare, snap.buffers][-_SPARE_SETS:]
-            snap.buffers = []
+            snap.buffers, snap.parts = [], []  # and the tensors a bucket sent without a copy
+
+
+def _sendable_as_is(plan: BucketPlan, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every tensor of the bucket can be sent from its own memory: CPU, contiguous, as it travels."""
+    for entry in plan.entries:
+        tensor = tensors[entry.name]
+        if tensor.is_cuda or not tensor.is_contiguous() or dtype_name(tensor.dtype) != entry.dtype:
+            return False
+    return True
+
+
+def _parts(plan: BucketPlan, tensors: Mapping[str, torch.Tensor]) -> list[memoryview]:
+    """The bucket's payload as its tensors' bytes and the zero padding between them."""
+    parts: list[memoryview] = []
+    end = 0
+    for entry in plan.entries:
+        if entry.offset > end:
+            parts.append(memoryview(bytes(entry.offset - end)))
+        if entry.nbytes:
+            parts.append(tensors[entry.name].detach().reshape(-1).view(torch.uint8).numpy().data.cast("B"))
+        end = entry.offset + entry.nbytes
+    return parts

@@ -318,7 +318,7 @@ async def test_a_relay_chain_of_4_ends_with_identical_checksums(transport: Trans
     async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
         tg.create_task(publisher.run())
         for version in (1, 2, 3):
-            publisher.publish(version, weights(version))
+            publisher.publish(version, weights(version), owned=True)  # over TCP: sent from the tensors themselves
             await publisher.wait_delivered(version, timeout=30)
         await publisher.close()
     sent = crc_of(weights(3))

@@ -542,3 +542,18 @@ def test_a_push_deadline_grows_with_its_bytes_and_hops_unless_set() -> None:
     assert one_gib == pytest.approx(30.0 + 4 * (1 << 30) / (100 * 1024**2))  # at the assumed 100 MiB/s
     fixed = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), push_timeout_s=7.0)
     assert fixed.deadline_s(1 << 40, hops=9) == 7.0
+
+
+async def test_an_owned_export_is_sent_from_its_own_memory_with_the_packed_checksum() -> None:
+    weights = {"a": torch.randn(10), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(3, 3)}
+    [direct] = SnapshotStore(1 << 20).put(1, weights, owned=True, contiguous=False)
+    [packed_copy] = SnapshotStore(1 << 20).put(1, weights)
+    manifest = await direct.manifest(0)
+    assert manifest.tensors == (await packed_copy.manifest(0)).tensors  # the same layout
+    parts = direct.payload(0)
+    assert direct.buffers[0].numel() == 0 and manifest.crc32c == checksum(b"".join(parts))
+    received = unpack_bucket(manifest, bytearray(b"".join(parts)))
+    assert all(torch.equal(received[name], tensor) for name, tensor in weights.items())
+    assert any(torch.frombuffer(part, dtype=torch.uint8).data_ptr() == weights["a"].data_ptr() for part in parts)
+    [cast] = SnapshotStore(1 << 20).put(1, weights, (torch.bfloat16,), owned=True, contiguous=False)
+    assert cast.buffers[0].numel() > 0  # a cast is a copy: packed
