@@ -54,6 +54,9 @@ class FSDPTrainer:
         self.ranks.call("export", self.spec.bucket_mb << 20, dtype, on_part=weights.update)
         return weights
 
+    def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
+        return True  # gathered from the ranks into this process
+
     def full_state(self) -> dict[str, Any]:
         """Weights and optimizer state, whole, by parameter name (the rank group's `full_state`)."""
         state: dict[str, Any] = self.ranks.call("full_state")

@@ -102,6 +102,9 @@ class TorchTrainer:
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().to(dtype or tensor.dtype) for name, tensor in self.lm.state_dict().items()}
 
+    def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
+        return dtype is not None and all(tensor.dtype != dtype for tensor in self.lm.state_dict().values())
+
     def save(self, path: Path) -> Future[None]:
         """Write a Hugging Face model folder plus the optimizer state, atomically (staging + rename)."""
         staging = path.with_name(f".{path.name}.staging-{os.getpid()}")

@@ -148,6 +148,10 @@ class TrainingEngine(Protocol):
         """The current weights by Hugging Face name, cast to `dtype` (None: as trained). The tensors
         may alias the live parameters: copy them before the next `train_step`."""
 
+    def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
+        """Whether `export_weights(dtype)` gives tensors nothing else holds (a cast, a gather), which
+        the weight push may then send from their own memory instead of copying them first."""
+
     def save(self, path: Path) -> Future[None]:
         """Start a checkpoint of weights and optimizer state into `path` (a folder that does not
         exist yet). Returns once training may go on; the future completes when `path` is whole

@@ -251,8 +251,11 @@ class Learner:
         assert self.engine is not None
         self._follow_generators()
         started = time.perf_counter()
-        weights = self.engine.export_weights()
-        stall = time.perf_counter() - started + self.publisher.publish(version, weights)
+        wire = set(self._dtypes.values())
+        dtype = wire.pop() if len(wire) == 1 else None  # the generators' dtype: cast in the export
+        weights = self.engine.export_weights(dtype)
+        owned = self.engine.exports_copies(dtype)
+        stall = time.perf_counter() - started + self.publisher.publish(version, weights, owned=owned)
         self.stall_s.append(stall)
         return stall
 

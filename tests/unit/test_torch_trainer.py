@@ -181,6 +181,15 @@ def test_exported_weights_carry_the_hugging_face_names(model_dir: Path) -> None:
     assert not torch.equal(after["model.embed_tokens.weight"], snapshot["model.embed_tokens.weight"])
 
 
+def test_an_export_says_whether_it_is_a_copy_the_push_may_keep(model_dir: Path) -> None:
+    engine = trainer(model_dir)
+    assert not engine.exports_copies() and not engine.exports_copies(torch.float32)  # the parameters themselves
+    assert engine.exports_copies(torch.bfloat16)
+    cast = engine.export_weights(torch.bfloat16)
+    params = {p.data_ptr() for p in engine.lm.parameters()}
+    assert not any(t.data_ptr() in params for t in cast.values())
+
+
 # --- format warm-up --------------------------------------------------------------------------
 
 CLASSIC = "SFFF/FHFH/FFFH/HFFG"
