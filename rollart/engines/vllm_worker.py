@@ -18,7 +18,8 @@ bytes come. The worker then:
 
 Nothing is written to a file on the way. The tensors live until the function returns.
 
-Imported by vLLM in its worker process: only the standard library and torch (vLLM's own environment has both).
+Imported by vLLM in its worker process, and by the engine's side for the names and the ticket: only the standard
+library at import time, torch inside the functions (the engine's modules import no torch until it runs).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import dataclasses
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LOAD_METHOD = "rollart_load_streamed_weights"
 """The worker method `VLLMEngine.load_weights` calls through `collective_rpc`."""
@@ -70,6 +72,8 @@ class WeightTicket:
 
 def dtype_named(name: str) -> torch.dtype:
     """`torch.<name>`, refusing anything that is not a dtype."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
@@ -78,11 +82,15 @@ def dtype_named(name: str) -> torch.dtype:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor of any dtype, without a copy (writable when the tensor is)."""
+    import torch
+
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def receive_tensors(ticket: WeightTicket) -> dict[str, torch.Tensor]:
     """Connect, present the token, and read every tensor of the ticket into a new tensor, in order."""
+    import torch
+
     tensors: dict[str, torch.Tensor] = {}
     with socket.create_connection((ticket.host, ticket.port), timeout=ticket.timeout_s) as sock:
         sock.sendall(ticket.token)
