@@ -5,7 +5,7 @@ vLLM runs the model in a worker process behind its engine-core process (on CPU t
 there without types, then pickle from the engine core to the worker. A torch tensor does not survive the first hop
 (its bytes travel as a frame of their own, which the untyped decoder drops: it arrives as [dtype, shape, frame
 index]) and a memoryview not the second (pickle refuses it). `bytes` survive both, but are copied four times on
-the way, and at 64-256 MB took twice as long as a socket. So only a ticket goes through `collective_rpc`:
+the way, and at 64-256 MB took two to three times as long as a socket (docs/vllm.md). So only a ticket goes through `collective_rpc`:
 `WeightOffer` listens on a loopback port for the one connection that presents the ticket's token, and writes every
 tensor's bytes to it from where they lie (no copy here for a contiguous CPU tensor, such as a view into a
 `WeightReceiver` buffer); the worker (`rollart.engines.vllm_worker`) reads them into tensors of its own and reloads
