@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollart.engines.base import FinishReason, SamplingParams
+from rollart.engines.vllm_worker import EXTENSION as WORKER_EXTENSION
 from rollart.errors import RollartError
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
         logprobs_mode="processed_logprobs",
         enable_prefix_caching=True,
         disable_log_stats=True,
+        # New weights arrive through a method of ours in vLLM's worker (rollart.engines.vllm_worker).
+        worker_extension_cls=WORKER_EXTENSION,
     )
     with _environ(env):
         created.append(AsyncLLM.from_engine_args(args))

@@ -14,18 +14,21 @@ a `GenerationResult`. Log-probs are those of the sampled tokens under the distri
 `logprobs_mode="processed_logprobs"` makes vLLM report them after temperature and top-p, and nothing else shapes
 that distribution (no top-k, min-p or penalties; the model's generation config contributes only its EOS ids).
 
-New weights reach the running engine without a restart and without pausing it: they are written as safetensors
-into a staging folder the engine owns, and three engine-core calls are sent back to back: `reload_weights` from
-that folder, `set_weight_version`, `reset_prefix_cache`. The engine core runs queued calls between two steps, so
-every step is labelled with the version of the weights that ran it, and each token's version comes from those
-labels (vLLM's `weight_versions` spans); a vLLM without them falls back to the version current when the token
-arrived. Two pitfalls are handled: with tied embeddings `lm_head.weight` is sent too (vLLM keeps its old lm_head
-otherwise), and the prefix cache is reset (which vLLM refuses while requests hold cache blocks, so requests are
-also salted with the weight version: a prefix cached under old weights never serves a request of a newer one).
+New weights reach the running engine without a restart, without pausing it, and without a file: the engine offers
+their bytes on a loopback port (`vllm_weights.WeightOffer`), and three engine-core calls are sent back to back: a
+`collective_rpc` that has vLLM's worker read them and reload the model in place with the model's own weight
+loader (`vllm_worker.StreamedWeights`, mixed into the worker with `worker_extension_cls`), `set_weight_version`,
+`reset_prefix_cache`. The engine core runs queued calls between two steps, so every step is labelled with the
+version of the weights that ran it, and each token's version comes from those labels (vLLM's `weight_versions`
+spans); a vLLM without them falls back to the version current when the token arrived. Two pitfalls are handled:
+with tied embeddings `lm_head.weight` is loaded too (vLLM keeps its old lm_head otherwise), and the prefix cache
+is reset (which vLLM refuses while requests hold cache blocks, so requests are also salted with the weight
+version: a prefix cached under old weights never serves a request of a newer one).
 
 This module is the engine's life cycle, request streams and swap sequence; what it asks of vLLM and reads back is
-`rollart.engines.vllm_args`, the staging of new weights `rollart.engines.vllm_weights`, and the checks it shares
-with the transformers engine `rollart.engines.checks`.
+`rollart.engines.vllm_args`, the checking and sending of new weights `rollart.engines.vllm_weights`, their
+loading inside vLLM's worker `rollart.engines.vllm_worker`, and the checks it shares with the transformers engine
+`rollart.engines.checks`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,12 +56,22 @@ from rollart.engines.vllm_args import (
     span_versions,
     vllm_sampling_params,
 )
-from rollart.engines.vllm_weights import checked_tensors, checkpoint_shapes, save_safetensors, tied_aliases
+from rollart.engines.vllm_weights import (
+    VLLMWeightsFailed,
+    WeightOffer,
+    checked_tensors,
+    checkpoint_shapes,
+    tied_aliases,
+)
+from rollart.engines.vllm_worker import LOAD_METHOD
 
 if TYPE_CHECKING:
     import torch
 
 log = structlog.get_logger("rollart.engines.vllm")
+
+_WEIGHTS_TIMEOUT_S = 60.0
+"""Longest wait of vLLM's worker for the weight port and for each read from it."""
 
 
 @dataclass(eq=False)
@@ -110,8 +121,7 @@ class VLLMEngine:
         self._max_model_len = 0
         self._checkpoint_shapes: dict[str, tuple[int, ...]] = {}
         self._aliases: dict[str, str] = {}
-        """Tied names (lm_head to the embeddings): optional in an update, sent as a copy when left out."""
-        self._staging: Path | None = None
+        """Tied names (lm_head to the embeddings): optional in an update, loaded from the embeddings' bytes."""
         self._weights_lock = asyncio.Lock()
         self._flights: dict[str, _Flight] = {}
         self._drained = asyncio.Event()
@@ -133,7 +143,6 @@ class VLLMEngine:
         config = json.loads(config_file.read_text())
         self._checkpoint_shapes = await asyncio.to_thread(checkpoint_shapes, self._model_path)
         self._aliases = tied_aliases(bool(config.get("tie_word_embeddings", False)), self._checkpoint_shapes)
-        self._staging = Path(tempfile.mkdtemp(prefix="rollart-vllm-weights-"))
         started = time.monotonic()
         try:
             # from_engine_args blocks until the engine core is up; a worker thread keeps the event loop free. The
@@ -179,9 +188,6 @@ class VLLMEngine:
             # its module globals already gone, and prints a TypeError. Collect it now, while they exist.
             del engine
             gc.collect()
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
 
     def _running_engine(self) -> Any:
         if self._engine is None or self._closing:
@@ -267,35 +273,50 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights
 
     async def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load `weights` (HF names, as `state_dict()` gives) into the running engine as `version`.
+        """Load `weights` (HF names, as `state_dict()` gives, any float dtype) into the running engine as `version`.
 
         Requests in flight keep going: the steps after the swap run the new weights and their tokens say so.
-        With tied embeddings `lm_head.weight` may be left out (it is sent as a copy of the embeddings)."""
+        With tied embeddings `lm_head.weight` may be left out. The tensors are read during the call only: vLLM's
+        worker copies their bytes, and no reference is kept once it returns."""
         async with self._weights_lock:
             engine = self._running_engine()
             check_newer(version, self._version)
-            assert self._staging is not None  # made by start(), removed by close(): _running_engine passed
             started = time.monotonic()
             tensors = await asyncio.to_thread(checked_tensors, version, weights, self._checkpoint_shapes, self._aliases)
-            staged = self._staging / "model.safetensors"
-            await asyncio.to_thread(save_safetensors, tensors, staged)
-            try:
-                # Sent back to back, in this order (gather starts its tasks in order and each sends before it
-                # waits): the engine core runs all three between two steps, so no step runs the new weights
-                # under the old label.
-                _, _, reset = await asyncio.gather(
-                    engine.collective_rpc("reload_weights", kwargs={"weights_path": str(self._staging)}),
-                    engine.update_weight_version(str(version)),
-                    engine.reset_prefix_cache(),
-                )
-            finally:
-                staged.unlink(missing_ok=True)
+            with WeightOffer(tensors, self._aliases, timeout_s=_WEIGHTS_TIMEOUT_S) as offer:
+                # Owned here: awaited below, or cancelled when the worker never connects (its call failed first).
+                sending = asyncio.create_task(offer.send(), name=f"vllm-weights-v{version}")
+                try:
+                    # Sent back to back, in this order (gather starts its awaitables in order and each sends before
+                    # it waits): the engine core runs all three between two steps, so no step runs the new weights
+                    # under the old label.
+                    outcomes: tuple[Any, ...] = await asyncio.gather(
+                        engine.collective_rpc(LOAD_METHOD, args=(offer.ticket.to_rpc(),)),
+                        engine.update_weight_version(str(version)),
+                        engine.reset_prefix_cache(),
+                        return_exceptions=True,
+                    )
+                finally:
+                    sending.cancel()  # a no-op when the worker read everything
+                    (sent,) = await asyncio.gather(sending, return_exceptions=True)
+            loaded, labelled, reset = outcomes
+            if isinstance(loaded, BaseException):
+                # The new label went on after the failed load: put the old one back.
+                await engine.update_weight_version(str(self._version))
+                detail = f" (sending: {sent!r})" if isinstance(sent, Exception) else ""
+                raise VLLMWeightsFailed(f"vLLM's worker did not load version {version}: {loaded}{detail}") from loaded
+            for outcome in (labelled, reset):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             self._version = version
+            report = loaded[0] if isinstance(loaded, list) and loaded else {}
             log.info(
                 "vllm weights loaded",
                 version=version,
                 tensors=len(tensors),
                 seconds=round(time.monotonic() - started, 3),
+                receive_s=round(float(report.get("receive_s", 0.0)), 3),
+                reload_s=round(float(report.get("reload_s", 0.0)), 3),
                 prefix_cache_reset=bool(reset),
             )
 
