@@ -193,18 +193,22 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     return result
 
 
-def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:
-    """Write a result file: the title, date, machine, the command that made it, the shape, then `body`."""
+def _provenance(began: float, shape: str) -> str:
+    """The date, machine, command, code and shape lines every result (or section of one) starts with."""
     command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
-    report = (
-        f"# {title}\n\n"
+    return (
         f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
         f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}\n"
         f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
         f"- code: {CODE}\n"
-        f"- shape: {shape}\n\n{body}\n"
+        f"- shape: {shape}\n\n"
     )
+
+
+def write_report(out: Path, title: str, *, began: float, shape: str, body: str) -> None:
+    """Write a result file: the title, date, machine, the command that made it, the shape, then `body`."""
+    report = f"# {title}\n\n{_provenance(began, shape)}{body}\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
     print(f"wrote {out}")
@@ -213,16 +217,7 @@ def write_report(out: Path, title: str, *, began: float, shape: str, body: str) 
 def write_section(out: Path, title: str, heading: str, *, began: float, shape: str, body: str) -> None:
     """Write one `## heading` section of a result file that several experiments share: the same
     lines as `write_report`, under the heading; the file's other sections stay as they are."""
-    command = " ".join(["python", str(Path(sys.argv[0]).resolve().relative_to(ROOT)), *sys.argv[1:]])
-    section = (
-        f"## {heading}\n\n"
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
-        f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
-        f"Python {platform.python_version()}\n"
-        f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        f"- code: {CODE}\n"
-        f"- shape: {shape}\n\n{body}\n"
-    )
+    section = f"## {heading}\n\n{_provenance(began, shape)}{body}\n"
     parts = re.split(r"(?m)^(?=## )", out.read_text()) if out.exists() else [f"# {title}\n\n"]
     sections = parts[1:]
     same = [i for i, part in enumerate(sections) if part.splitlines()[0] == f"## {heading}"]

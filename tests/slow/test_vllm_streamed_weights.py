@@ -25,19 +25,12 @@ from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.vllm_engine import VLLMEngine
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 from tests.filewatch import SHM, FileWatch, private_tmpdir
+from tests.slow.vllm_marks import vllm_engine_marks
 from tests.weight_push import push_over_tcp
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(300),
-    # Raised inside torch while vLLM imports it; nothing this project calls.
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    # vLLM closes its client's sockets but leaves their zmq context to the garbage collector, which close() runs.
-    pytest.mark.filterwarnings("ignore:Unclosed context:ResourceWarning"),
-]
+pytestmark = vllm_engine_marks(300)
 
 torch.set_num_threads(1)  # the engine's processes need the cores
 
