@@ -123,6 +123,7 @@ class VLLMEngine:
         self._aliases: dict[str, str] = {}
         """Tied names (lm_head to the embeddings): optional in an update, loaded from the embeddings' bytes."""
         self._weights_lock = asyncio.Lock()
+        self._closed = asyncio.Event()
         self._flights: dict[str, _Flight] = {}
         self._drained = asyncio.Event()
         self._drained.set()
@@ -166,6 +167,7 @@ class VLLMEngine:
         if self._closing:
             return
         self._closing = True
+        self._closed.set()  # a weight load waiting on the engine core gives up: it will never answer now
         if self._engine is not None and self._flights:
             for flight in self._flights.values():
                 flight.aborted = True
@@ -290,12 +292,13 @@ class VLLMEngine:
                     # Sent back to back, in this order (gather starts its awaitables in order and each sends before
                     # it waits): the engine core runs all three between two steps, so no step runs the new weights
                     # under the old label.
-                    outcomes: tuple[Any, ...] = await asyncio.gather(
+                    calls = asyncio.gather(
                         engine.collective_rpc(LOAD_METHOD, args=(offer.ticket.to_rpc(),)),
                         engine.update_weight_version(str(version)),
                         engine.reset_prefix_cache(),
                         return_exceptions=True,
                     )
+                    outcomes: tuple[Any, ...] = await self._unless_closed(calls, f"loading version {version}")
                 finally:
                     sending.cancel()  # a no-op when the worker read everything
                     (sent,) = await asyncio.gather(sending, return_exceptions=True)
@@ -319,6 +322,20 @@ class VLLMEngine:
                 reload_s=round(float(report.get("reload_s", 0.0)), 3),
                 prefix_cache_reset=bool(reset),
             )
+
+    async def _unless_closed(self, calls: asyncio.Future[Any], what: str) -> Any:
+        """`calls`' result; `EngineClosed` as soon as `close()` starts instead. An engine core that shuts
+        down rejects the utility calls queued to it and never answers them, so without this a weight load
+        under way when a node drains would wait forever, and the node with it."""
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait([calls, closed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+        if not calls.done():
+            calls.cancel()
+            raise EngineClosed(f"the vLLM engine closed while {what}")
+        return calls.result()
 
     # ---------------------------------------------------------------- load
 
