@@ -18,7 +18,7 @@ notifier thread that would block interpreter exit. `_Runtime` counts users and s
 down after the last one, in this order:
 
 1. the users have closed their endpoints (`UcxConnection.close` + `wait_closed`);
-2. the progress thread stops: no UCX callback runs after this;
+2. the progress thread stops, so no UCX callback runs after this; then the notifier thread;
 3. only then are retired listeners let go (`retire`). ucxx frees a listener's Python callback data
    with its Python object, but the UCX listener lives on while any endpoint accepted from it does;
    while the progress thread runs, a connection request in that window (a trainer reconnecting to
@@ -137,14 +137,18 @@ class _Runtime:
 
 
 def _stop_threads() -> None:
-    """Stop ucxx's notifier thread, then UCX's progress thread: no UCX callback runs after this."""
+    """Stop UCX's progress thread (no UCX callback runs after this), then ucxx's notifier thread.
+
+    Progress first: stopping the notifier takes up to a second (it wakes once a second to look for
+    the request), and while the progress thread ran on, a connection request could still start a
+    handshake on a listener about to be let go."""
     ucxx = import_ucxx()
-    ucxx.stop_notifier_thread()
     # ucxx stops the progress thread only when `reset()` finds the context unreferenced; there is no
     # public call for it, so reach the worker the way reset() does.
     context = ucxx.core._ctx
     if context is not None:
         context.worker.stop_progress_thread()
+    ucxx.stop_notifier_thread()
 
 
 RUNTIME = _Runtime()
