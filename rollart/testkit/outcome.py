@@ -46,6 +46,9 @@ class Scenario:
     """0: the trainer trains on one device (`backend: torch`); N: `backend: fsdp2` with N rank
     processes (`kill-rank` needs them)."""
     checkpoint_every: int = 2
+    weight_transport: str = "tcp"
+    """`run.trainer.weight_transport`: "auto" pushes weights over UCX where ucxx imports (the default
+    run's choice), "tcp" over the generators' session ports."""
     quiet_steps: int = 10
     """No fault is injected in the run's last this many steps: each one must be recovered from while
     the run still trains (a vLLM generator takes 30-50 s to start again here, the run a step a second)."""

@@ -18,6 +18,7 @@ dropped; a newer version arriving while an older one is half received replaces i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -151,6 +152,7 @@ class WeightReceiver:
         self._listener: Any = None
         self._ucx_conns: set[ucx.UcxConnection] = set()
         self._ucx_held = False
+        self._handshake_timeout_s = 0.0
 
     @property
     def version(self) -> int:
@@ -300,6 +302,7 @@ class WeightReceiver:
                 return  # ucxx closes an endpoint nobody keeps
             self._tg.create_task(self._serve_ucx(ep, local, secret, cfg))
 
+        self._handshake_timeout_s = cfg.handshake_timeout_s
         self._listener = ucx.listen_ucx(on_endpoint, port=port, timeout=cfg.handshake_timeout_s)
         port = int(self._listener.port)
         log.info("weights.ucx_listening", port=port)
@@ -332,15 +335,31 @@ class WeightReceiver:
             self._ucx_conns.discard(conn)
 
     async def close(self) -> None:
-        """Stop listening, end UCX connections and `serve()`. TCP connections end with their SessionServer."""
+        """End UCX connections and `serve()`, then stop listening. TCP connections end with their SessionServer.
+
+        The listener goes last, and only to `ucx.RUNTIME`, which closes it once UCX's progress thread
+        has stopped: closing it while endpoints accepted from it lived let a connection request run
+        its callback on freed memory (ucx's module docstring). Until then a connection that arrives
+        is dropped at once (`_stopping`)."""
         self._stopping.set()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
         for conn in list(self._ucx_conns):
             conn.close()
         if self._started.is_set():
             await self._stopped.wait()
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await _handshakes_over(listener, self._handshake_timeout_s)
+            ucx.RUNTIME.retire(listener)
         if self._ucx_held:
             self._ucx_held = False
             ucx.RUNTIME.release()
+
+
+async def _handshakes_over(listener: Any, timeout: float) -> None:
+    """Wait (at most `timeout`) for connections the listener is still setting up (ucxx exchanges
+    tags, then calls `on_endpoint`, which drops them now): each holds the ucxx context, which
+    `ucxx.reset()` then could not let go. ucxx announces no end of these; its count is polled."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            while listener.active_clients:  # noqa: ASYNC110 - ucxx offers no event for it
+                await asyncio.sleep(0.01)

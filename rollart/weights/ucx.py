@@ -13,8 +13,21 @@ the receiver allocate nothing big.
 Process-wide state: ucxx has one context per process. We start it in "thread" progress mode with
 Python futures, so a receiver idling on an endpoint costs no CPU (the default mode spins the event
 loop: a whole core on a 2-core machine, measured). That mode binds the context to one event loop and
-runs a non-daemon thread that would block interpreter exit: `_Runtime` counts users, resets the
-context when the last one leaves, and stops the thread at exit in any case.
+runs two threads: UCX's progress thread (C++), which runs every UCX callback, and a non-daemon
+notifier thread that would block interpreter exit. `_Runtime` counts users and shuts the context
+down after the last one, in this order:
+
+1. the users have closed their endpoints (`UcxConnection.close` + `wait_closed`);
+2. the progress thread stops, so no UCX callback runs after this; then the notifier thread;
+3. only then are retired listeners let go (`retire`). ucxx frees a listener's Python callback data
+   with its Python object, but the UCX listener lives on while any endpoint accepted from it does;
+   while the progress thread runs, a connection request in that window (a trainer reconnecting to
+   a draining generator) ran the callback on freed memory: SIGSEGV in the progress thread
+   (issue 17, benchmarks/ucx_teardown.py);
+4. `ucxx.reset()`, which fails (logged) while something still holds an endpoint; harmless after 2.
+
+At interpreter exit the threads are stopped in any case (threading's exit hooks run before
+non-daemon threads are joined; atexit's after).
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import importlib
 import os
 import struct
 import threading
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -77,12 +91,13 @@ def ucx_unavailable() -> str | None:
 
 
 class _Runtime:
-    """The process's ucxx context: started for the first user, reset after the last."""
+    """The process's ucxx context: started for the first user, shut down after the last (module docstring)."""
 
     def __init__(self) -> None:
         self.users = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._exit_hook = False
+        self._retired: list[Any] = []
 
     def acquire(self) -> Any:
         ucxx = import_ucxx()
@@ -94,19 +109,46 @@ class _Runtime:
             self.loop = loop
             if not self._exit_hook:
                 # threading's own exit hooks run before non-daemon threads are joined; atexit runs after.
-                threading._register_atexit(ucxx.stop_notifier_thread)  # type: ignore[attr-defined]
+                threading._register_atexit(_stop_threads)  # type: ignore[attr-defined]
                 self._exit_hook = True
         self.users += 1
         return ucxx
 
+    def retire(self, listener: Any) -> None:
+        """Keep a ucxx listener nobody takes connections from any more until the progress thread has
+        stopped (after the last user's `release`); closing it earlier frees the data its callback uses."""
+        self._retired.append(listener)
+
     def release(self) -> None:
         self.users -= 1
-        if self.users == 0:
-            self.loop = None
-            try:
-                import_ucxx().reset()  # stops the notifier thread first, then checks nothing still uses UCX
-            except Exception as exc:  # UCXError: an endpoint is still referenced; the next init starts afresh
-                log.warning("ucx.reset_incomplete", error=str(exc))
+        if self.users:
+            return
+        self.loop = None
+        ucxx = import_ucxx()
+        _stop_threads()
+        retired, self._retired = self._retired, []
+        for listener in retired:
+            listener.close()
+        del retired
+        try:
+            ucxx.reset()  # checks that nothing still uses the context, then lets it go
+        except Exception as exc:  # UCXError: an endpoint is still referenced; the next init starts afresh
+            log.warning("ucx.reset_incomplete", error=str(exc))
+
+
+def _stop_threads() -> None:
+    """Stop UCX's progress thread (no UCX callback runs after this), then ucxx's notifier thread.
+
+    Progress first: stopping the notifier takes up to a second (it wakes once a second to look for
+    the request), and while the progress thread ran on, a connection request could still start a
+    handshake on a listener about to be let go."""
+    ucxx = import_ucxx()
+    # ucxx stops the progress thread only when `reset()` finds the context unreferenced; there is no
+    # public call for it, so reach the worker the way reset() does.
+    context = ucxx.core._ctx
+    if context is not None:
+        context.worker.stop_progress_thread()
+    ucxx.stop_notifier_thread()
 
 
 RUNTIME = _Runtime()
@@ -269,9 +311,11 @@ async def open_ucx(host: str, port: int, *, local: Identity, secret: bytes, cfg:
     try:
         async with asyncio.timeout(timeout):
             ep = await ucxx.create_endpoint(host, port, connect_timeout=timeout)
-    except TimeoutError:
+    except (TimeoutError, asyncio.CancelledError) as exc:  # cancelled: by `WeightPublisher.close`, say
+        _forget_frames(exc)
         raise
     except Exception as exc:  # ucxx's own errors: the peer is not there
+        _forget_frames(exc)
         raise ConnectionClosed(f"UCX connect to {host}:{port} failed: {type(exc).__name__}: {exc}") from exc
     conn = UcxConnection(
         ep, f"ucx://{host}:{port}", max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes
@@ -286,6 +330,26 @@ async def open_ucx(host: str, port: int, *, local: Identity, secret: bytes, cfg:
         raise
     conn.authenticated()
     return conn
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Clear the locals of the frames an error of `create_endpoint` (and the errors it chains) passed
+    through: every one of them has finished but `open_ucx`'s own, which `traceback.clear_frames` skips.
+
+    The traceback holds `create_endpoint`'s frame, whose locals hold the endpoint being created and
+    the ucxx context. ucxx keeps a request's error on the request's future, which the C++ request
+    holds, and the endpoint holds the request: a cycle through C++ that Python's collector cannot
+    see; a cancelled push task keeps its error too. Without this every failed or cancelled connect
+    (to a generator killed or restarting) kept an endpoint and the context, and `ucxx.reset()` failed."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
 
 
 def listen_ucx(on_endpoint: Callable[[Any], None], *, port: int = 0, timeout: float = 5.0) -> Any:
