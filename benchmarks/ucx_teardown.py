@@ -11,9 +11,8 @@ Run from the repository root (about 8 s a cycle):
     .venv/bin/python benchmarks/ucx_teardown.py --cycles 5 --out /tmp/ucx_teardown.md
 
 The report is benchmarks/results/ucx_teardown.md (`--out`); a run replaces its `--label`'s section
-(default "after"). The code before the fix: `git checkout BEFORE -- rollart/weights` (BEFORE: the
-commit the report's "before" section names), run with `--label before`, then
-`git checkout HEAD -- rollart/weights`.
+(default "after"). The code before the fix: `git checkout ebe5914 -- rollart/weights` (the commit that
+added this script), run with `--label before`, then `git checkout HEAD -- rollart/weights`.
 
 One cycle: a generator process (a `WeightReceiver` listening for UCX, drained as `GeneratorNode`
 drains it: its engine stops taking weights, and the receiver closes 0-1 s later, as vLLM's engine
@@ -323,9 +322,9 @@ def write_report(args: argparse.Namespace, results: list[Cycle], seconds: float)
         f"- command: `{command}` ({seconds:.0f} s)",
         f"- **{summary(results)}**",
         "",
-        "| cycle | how it ended |",
-        "|---:|---|",
-        *(f"| {i + 1} | {c.describe()} |" for i, c in enumerate(results)),
+        "| cycles | how they ended |",
+        "|---|---|",
+        *(f"| {span} | {what} |" for span, what in _runs(results)),
     ]
     sections[args.label] = "\n".join(lines)
     head = (__doc__ or "").split("\n\n", 1)[1].split("\nRun from", 1)[0].strip()
@@ -335,12 +334,30 @@ def write_report(args: argparse.Namespace, results: list[Cycle], seconds: float)
     args.out.write_text("\n".join(text))
 
 
-def _commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+def _runs(results: list[Cycle]) -> list[tuple[str, str]]:
+    """Consecutive cycles that ended alike, as ("first-last", how)."""
+    runs: list[tuple[int, int, str]] = []
+    for index, result in enumerate(results, start=1):
+        if runs and runs[-1][2] == result.describe():
+            runs[-1] = (runs[-1][0], index, runs[-1][2])
+        else:
+            runs.append((index, index, result.describe()))
+    return [(f"{first}" if first == last else f"{first}-{last}", how) for first, last, how in runs]
 
-    dirty = " with uncommitted changes under rollart/" if git("status", "--porcelain", "rollart") else ""
-    return git("rev-parse", "--short", "HEAD") + dirty
+
+def _commit() -> str:
+    """HEAD, and when rollart/ differs from it, the recent commit whose rollart/ it matches (the code measured)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    if not git("status", "--porcelain", "rollart").stdout.strip():
+        return head
+    for commit in git("rev-list", "--max-count=50", "HEAD").stdout.split():
+        if git("diff", "--quiet", commit, "--", "rollart").returncode == 0:
+            return f"{head}, with rollart/ checked out as of {commit[:7]}"
+    return f"{head} with uncommitted changes under rollart/"
 
 
 if __name__ == "__main__":

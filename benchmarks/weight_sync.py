@@ -154,10 +154,10 @@ async def serve(pipe: Pipe, index: int) -> None:
         await parent_gone.wait()
         loop.remove_reader(pipe.fileno())
         if raw_ucx is not None:
-            raw_ucx.close()
             for task in raw_ucx_tasks:
                 task.cancel()
             await asyncio.gather(*raw_ucx_tasks, return_exceptions=True)
+            ucx.RUNTIME.retire(raw_ucx)  # let go once UCX's progress thread has stopped (rollart/weights/ucx.py)
             del raw_ucx, raw_ucx_tasks
         await receiver.close()
         await server.close()

@@ -126,10 +126,9 @@ class _Runtime:
         self.loop = None
         ucxx = import_ucxx()
         _stop_threads()
-        retired, self._retired = self._retired, []
-        for listener in retired:
+        for listener in self._retired:
             listener.close()
-        del retired
+        self._retired.clear()
         try:
             ucxx.reset()  # checks that nothing still uses the context, then lets it go
         except Exception as exc:  # UCXError: an endpoint is still referenced; the next init starts afresh
