@@ -150,6 +150,7 @@ class WeightPublisher:
         self._changed = asyncio.Condition()
         self._ucx_held = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing_conns: set[asyncio.Future[None]] = set()
 
     # -- targets ----------------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ class WeightPublisher:
 
     def remove_target(self, name: str) -> None:
         target = self._targets.pop(name)
-        _hang_up(target)
+        self._hang_up(target)
 
     def report_holding(self, name: str, version: int) -> None:
         """What a target said it holds, heard another way (its status): a restarted target that lost
@@ -259,7 +260,8 @@ class WeightPublisher:
         finally:
             self._tg = None
             for target in self._targets.values():
-                _hang_up(target)
+                self._hang_up(target)
+            await self._all_closed()
             self._store.close()
             self._stopped.set()
 
@@ -330,7 +332,7 @@ class WeightPublisher:
         except (OSError, TimeoutError, RollartError) as exc:
             self._failed(head, exc)
             waiting.pop(head.stats.name, None)
-            _hang_up(head)
+            self._hang_up(head)
         finally:
             for target in chain:
                 target.busy = False
@@ -348,7 +350,7 @@ class WeightPublisher:
     async def _connect(self, t: _Target) -> None:
         conn: Connection
         cfg = self.cfg
-        _hang_up(t)
+        self._hang_up(t)
         if t.stats.transport == "ucx":
             assert t.ucx_port is not None
             conn = await ucx.open_ucx(t.host, t.ucx_port, local=self.local, secret=self._secret, cfg=cfg)
@@ -433,6 +435,24 @@ class WeightPublisher:
         t.retry_at = time.monotonic() + delay
         log.warning("weights.push_failed", target=t.stats.name, error=t.stats.last_error, attempt=t.attempt)
 
+    def _hang_up(self, t: _Target, *, watcher: bool = True) -> None:
+        if watcher and t.watch is not None:
+            t.watch.cancel()
+            t.watch = None
+        if t.conn is not None:
+            t.conn.close()
+            closing = asyncio.ensure_future(t.conn.wait_closed())
+            self._closing_conns.add(closing)
+            closing.add_done_callback(self._closing_conns.discard)
+            t.conn = None
+        t.stats.connected = False
+
+    async def _all_closed(self) -> None:
+        """Wait for every connection hung up to be closed: a UCX endpoint still closing would keep
+        the ucxx context alive past `ucx.RUNTIME.release()`, whose reset then fails."""
+        if self._closing_conns:
+            await asyncio.wait(list(self._closing_conns), timeout=5.0)
+
     async def _watch_idle(self, t: _Target, conn: Connection) -> None:
         """While no push uses it (a push cancels this first), a connection that closes (a restarted
         target) or speaks is ended; the next round connects again and learns what the target holds."""
@@ -442,22 +462,12 @@ class WeightPublisher:
         except (OSError, RollartError) as exc:
             if t.conn is conn:
                 log.info("weights.target_hung_up", target=t.stats.name, error=str(exc))
-                _hang_up(t, watcher=False)
+                self._hang_up(t, watcher=False)
                 t.settled = -1  # connect again to learn what it holds
                 self._wake.set()
         finally:
             if t.watch is asyncio.current_task():
                 t.watch = None
-
-
-def _hang_up(t: _Target, *, watcher: bool = True) -> None:
-    if watcher and t.watch is not None:
-        t.watch.cancel()
-        t.watch = None
-    if t.conn is not None:
-        t.conn.close()
-        t.conn = None
-    t.stats.connected = False
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
