@@ -48,12 +48,14 @@ def training_yaml(
     trainer: str = "",
 ) -> str:
     """The `run:` keys of a small training run (appended by `write_topology`); `trainer` adds keys
-    to `run.trainer` (`backend: fsdp2, ranks: 2`)."""
+    to `run.trainer` (`backend: fsdp2, ranks: 2`). Weights go star-wise, the trainer connected to
+    each generator, which these tests' checks of its connections read (relay: test_weight_transfer,
+    test_drain_after_restart and the default run)."""
     return f"""  model: {{path: {model}}}
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
   trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {checkpoint_every}, threads: 1,
-             weight_transport: tcp{", " + trainer if trainer else ""}}}
+             weight_transport: tcp, weight_fanout: star{", " + trainer if trainer else ""}}}
   rollout:
     mode: train
     schedule: {schedule}
