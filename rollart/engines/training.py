@@ -85,6 +85,11 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     """How a version reaches the generators: relay (the trainer sends it once, to the head of a chain
     of generators ordered by cluster and host, and each forwards every bucket to the next as it
     arrives: the trainer's egress is one state dict) or star (the trainer sends it to each)."""
+    weight_delta: bool = False
+    """Send a generator that holds the version before the latest only what changed (each bucket's
+    bytes XOR the previous version's, byte-shuffled and zstd-compressed, where that is smaller):
+    for links slower than ~0.5 GiB/s, where the bytes saved outweigh the encoding. Each generator
+    then keeps the bytes of its last version (one more copy of the weights in its memory)."""
     push_timeout_s: float | None = None
     """Seconds a push may take before it counts as failed and is retried; None: scaled with its bytes
     (30 s plus four times the transfer at the slowest rate measured so far)."""

@@ -69,7 +69,9 @@ class GeneratorNode(NodeDaemon):
         self.aborted = 0
         self.engine_start_s: float | None = None
         self._engine_started: float | None = None
-        self.receiver = WeightReceiver(self._load_weights, dtype=self._weights_dtype())
+        self.receiver = WeightReceiver(
+            self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weight_delta
+        )
         self.receiver.relay_as(self.identity, self.secret, self.cfg)  # relay chains pass through generators
         self.ucx_port = 0
 
@@ -203,6 +205,11 @@ class GeneratorNode(NodeDaemon):
             "rollart_generator_requests_aborted": ("Generation requests cancelled by their env-host", self.aborted),
             "rollart_generator_weight_versions_applied": ("Weight versions received and applied", weights.applied),
             "rollart_generator_weight_bytes_received": ("Weight bytes received", weights.bytes_received),
+            "rollart_generator_weight_bytes_decoded": (
+                "Weight bytes received, counting deltas as the whole buckets they make",
+                weights.bytes_decoded,
+            ),
+            "rollart_generator_weight_deltas_applied": ("Weight versions applied that came as deltas", weights.deltas),
         }
         if self.engine is not None:
             counters["rollart_generator_tokens_generated"] = ("Tokens generated", self.engine.load().generated_tokens)

@@ -87,6 +87,7 @@ class Learner:
         self.last_step_at = time.monotonic()
         self.last_stats: dict[str, Any] = {}
         self.stall_s: list[float] = []
+        self._links_counted = (0, 0)  # the publisher's (link_bytes, link_whole_bytes) at the last record
         self.baseline: dict[str, dict[str, float]] = {}
         """Per task: the uniformly random valid policy's success rate and reward, measured at the start."""
         self._recent: dict[str, collections.deque[tuple[float, float]]] = {}
@@ -292,6 +293,10 @@ class Learner:
             "stall_s": self.stall_s[-1] if self.stall_s else 0.0,
             **{key: round(value, 6) for key, value in stats.items()},
         }
+        links = (self.publisher.link_bytes, self.publisher.link_whole_bytes)
+        line["weight_link_bytes"] = links[0] - self._links_counted[0]
+        line["weight_link_whole_bytes"] = links[1] - self._links_counted[1]
+        self._links_counted = links
         self.last_step_at = now
         self.last_stats = line
         self.metrics.write([line])

@@ -118,6 +118,7 @@ class TrainerNode(NodeDaemon):
                     transport=spec.weight_transport,
                     fanout=spec.weight_fanout,
                     push_timeout_s=spec.push_timeout_s,
+                    delta=spec.weight_delta,
                 ),
                 build_engine=functools.partial(
                     build_training_engine,

@@ -155,8 +155,12 @@ def pack_bucket(plan: BucketPlan, tensors: Mapping[str, torch.Tensor], out: torc
     100 MiB, measured on 2 cores under load. Other tensors (a cast; CUDA: without blocking, the
     caller synchronises before reading `out`; non-contiguous) go through `copy_`."""
     out_bytes = out.numpy() if not out.is_cuda else None
+    end = 0
     with torch.no_grad():
         for entry in plan.entries:
+            if entry.offset > end:  # the padding: zeros, not what a reused buffer held (deltas, checksums)
+                out[end : entry.offset].zero_()
+            end = entry.offset + entry.nbytes
             source = tensors[entry.name].detach()
             same = DTYPES[entry.dtype] == source.dtype
             if out_bytes is not None and same and not source.is_cuda and source.is_contiguous():

@@ -23,6 +23,12 @@ reached, refuses, dies mid-push) is retried with jittered exponential backoff; t
 relay stranded are planned into the next round at once, without it. Latest wins: a target still
 receiving version n when n+2 is published gets n+2 next; n+1 is skipped, never queued.
 
+With `delta=True` a target that keeps the bytes of the version before the latest (it says so:
+`Holding.base`, `VersionAck.base`) gets each bucket as a delta against them where that is smaller
+(`rollart.weights.delta`); those targets chain apart from the ones that get whole versions.
+`link_bytes` and `link_whole_bytes` count what the generators' links carried and what whole
+versions would have taken.
+
 A push's deadline scales with its bytes: `push_timeout_s` when set, else 30 s plus four times the
 transfer time at the slowest rate measured so far (at first, an assumed 100 MiB/s). `stats()` says,
 per target, what it holds and how far the push in flight has got.
@@ -81,6 +87,8 @@ class TargetStats:
     bytes_sent: int = 0
     """Bytes the trainer sent to it (none when it gets its versions through a relay)."""
     failures: int = 0
+    deltas: int = 0
+    """Of the versions it acknowledged, how many came as deltas."""
     skipped: int = 0
     """Published versions this target never got because a newer one was ready first."""
     in_flight: int | None = None
@@ -104,6 +112,8 @@ class _Target:
     stats: TargetStats
     settled: int = -1
     """Newest version not to push again: the one it holds, or one it refused."""
+    base: int = -1
+    """The version whose bytes it keeps for deltas, as it last said (-1: none)."""
     last_seq: int = 0
     busy: bool = False
     attempt: int = 0
@@ -128,6 +138,7 @@ class WeightPublisher:
         transport: Transport = "auto",
         fanout: Fanout = "star",
         push_timeout_s: float | None = None,
+        delta: bool = False,
     ) -> None:
         if transport == "ucx":
             ucx.import_ucxx()  # TransportUnavailable now, rather than at the first push
@@ -137,11 +148,17 @@ class WeightPublisher:
         self.last_stall_s = 0.0
         self.egress_bytes = 0
         """Payload bytes the trainer has sent, to every target together."""
+        self.link_bytes = 0
+        """Payload bytes the links to the generators carried (a bucket the trainer sends down a chain
+        of N counts N times: every hop forwards it), counted as the trainer sends it."""
+        self.link_whole_bytes = 0
+        """What they would have carried had every bucket travelled whole (equal to `link_bytes`
+        without deltas)."""
         self._rate = float(_FIRST_RATE)
         self._rate_measured: float | None = None
         self._secret = secret
         self._targets: dict[str, _Target] = {}
-        self._store = SnapshotStore(bucket_bytes)
+        self._store = SnapshotStore(bucket_bytes, delta=delta)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._wake = asyncio.Event()
@@ -197,6 +214,7 @@ class WeightPublisher:
         if target is not None and not target.busy and version < target.settled:
             log.info("weights.target_behind", target=name, holds=version, had=target.settled)
             target.settled = target.stats.version = version
+            target.base = -1
             self._wake.set()
 
     def stats(self) -> dict[str, TargetStats]:
@@ -288,14 +306,15 @@ class WeightPublisher:
         """Start a push for every target that lacks its latest version and is neither busy nor in backoff."""
         assert self._tg is not None
         now = time.monotonic()
-        by_dtype: dict[torch.dtype | None, list[_Target]] = {}
+        groups: dict[tuple[torch.dtype | None, bool], list[_Target]] = {}
         for target in self._targets.values():
             snap = self._store.latest(target.dtype)
             if snap is None or target.busy or target.retry_at > now:
                 continue
             if target.settled < snap.version:
-                by_dtype.setdefault(target.dtype, []).append(target)
-        for dtype, ready in by_dtype.items():
+                delta = snap.base_version >= 0 and target.base == snap.base_version
+                groups.setdefault((target.dtype, delta), []).append(target)
+        for (dtype, delta), ready in groups.items():
             ready.sort(key=lambda t: (t.place, t.host, t.stats.name))
             chains = [ready] if self.fanout == "relay" else [[t] for t in ready]
             for chain in chains:
@@ -303,11 +322,13 @@ class WeightPublisher:
                 assert snap is not None
                 for target in chain:
                     target.busy = True
-                task = self._tg.create_task(self._push_chain(chain, snap), name=f"weights->{chain[0].stats.name}")
+                task = self._tg.create_task(
+                    self._push_chain(chain, snap, delta=delta), name=f"weights->{chain[0].stats.name}"
+                )
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _push_chain(self, chain: list[_Target], snap: Snapshot) -> None:
+    async def _push_chain(self, chain: list[_Target], snap: Snapshot, *, delta: bool) -> None:
         """Push `snap` to the chain's head, which relays it down the rest; settle every member."""
         head = chain[0]
         waiting = {t.stats.name: t for t in chain}
@@ -327,7 +348,7 @@ class WeightPublisher:
                 waiting.clear()
                 return
             assert head.conn is not None
-            await self._push(chain, snap, head.conn, waiting)
+            await self._push(chain, snap, head.conn, waiting, delta=delta)
             head.attempt = 0
         except (OSError, TimeoutError, RollartError) as exc:
             self._failed(head, exc)
@@ -364,10 +385,13 @@ class WeightPublisher:
             raise
         t.conn = conn
         t.stats.connected, t.stats.version, t.settled = True, holding.version, holding.version
+        t.base = holding.base
         log.info("weights.connected", target=t.stats.name, holds=holding.version, via=t.stats.transport)
         await self._notify()
 
-    async def _push(self, chain: list[_Target], snap: Snapshot, conn: Connection, waiting: dict[str, _Target]) -> None:
+    async def _push(
+        self, chain: list[_Target], snap: Snapshot, conn: Connection, waiting: dict[str, _Target], *, delta: bool
+    ) -> None:
         head = chain[0]
         members = {t.stats.name: t for t in chain}
         for target in chain:
@@ -375,15 +399,21 @@ class WeightPublisher:
             target.stats.via = "trainer" if target is head else chain[chain.index(target) - 1].stats.name
         s = head.stats
         s.progress_bytes, s.progress_of = 0, snap.nbytes
+        sent = 0
         t0 = time.perf_counter()
         async with asyncio.timeout(self.deadline_s(snap.nbytes, len(chain))):
-            conn.send(WEIGHTS.encode(snap.push_header(tuple(t.hop() for t in chain[1:]))))
+            conn.send(WEIGHTS.encode(snap.push_header(tuple(t.hop() for t in chain[1:]), delta=delta)))
             for index, plan in enumerate(snap.plans):
-                conn.send(WEIGHTS.encode(await snap.manifest(index)))
-                await _send_payload(conn, snap.payload(index))
+                manifest, parts = await snap.bucket(index, delta=delta)
+                conn.send(WEIGHTS.encode(manifest))
+                await _send_payload(conn, parts)
+                nbytes = manifest.delta_nbytes or plan.nbytes
                 s.progress_bytes += plan.nbytes
-                s.bytes_sent += plan.nbytes
-                self.egress_bytes += plan.nbytes
+                s.bytes_sent += nbytes
+                sent += nbytes
+                self.egress_bytes += nbytes
+                self.link_bytes += nbytes * len(chain)
+                self.link_whole_bytes += plan.nbytes * len(chain)
             while waiting:
                 msg = WEIGHTS.decode(await conn.recv())
                 if isinstance(msg, RelayFailed):
@@ -396,21 +426,23 @@ class WeightPublisher:
                     raise ProtocolError(
                         f"weights: ack for {msg.node or s.name} version {msg.version}; sent {snap.version}"
                     )
-                self._acked(acked, msg, snap, time.perf_counter() - t0, relayed=acked is not head)
+                self._acked(acked, msg, snap, time.perf_counter() - t0, relayed=acked is not head, delta=delta)
                 waiting.pop(acked.stats.name, None)
-        rate = (snap.nbytes + (len(chain) - 1) * min(snap.nbytes, self.bucket_bytes)) / (time.perf_counter() - t0)
+        rate = (sent + (len(chain) - 1) * min(sent, self.bucket_bytes)) / (time.perf_counter() - t0)
         self._rate = rate if self._rate_measured is None else min(self._rate_measured, rate)
         self._rate_measured = self._rate
 
-    def _acked(self, t: _Target, ack: VersionAck, snap: Snapshot, seconds: float, *, relayed: bool) -> None:
+    def _acked(
+        self, t: _Target, ack: VersionAck, snap: Snapshot, seconds: float, *, relayed: bool, delta: bool
+    ) -> None:
         s = t.stats
-        s.version, t.settled = ack.holding, max(ack.holding, snap.version)
+        s.version, t.settled, t.base = ack.holding, max(ack.holding, snap.version), ack.base
         if ack.error:
             s.failures += 1
             s.last_error = f"version {snap.version} refused: {ack.error}"
             log.error("weights.refused", target=s.name, version=snap.version, error=ack.error)
             return
-        s.pushes, s.relayed = s.pushes + 1, s.relayed + relayed
+        s.pushes, s.relayed, s.deltas = s.pushes + 1, s.relayed + relayed, s.deltas + delta
         s.last_push_s, s.last_push_bytes = seconds, snap.nbytes
         s.skipped += max(0, snap.seq - t.last_seq - 1)
         t.last_seq, t.attempt = snap.seq, 0
@@ -428,6 +460,7 @@ class WeightPublisher:
             waiting.pop(name, None)  # not its fault: planned again next round
 
     def _failed(self, t: _Target, exc: BaseException) -> None:
+        t.base = -1  # perhaps it lost (or never had) the base of a delta: whole versions until it says
         t.stats.failures += 1
         t.stats.last_error = f"{type(exc).__name__}: {exc}"
         delay = random.uniform(0, min(self.cfg.backoff_cap_s, self.cfg.backoff_base_s * 2**t.attempt))

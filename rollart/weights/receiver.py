@@ -13,6 +13,13 @@ copies them in later); an `apply` that lets go of them spares the next version's
 faults of fresh memory (~4x). A version not newer than the applied one is acknowledged and
 dropped; a newer version arriving while an older one is half received replaces it. A bad bucket
 (checksum, format) ends the connection: the publisher resends.
+
+With `keep_base=True` the receiver keeps the bytes of the version it applied last (the buffers its
+tensors view: no copy, but they are not reused while kept) and says so (`Holding.base`,
+`VersionAck.base`), so the publisher may send the next version as deltas against them
+(`rollart.weights.delta`); a delta bucket is decoded into a buffer of its own. A delta against
+bytes it does not keep ends the connection like a bad bucket, and the publisher, told again what
+it keeps, sends whole versions.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
@@ -33,6 +41,7 @@ from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
 from rollart.protocol.messages import Hello
+from rollart.weights import delta as deltas
 from rollart.weights import ucx
 from rollart.weights.buckets import VersionAssembly, unpack_bucket
 from rollart.weights.pool import BufferPool
@@ -41,6 +50,7 @@ from rollart.weights.wire import (
     WEIGHTS,
     BucketManifest,
     ChecksumMismatch,
+    DeltaBaseMissing,
     Holding,
     Hop,
     Push,
@@ -63,6 +73,11 @@ class ReceiverStats:
     replaced: int = 0
     """Half-received versions dropped because a newer one started arriving."""
     bytes_received: int = 0
+    """Payload bytes that arrived (deltas as sent)."""
+    bytes_decoded: int = 0
+    """What they make as whole buckets: more than `bytes_received` by what deltas saved."""
+    deltas: int = 0
+    """Versions applied that came (partly) as deltas."""
     last_receive_s: float = 0.0
     """First bucket in to last bucket checked, of the last version applied."""
     last_apply_s: float = 0.0
@@ -81,6 +96,31 @@ ApplyWeights = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
 """What `WeightReceiver` hands each whole version to: `apply(version, tensors)` (an engine's `load_weights`)."""
 
 
+@dataclass
+class _Bucket:
+    """One checked bucket: its tensors, and the bytes they view (kept as a delta base)."""
+
+    manifest: BucketManifest
+    payload: memoryview
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Base:
+    """The bytes of the version applied last, bucket by bucket: what deltas are decoded against."""
+
+    version: int
+    buckets: list[memoryview]
+
+    def bucket(self, push: Push, manifest: BucketManifest) -> memoryview:
+        where = f"version {manifest.version} bucket {manifest.index}"
+        if push.base != self.version:
+            raise DeltaBaseMissing(f"{where}: a delta against version {push.base}; this receiver keeps {self.version}")
+        if manifest.index >= len(self.buckets) or len(self.buckets[manifest.index]) != manifest.nbytes:
+            raise DeltaBaseMissing(f"{where}: a delta against a bucket of version {push.base} not of its size")
+        return self.buckets[manifest.index]
+
+
 class _Incoming:
     """One version arriving: each bucket is checked in a worker thread while the next one arrives."""
 
@@ -88,7 +128,7 @@ class _Incoming:
         self,
         push: Push,
         relay: Relay | None,
-        unpack: Callable[[BucketManifest, memoryview], Awaitable[dict[str, torch.Tensor]]],
+        unpack: Callable[[Push, BucketManifest, memoryview], Awaitable[_Bucket]],
     ) -> None:
         self.push = push
         self.relay = relay
@@ -96,7 +136,10 @@ class _Incoming:
         self.started = time.perf_counter()
         self._unpack = unpack
         self._assembly = VersionAssembly(push.version, push.count)
-        self._checks: list[tuple[BucketManifest, asyncio.Task[dict[str, torch.Tensor]]]] = []
+        self._checks: list[tuple[BucketManifest, asyncio.Task[_Bucket]]] = []
+        self.payloads: list[memoryview] = []
+        """After `finish`: every bucket's bytes, in order (a delta base to keep)."""
+        self.had_delta = False
 
     def add(self, manifest: BucketManifest, payload: memoryview) -> None:
         if manifest.count != self.push.count:
@@ -106,19 +149,24 @@ class _Incoming:
             )
         if self.relay is not None:
             self.relay.forward(manifest, payload)
-        self._checks.append((manifest, asyncio.ensure_future(self._unpack(manifest, payload))))
+        self.had_delta |= manifest.delta_nbytes > 0
+        self._checks.append((manifest, asyncio.ensure_future(self._unpack(self.push, manifest, payload))))
 
     async def finish(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version, checked, with the tied aliases; raises on a bad bucket."""
+        payloads: dict[int, memoryview] = {}
         try:
             for manifest, check in self._checks:
-                self._assembly.add(manifest, await check)
+                bucket = await check
+                self._assembly.add(manifest, bucket.tensors)
+                payloads[manifest.index] = bucket.payload
         finally:
             for _, check in self._checks:
                 check.cancel()
             self._checks = []
         weights = self._assembly.finish()
         self._assembly = VersionAssembly(self.push.version, self.push.count)  # holds no tensor past this
+        self.payloads = [payloads[i] for i in range(self.push.count)]
         for alias, name in self.push.tied:
             if name not in weights or alias in weights:
                 raise WeightFormatError(f"version {self.push.version}: tied {alias!r} -> {name!r} does not fit")
@@ -137,9 +185,13 @@ def _wrong_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
 class WeightReceiver:
     """Assembles pushed versions and applies each whole one, newest only, one at a time."""
 
-    def __init__(self, apply: ApplyWeights, *, version: int = 0, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, apply: ApplyWeights, *, version: int = 0, dtype: torch.dtype | None = None, keep_base: bool = False
+    ) -> None:
         self._apply = apply
         self._dtype = dtype
+        self._keep_base = keep_base
+        self._base: _Base | None = None
         self._relay_as: tuple[Identity, bytes, SessionConfig] | None = None
         self._apply_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
@@ -158,6 +210,11 @@ class WeightReceiver:
     def version(self) -> int:
         """The latest version applied (the initial one until a push is applied)."""
         return self._stats.version
+
+    @property
+    def base(self) -> int:
+        """The version whose bytes it keeps to decode deltas against; -1: none."""
+        return self._base.version if self._base is not None else -1
 
     def stats(self) -> ReceiverStats:
         return ReceiverStats(**vars(self._stats))
@@ -185,7 +242,7 @@ class WeightReceiver:
             conn.bulk_sink = self._pool.take
         self._stats.connections += 1
         log.info("weights.connected", peer=peer.node, conn=conn.peer, version=self.version)
-        conn.send(WEIGHTS.encode(Holding(self.version)))
+        conn.send(WEIGHTS.encode(Holding(self.version, self.base)))
         relays: dict[tuple[str, str, int, int], Relay] = {}
         try:
             await self._serve_pushes(conn, peer, relays)
@@ -210,13 +267,14 @@ class WeightReceiver:
                     if key not in relays:
                         relays[key] = Relay(hop, conn, self._dial)
                     relay = relays[key]
-                    relay.begin(Push(msg.version, msg.count, msg.nbytes, msg.dtype, msg.tied, msg.relay[1:]))
+                    relay.begin(msgspec.structs.replace(msg, relay=msg.relay[1:]))
                 incoming = _Incoming(msg, relay, self._unpack)
                 continue
             if not isinstance(msg, BucketManifest):
                 raise ProtocolError(f"weights: expected a push or a bucket manifest; got {type(msg).__name__}")
             payload = await conn.recv_bulk()
             self._stats.bytes_received += len(payload)
+            self._stats.bytes_decoded += msg.nbytes
             if incoming is None or msg.version != incoming.push.version or incoming.done:
                 raise WeightFormatError(f"bucket {msg.index} of version {msg.version} outside its push")
             incoming.add(msg, payload)
@@ -230,26 +288,46 @@ class WeightReceiver:
         push = incoming.push
         if push.version <= self.version:
             self._stats.ignored += 1
-            return VersionAck(push.version, self.version)
+            return VersionAck(push.version, self.version, base=self.base)
         weights = await incoming.finish()
         # Idle buffers kept: enough for the version being received while `apply` holds this one.
         self._pool.cap_bytes = max(self._pool.cap_bytes or 0, 2 * push.nbytes)
         self._stats.last_receive_s = time.perf_counter() - incoming.started
         if self._dtype is not None and (wrong := _wrong_dtype(weights, self._dtype)):
             self._stats.apply_failures += 1
-            return VersionAck(push.version, self.version, f"{wrong}; this receiver takes {self._dtype}")
+            return VersionAck(push.version, self.version, f"{wrong}; this receiver takes {self._dtype}", base=self.base)
         error = await self._apply_version(push.version, weights)
         del weights  # unless `apply` kept them, these buffers can take the next version
-        return VersionAck(push.version, self.version, error)
+        if not error and self.version == push.version:
+            self._stats.deltas += incoming.had_delta
+            if self._keep_base:
+                self._base = _Base(push.version, incoming.payloads)
+        incoming.payloads = []
+        return VersionAck(push.version, self.version, error, base=self.base)
 
-    async def _unpack(self, manifest: BucketManifest, payload: memoryview) -> dict[str, torch.Tensor]:
+    async def _unpack(self, push: Push, manifest: BucketManifest, payload: memoryview) -> _Bucket:
+        """Check one bucket (decoding it first if it is a delta); its tensors view its bytes."""
+        if manifest.delta_nbytes:
+            if len(payload) != manifest.delta_nbytes:
+                raise WeightFormatError(
+                    f"version {manifest.version} bucket {manifest.index}: a {len(payload)}-byte delta; "
+                    f"its manifest says {manifest.delta_nbytes}"
+                )
+            if self._base is None:
+                raise DeltaBaseMissing(f"version {manifest.version}: a delta, but this receiver keeps no version")
+            base = self._base.bucket(push, manifest)
+            whole = self._pool.take(manifest.nbytes)
+            delta, payload = payload, whole
+            await asyncio.to_thread(deltas.decode, delta, base, whole, manifest.delta_stride)
         try:
             if manifest.nbytes >= _THREAD_BYTES:
-                return await asyncio.to_thread(unpack_bucket, manifest, payload)
-            return unpack_bucket(manifest, payload)
+                tensors = await asyncio.to_thread(unpack_bucket, manifest, payload)
+            else:
+                tensors = unpack_bucket(manifest, payload)
         except ChecksumMismatch:
             self._stats.checksum_failures += 1
             raise
+        return _Bucket(manifest, payload, tensors)
 
     async def _apply_version(self, version: int, weights: dict[str, torch.Tensor]) -> str:
         """Apply unless something newer got there first; returns the error to report, or ''."""

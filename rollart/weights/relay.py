@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import structlog
 
 from rollart.errors import RollartError
@@ -119,7 +120,7 @@ class Relay:
             while True:
                 msg = WEIGHTS.decode(await conn.recv())
                 if isinstance(msg, VersionAck) and not msg.node:
-                    msg = VersionAck(msg.version, msg.holding, msg.error, node=self.hop.name)
+                    msg = msgspec.structs.replace(msg, node=self.hop.name)
                 elif not isinstance(msg, VersionAck | RelayFailed):
                     raise ProtocolError(f"relay: {self.hop.name} sent {type(msg).__name__}")
                 self._up.send(WEIGHTS.encode(msg))

@@ -51,6 +51,12 @@ class BucketManifest(msgspec.Struct, tag="bucket", **_WIRE):
     crc32c: int
     """CRC-32C of the whole payload (`buckets.checksum`), computed by the trainer and checked at every hop."""
     tensors: tuple[TensorEntry, ...]
+    delta_nbytes: int = 0
+    """0: the payload is the bucket's bytes. Else the payload is `delta_nbytes` bytes: the bucket's
+    bytes XOR the same bucket of the push's `base` version, byte-shuffled by `delta_stride` and
+    compressed with zstd (`rollart.weights.delta`); `nbytes` and `crc32c` are those of the decoded bytes."""
+    delta_stride: int = 1
+    """The element size the XOR was byte-shuffled by before compression (1: not shuffled)."""
 
 
 class Hop(msgspec.Struct, **_WIRE):
@@ -77,12 +83,17 @@ class Push(msgspec.Struct, tag="push", **_WIRE):
     """(alias, name): the alias is the same tensor as `name` (tied embeddings travel once)."""
     relay: tuple[Hop, ...] = ()
     """Pass the version on to `relay[0]`, telling it to pass it on to the rest."""
+    base: int = -1
+    """Buckets sent as deltas (`BucketManifest.delta_nbytes`) are against this version's bytes, which
+    every receiver of the push keeps (`Holding.base`); -1: every bucket is whole."""
 
 
 class Holding(msgspec.Struct, tag="holding", **_WIRE):
     """Receiver -> publisher, first thing on a connection: the version it has applied."""
 
     version: int
+    base: int = -1
+    """The version whose bytes it keeps to decode deltas against (-1: none kept)."""
 
 
 class VersionAck(msgspec.Struct, tag="ack", **_WIRE):
@@ -94,6 +105,8 @@ class VersionAck(msgspec.Struct, tag="ack", **_WIRE):
     """Set when `apply` failed: the version arrived intact but the engine refused it."""
     node: str = ""
     """Whose ack this is, when passed back by a relay; empty: the receiver's own."""
+    base: int = -1
+    """The version whose bytes it keeps now to decode deltas against (-1: none kept)."""
 
 
 class RelayFailed(msgspec.Struct, tag="relay-failed", **_WIRE):
@@ -116,6 +129,10 @@ class WeightFormatError(ProtocolError):
 
 class ChecksumMismatch(WeightFormatError):
     """A bucket's payload does not match the checksum its manifest announced."""
+
+
+class DeltaBaseMissing(WeightFormatError):
+    """A delta arrived against a version whose bytes this receiver does not keep."""
 
 
 class MissingBucket(WeightFormatError):

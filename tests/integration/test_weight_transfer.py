@@ -13,6 +13,7 @@ through a pipe.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 from collections.abc import AsyncIterator, Callable
@@ -70,23 +71,33 @@ def crc_of(tensors: dict[str, torch.Tensor]) -> int:
     return crc
 
 
-async def _serve(pipe: Pipe, name: str, ports: tuple[int, int | None], apply_delay_s: float, rows: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a receiver process behaves: its apply's delay, the size of what it expects, whether it
+    keeps a delta base."""
+
+    apply_delay_s: float = 0.0
+    rows: int = 256
+    keep_base: bool = False
+
+
+async def _serve(pipe: Pipe, name: str, ports: tuple[int, int | None], options: Options) -> None:
     applied: list[int] = []
     crcs: list[int] = []
     intact = True
 
     async def apply(version: int, received: dict[str, torch.Tensor]) -> None:
         nonlocal intact
-        expected = weights(version, rows)
+        expected = weights(version, options.rows)
         intact = intact and received.keys() == expected.keys()
         intact = intact and all(torch.equal(received[name], tensor) for name, tensor in expected.items())
         applied.append(version)
         crcs.append(crc_of(received))
-        await asyncio.sleep(apply_delay_s)  # a generator busy swapping weights in
+        await asyncio.sleep(options.apply_delay_s)  # a generator busy swapping weights in
 
     me = Identity(name, "generator")
     port, ucx_port = ports
-    receiver = WeightReceiver(apply)
+    receiver = WeightReceiver(apply, keep_base=options.keep_base)
     receiver.relay_as(me, SECRET, CFG)
     server = SessionServer(
         local=me, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
@@ -111,24 +122,27 @@ async def _serve(pipe: Pipe, name: str, ports: tuple[int, int | None], apply_del
         pipe.send(os.getpid())
         while await requests.get() == "stats":
             refusals = server.refusals + receiver.stats().refusals
-            pipe.send({"applied": list(applied), "intact": intact, "refusals": refusals, "crcs": list(crcs)})
+            deltas = receiver.stats().deltas
+            pipe.send(
+                {"applied": list(applied), "intact": intact, "refusals": refusals, "crcs": list(crcs), "deltas": deltas}
+            )
         await receiver.close()
         await server.close()
 
 
-def receiver_main(pipe: Pipe, name: str, ports: tuple[int, int | None], apply_delay_s: float, rows: int) -> None:
-    asyncio.run(_serve(pipe, name, ports, apply_delay_s, rows))
+def receiver_main(pipe: Pipe, name: str, ports: tuple[int, int | None], options: Options) -> None:
+    asyncio.run(_serve(pipe, name, ports, options))
 
 
 class ReceiverProcess:
-    def __init__(self, name: str, transport: str, apply_delay_s: float, ports: tuple[int, int], rows: int) -> None:
+    def __init__(self, name: str, transport: str, ports: tuple[int, int], options: Options) -> None:
         self.port, ucx_port = ports
         self.ucx_port = ucx_port if transport == "ucx" else None
         ctx = multiprocessing.get_context("spawn")
         self.pipe, theirs = ctx.Pipe()
         self.proc = ctx.Process(
             target=receiver_main,
-            args=(theirs, name, (self.port, self.ucx_port), apply_delay_s, rows),
+            args=(theirs, name, (self.port, self.ucx_port), options),
             name=f"weights-receiver-{name}",
         )
         self.proc.start()
@@ -176,9 +190,15 @@ class Receivers:
         return self.ports_of("gen-0")
 
     async def start(
-        self, transport: str, apply_delay_s: float = 0.0, *, name: str = "gen-0", rows: int = 256
+        self,
+        transport: str,
+        apply_delay_s: float = 0.0,
+        *,
+        name: str = "gen-0",
+        rows: int = 256,
+        keep_base: bool = False,
     ) -> ReceiverProcess:
-        proc = ReceiverProcess(name, transport, apply_delay_s, self.ports_of(name), rows)
+        proc = ReceiverProcess(name, transport, self.ports_of(name), Options(apply_delay_s, rows, keep_base))
         self.procs.append(proc)
         await proc.ready()
         return proc
@@ -202,8 +222,11 @@ def publisher_for(
     *,
     names: tuple[str, ...] = ("gen-0",),
     fanout: Fanout = "star",
+    delta: bool = False,
 ) -> WeightPublisher:
-    publisher = WeightPublisher(TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport, fanout=fanout)
+    publisher = WeightPublisher(
+        TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport, fanout=fanout, delta=delta
+    )
     for name in names:
         port, ucx_port = receivers.ports_of(name)
         publisher.add_target(name, HOST, port, ucx_port=ucx_port if transport == "ucx" else None)
@@ -353,3 +376,29 @@ async def test_kill_9_of_a_relay_mid_push_and_every_other_receiver_converges(rec
         report = await proc.stats()
         assert report["applied"] == [1] and report["intact"]
         assert report["crcs"] == [crc_of(weights(1, rows))]
+
+
+@pytest.mark.timeout(120)
+async def test_delta_versions_relayed_down_a_chain_and_a_restarted_hop_gets_a_whole_one(receivers: Receivers) -> None:
+    procs = {name: await receivers.start("tcp", name=name, keep_base=True) for name in CHAIN}
+    publisher = publisher_for("tcp", receivers, names=CHAIN, fanout="relay", delta=True)
+    async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        for version in (1, 2, 3):
+            publisher.publish(version, weights(version))
+            await publisher.wait_delivered(version, timeout=30)
+        assert publisher.link_bytes < publisher.link_whole_bytes / 2  # version 1 whole, 2 and 3 as deltas
+        await procs["gen-2"].stop(kill=True)
+        procs["gen-2"] = await receivers.start("tcp", name="gen-2", keep_base=True)  # back, keeping no version
+        for version in (4, 5):
+            publisher.publish(version, weights(version))
+            await publisher.wait_delivered(version, timeout=60)
+        await publisher.close()
+    reports = {name: await proc.stats() for name, proc in procs.items()}
+    for name, report in reports.items():
+        assert report["intact"] and report["crcs"][-1] == crc_of(weights(5)), name
+    for name in ("gen-0", "gen-1", "gen-3"):
+        assert reports[name]["applied"] == [1, 2, 3, 4, 5] and reports[name]["deltas"] == 4, reports[name]
+    # The restarted hop refused the delta of version 4 (no base), got it whole, then version 5 as a delta.
+    assert reports["gen-2"]["applied"] == [4, 5] and reports["gen-2"]["deltas"] == 1, reports["gen-2"]
+    assert publisher.stats()["gen-2"].failures >= 1

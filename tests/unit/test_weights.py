@@ -208,7 +208,7 @@ async def test_a_snapshot_is_a_copy_and_its_buffers_are_reused_once_unused() -> 
     [first] = store.put(1, weights)
     first.packed.wait()
     weights["w"].add_(1)  # the optimizer's next step
-    manifest = await first.manifest(0)
+    manifest, _ = await first.bucket(0)
     assert torch.equal(unpack_bucket(manifest, byte_view(first.buffers[0]))["w"], torch.ones(1000))
     first_ptr = first.buffers[0].data_ptr()
     store.put(2, weights)[0].packed.wait()  # version 1 is no longer the latest and nobody pushes it: spare
@@ -548,9 +548,8 @@ async def test_an_owned_export_is_sent_from_its_own_memory_with_the_packed_check
     weights = {"a": torch.randn(10), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(3, 3)}
     [direct] = SnapshotStore(1 << 20).put(1, weights, owned=True, contiguous=False)
     [packed_copy] = SnapshotStore(1 << 20).put(1, weights)
-    manifest = await direct.manifest(0)
-    assert manifest.tensors == (await packed_copy.manifest(0)).tensors  # the same layout
-    parts = direct.payload(0)
+    manifest, parts = await direct.bucket(0)
+    assert manifest.tensors == (await packed_copy.bucket(0))[0].tensors  # the same layout
     assert direct.buffers[0].numel() == 0 and manifest.crc32c == checksum(b"".join(parts))
     received = unpack_bucket(manifest, bytearray(b"".join(parts)))
     assert all(torch.equal(received[name], tensor) for name, tensor in weights.items())
