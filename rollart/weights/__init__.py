@@ -9,8 +9,9 @@ See docs/weights.md for the wire format and how to choose a transport.
 """
 
 from rollart.weights.buckets import DEFAULT_BUCKET_BYTES, plan_buckets, unpack_bucket
-from rollart.weights.publisher import TargetStats, Transport, WeightPublisher
+from rollart.weights.publisher import Transport, WeightPublisher
 from rollart.weights.receiver import ApplyWeights, ReceiverStats, WeightReceiver
+from rollart.weights.targets import TargetStats
 from rollart.weights.ucx import ucx_unavailable
 from rollart.weights.wire import ChecksumMismatch, MissingBucket, TransportUnavailable, WeightFormatError
 

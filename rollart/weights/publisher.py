@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import time
 from collections.abc import Mapping
 from typing import Literal, TypeVar
@@ -55,7 +54,8 @@ from rollart.protocol.framing import Connection, TcpConnection
 from rollart.weights import ucx
 from rollart.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollart.weights.snapshot import Snapshot, SnapshotStore
-from rollart.weights.wire import WEIGHTS, Holding, Hop, RelayFailed, VersionAck, WeightMsg
+from rollart.weights.targets import Target, TargetStats
+from rollart.weights.wire import WEIGHTS, Holding, RelayFailed, VersionAck, WeightMsg
 
 log = structlog.get_logger("rollart.weights.publisher")
 
@@ -67,62 +67,6 @@ _FIRST_RATE = 100 * 1024**2
 """Bytes per second assumed for a push's deadline until one has been measured (then: the slowest seen)."""
 _DEADLINE_SLACK = 4.0
 _DEADLINE_BASE_S = 30.0
-
-
-@dataclasses.dataclass
-class TargetStats:
-    name: str
-    transport: str
-    dtype: str = ""
-    """The dtype floating-point weights travel to it in; empty: as the trainer holds them."""
-    version: int = -1
-    """The version the target holds, as it last said (-1: not heard from yet)."""
-    pushes: int = 0
-    """Versions it acknowledged, from the trainer or through a relay."""
-    relayed: int = 0
-    """Of those, how many came through another generator."""
-    last_push_s: float = 0.0
-    """First byte the trainer sent for the version to this target's acknowledgement (includes `apply`)."""
-    last_push_bytes: int = 0
-    bytes_sent: int = 0
-    """Bytes the trainer sent to it (none when it gets its versions through a relay)."""
-    failures: int = 0
-    deltas: int = 0
-    """Of the versions it acknowledged, how many came as deltas."""
-    skipped: int = 0
-    """Published versions this target never got because a newer one was ready first."""
-    in_flight: int | None = None
-    """The version being pushed to it (directly or through a relay)."""
-    via: str = ""
-    """Who the version in flight comes from: 'trainer' or the generator relaying it."""
-    progress_bytes: int = 0
-    """Of the push in flight from the trainer, the bytes sent so far (of `progress_of`)."""
-    progress_of: int = 0
-    connected: bool = False
-    last_error: str = ""
-
-
-@dataclasses.dataclass(eq=False)
-class _Target:
-    host: str
-    port: int
-    ucx_port: int | None
-    dtype: torch.dtype | None
-    place: str
-    stats: TargetStats
-    settled: int = -1
-    """Newest version not to push again: the one it holds, or one it refused."""
-    base: int = -1
-    """The version whose bytes it keeps for deltas, as it last said (-1: none)."""
-    last_seq: int = 0
-    busy: bool = False
-    attempt: int = 0
-    retry_at: float = 0.0
-    conn: Connection | None = None
-    watch: asyncio.Task[None] | None = None
-
-    def hop(self) -> Hop:
-        return Hop(self.stats.name, self.host, self.port, self.ucx_port or 0)
 
 
 class WeightPublisher:
@@ -157,7 +101,7 @@ class WeightPublisher:
         self._rate = float(_FIRST_RATE)
         self._rate_measured: float | None = None
         self._secret = secret
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, Target] = {}
         self._store = SnapshotStore(bucket_bytes, delta=delta)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -199,7 +143,7 @@ class WeightPublisher:
             ucx_port = None
         dtype_label = str(dtype).removeprefix("torch.") if dtype is not None else ""
         stats = TargetStats(name, kind, dtype_label)
-        self._targets[name] = _Target(host, port, ucx_port, dtype, place, stats, last_seq=max(0, self._store.seq - 1))
+        self._targets[name] = Target(host, port, ucx_port, dtype, place, stats, last_seq=max(0, self._store.seq - 1))
         self._wake.set()
         log.info("weights.target_added", target=name, host=host, port=ucx_port or port, via=kind, dtype=dtype_label)
 
@@ -212,9 +156,7 @@ class WeightPublisher:
         its version gets the latest again."""
         target = self._targets.get(name)
         if target is not None and not target.busy and version < target.settled:
-            log.info("weights.target_behind", target=name, holds=version, had=target.settled)
-            target.settled = target.stats.version = version
-            target.base = -1
+            target.behind(version)
             self._wake.set()
 
     def stats(self) -> dict[str, TargetStats]:
@@ -306,7 +248,7 @@ class WeightPublisher:
         """Start a push for every target that lacks its latest version and is neither busy nor in backoff."""
         assert self._tg is not None
         now = time.monotonic()
-        groups: dict[tuple[torch.dtype | None, bool], list[_Target]] = {}
+        groups: dict[tuple[torch.dtype | None, bool], list[Target]] = {}
         for target in self._targets.values():
             snap = self._store.latest(target.dtype)
             if snap is None or target.busy or target.retry_at > now:
@@ -328,7 +270,7 @@ class WeightPublisher:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
-    async def _push_chain(self, chain: list[_Target], snap: Snapshot, *, delta: bool) -> None:
+    async def _push_chain(self, chain: list[Target], snap: Snapshot, *, delta: bool) -> None:
         """Push `snap` to the chain's head, which relays it down the rest; settle every member."""
         head = chain[0]
         waiting = {t.stats.name: t for t in chain}
@@ -368,7 +310,7 @@ class WeightPublisher:
             self._wake.set()
             await self._notify()
 
-    async def _connect(self, t: _Target) -> None:
+    async def _connect(self, t: Target) -> None:
         conn: Connection
         cfg = self.cfg
         self._hang_up(t)
@@ -384,13 +326,11 @@ class WeightPublisher:
             conn.close()
             raise
         t.conn = conn
-        t.stats.connected, t.stats.version, t.settled = True, holding.version, holding.version
-        t.base = holding.base
-        log.info("weights.connected", target=t.stats.name, holds=holding.version, via=t.stats.transport)
+        t.connected(holding)
         await self._notify()
 
     async def _push(
-        self, chain: list[_Target], snap: Snapshot, conn: Connection, waiting: dict[str, _Target], *, delta: bool
+        self, chain: list[Target], snap: Snapshot, conn: Connection, waiting: dict[str, Target], *, delta: bool
     ) -> None:
         head = chain[0]
         members = {t.stats.name: t for t in chain}
@@ -426,30 +366,14 @@ class WeightPublisher:
                     raise ProtocolError(
                         f"weights: ack for {msg.node or s.name} version {msg.version}; sent {snap.version}"
                     )
-                self._acked(acked, msg, snap, time.perf_counter() - t0, relayed=acked is not head, delta=delta)
+                acked.acked(msg, snap, time.perf_counter() - t0, relayed=acked is not head, delta=delta)
                 waiting.pop(acked.stats.name, None)
         rate = (sent + (len(chain) - 1) * min(sent, self.bucket_bytes)) / (time.perf_counter() - t0)
         self._rate = rate if self._rate_measured is None else min(self._rate_measured, rate)
         self._rate_measured = self._rate
 
-    def _acked(
-        self, t: _Target, ack: VersionAck, snap: Snapshot, seconds: float, *, relayed: bool, delta: bool
-    ) -> None:
-        s = t.stats
-        s.version, t.settled, t.base = ack.holding, max(ack.holding, snap.version), ack.base
-        if ack.error:
-            s.failures += 1
-            s.last_error = f"version {snap.version} refused: {ack.error}"
-            log.error("weights.refused", target=s.name, version=snap.version, error=ack.error)
-            return
-        s.pushes, s.relayed, s.deltas = s.pushes + 1, s.relayed + relayed, s.deltas + delta
-        s.last_push_s, s.last_push_bytes = seconds, snap.nbytes
-        s.skipped += max(0, snap.seq - t.last_seq - 1)
-        t.last_seq, t.attempt = snap.seq, 0
-        log.info("weights.pushed", target=s.name, version=snap.version, seconds=round(seconds, 4), relayed=relayed)
-
     def _relay_failed(
-        self, msg: RelayFailed, snap: Snapshot, members: dict[str, _Target], waiting: dict[str, _Target]
+        self, msg: RelayFailed, snap: Snapshot, members: dict[str, Target], waiting: dict[str, Target]
     ) -> None:
         if msg.version != snap.version:
             return
@@ -459,16 +383,10 @@ class WeightPublisher:
         for name in msg.unreached:
             waiting.pop(name, None)  # not its fault: planned again next round
 
-    def _failed(self, t: _Target, exc: BaseException) -> None:
-        t.base = -1  # perhaps it lost (or never had) the base of a delta: whole versions until it says
-        t.stats.failures += 1
-        t.stats.last_error = f"{type(exc).__name__}: {exc}"
-        delay = random.uniform(0, min(self.cfg.backoff_cap_s, self.cfg.backoff_base_s * 2**t.attempt))
-        t.attempt += 1
-        t.retry_at = time.monotonic() + delay
-        log.warning("weights.push_failed", target=t.stats.name, error=t.stats.last_error, attempt=t.attempt)
+    def _failed(self, t: Target, exc: BaseException) -> None:
+        t.failed(exc, self.cfg)
 
-    def _hang_up(self, t: _Target, *, watcher: bool = True) -> None:
+    def _hang_up(self, t: Target, *, watcher: bool = True) -> None:
         if watcher and t.watch is not None:
             t.watch.cancel()
             t.watch = None
@@ -486,7 +404,7 @@ class WeightPublisher:
         if self._closing_conns:
             await asyncio.wait(list(self._closing_conns), timeout=5.0)
 
-    async def _watch_idle(self, t: _Target, conn: Connection) -> None:
+    async def _watch_idle(self, t: Target, conn: Connection) -> None:
         """While no push uses it (a push cancels this first), a connection that closes (a restarted
         target) or speaks is ended; the next round connects again and learns what the target holds."""
         try:
