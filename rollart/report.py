@@ -5,18 +5,21 @@
 Reads `metrics.jsonl` (required: one line per training step, optionally preceded by a
 `{"baseline": true, ...}` random-policy record and a `{"run": ...}` header), and, when present,
 `timeline.jsonl` (one line per trained trajectory, with its gen/env/reward spans) and
-`utilization.jsonl` (generator busy samples). Writes `reward_success.png`, `utilization.png`,
-`timeline.png` and `report.md`. A truncated last line (a killed run) is skipped; lines of an
+`utilization.jsonl` (generator busy samples). Writes `reward_success.png`, `step_time.png`,
+`utilization.png`, `timeline.png` and `report.md`. A truncated last line (a killed run) is skipped; lines of an
 unknown kind and missing optional keys are tolerated.
 """
 
 from __future__ import annotations
 
+import itertools
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollart import step_times
 from rollart.rundir import RunDir, RunDirError, read_jsonl
 
 if TYPE_CHECKING:
@@ -157,6 +160,47 @@ def plot_reward_success(run: RunData, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def step_intervals(steps: list[Record]) -> list[tuple[int, float, Record]]:
+    """(step, seconds since the step before, line) for every step after the first (whose interval
+    holds the start-up)."""
+    out = []
+    for before, line in itertools.pairwise(steps):
+        a, b = _number(before.get("elapsed_s")), _number(line.get("elapsed_s"))
+        if a is not None and b is not None:
+            out.append((int(line.get("step", 0)), b - a, line))
+    return out
+
+
+def plot_step_time(run: RunData, path: Path) -> None:
+    """Per step, the trainer's time from the step before stacked by part (`rollart.step_times`);
+    below, what ran beside it: the weight push and apply, and a trajectory's generation, env and
+    reward time (mean per trajectory of the batch)."""
+    fig = _new_figure(10, 7)
+    stack_ax, beside_ax = fig.subplots(2, 1, sharex=True)
+    intervals = step_intervals(run.steps)
+    xs = [step for step, _, _ in intervals]
+    bottom = [0.0] * len(intervals)
+    for i, name in enumerate([*step_times.PARTS, "other"]):
+        heights = [step_times.parts(line, interval)[name] for _, interval, line in intervals]
+        stack_ax.bar(xs, heights, bottom=bottom, width=0.9, color=f"C{i % 10}", label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for i, (name, key) in enumerate(step_times.BESIDE.items()):
+        values = [float(line.get(key) or 0.0) for _, _, line in intervals]
+        if any(values):
+            beside_ax.plot(xs, values, color=f"C{i % 10}", linewidth=1.2, label=name)
+    if not intervals:
+        _no_data(stack_ax, f"fewer than two steps in {RunDir.METRICS}")
+    stack_ax.set_ylabel("seconds (trainer)")
+    stack_ax.set_title("Where each step's time went (from the step before; the first step's start-up left out)")
+    beside_ax.set_ylabel("seconds (beside it)")
+    beside_ax.set_xlabel("step")
+    for ax in (stack_ax, beside_ax):
+        ax.grid(alpha=0.3, axis="y")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", loc="upper left", ncols=4)
+    fig.savefig(path, dpi=100)
+
+
 def plot_utilization(run: RunData, path: Path) -> None:
     fig = _new_figure(10, 4)
     ax = fig.subplots()
@@ -221,6 +265,10 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -259,6 +307,17 @@ def summary_markdown(run: RunData, plots: list[str]) -> str:
             f"| {_fmt(moving_average(success)[-1] if success else None)} | {_fmt(_number(base.get('success_rate')))} "
             f"| {_fmt(moving_average(reward)[-1] if reward else None)} | {_fmt(_number(base.get('reward_mean')))} |"
         )
+    intervals = step_intervals(steps)
+    if intervals:
+        lines += ["", "## Where a step's time went (median over steps, seconds)", ""]
+        split = [step_times.parts(line, interval) for _, interval, line in intervals]
+        names = list(split[0])
+        beside = list(step_times.BESIDE.items())
+        lines += ["| step | " + " | ".join(names) + " | " + " | ".join(name for name, _ in beside) + " |"]
+        lines += ["|---" * (1 + len(names) + len(beside)) + "|"]
+        medians = [_fmt(_median([p[name] for p in split]), 2) for name in names]
+        medians += [_fmt(_median([float(line.get(key) or 0.0) for _, _, line in intervals]), 2) for _, key in beside]
+        lines += [f"| {_fmt(_median([interval for _, interval, _ in intervals]), 2)} | " + " | ".join(medians) + " |"]
     busy = {generator: _mean(values) for generator, (_, values) in sorted(busy_series(run).items())}
     lines += ["", "## Generator busy fraction (mean)", "", "| generator | busy |", "|---|---|"]
     lines += [f"| {generator} | {_fmt(value)} |" for generator, value in busy.items()]
@@ -277,6 +336,7 @@ def build_report(run_dir: Path, out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plotters = {
         "reward_success.png": plot_reward_success,
+        "step_time.png": plot_step_time,
         "utilization.png": plot_utilization,
         "timeline.png": plot_timeline,
     }

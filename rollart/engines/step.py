@@ -16,6 +16,12 @@ ranks): gradients summed over ranks and micro-batches are the mini-batch's token
 same on 1 rank and on N. The FSDP2 engine therefore sums gradients across ranks instead of
 averaging them. The global gradient norm is clipped (`clip_grad_norm_` reduces over shards), and
 the step's statistics are summed over ranks (`World.all_reduce`).
+
+pi_prox, the policy the importance ratio of every pass after the first is taken against, is the
+weights at the start of the step. The first mini-batch's is the first pass's own forward, kept
+(detached) as it runs, before any optimizer step; only later mini-batches need a forward of their
+own before the first update (`time_recompute_s`). The step's time goes into its statistics, split
+(`StepTimes`).
 """
 
 from __future__ import annotations
@@ -118,6 +124,34 @@ def plan_step(batch: PackedBatch, spec: TrainerSpec, world: World) -> list[MiniP
     return plans
 
 
+@dataclasses.dataclass
+class StepTimes:
+    """Where one rank's step went, in seconds, summed over its passes and micro-batches."""
+
+    recompute_s: float = 0.0
+    """No-grad forwards for pi_prox (mini-batches after the first, when the batch is passed over again)."""
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    """The loss and its backward pass."""
+    optimizer_s: float = 0.0
+    """Gradient clipping (a reduction across ranks) and the optimizer step."""
+    device: torch.device = CPU
+    _last: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def lap(self, part: str) -> None:
+        """Charge the time since the last lap to `part` (on a GPU, once its queued kernels are done)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        setattr(self, part, getattr(self, part) + now - self._last)
+        self._last = now
+
+    def stats(self) -> dict[str, float]:
+        return {
+            f"time_{name}": getattr(self, name) for name in ("recompute_s", "forward_s", "backward_s", "optimizer_s")
+        }
+
+
 def empty_micro_batch(batch: PackedBatch) -> PackedBatch:
     """One row of one padding token and no loss token: a forward and backward that add nothing."""
     return batch.select([0], width=1)
@@ -147,36 +181,44 @@ class StepRunner:
     def train_step(self, batch: PackedBatch, *, version: int) -> dict[str, float]:
         """The step (module docstring); returns its statistics, the same on every rank."""
         started = time.perf_counter()
+        times = StepTimes(device=self.world.device)
         spec = self.spec
         plans = plan_step(batch, spec, self.world)
-        # pi_prox: the weights at the start of the step, for every update after the first.
-        later = range(0 if spec.epochs > 1 else 1, len(plans))
+        # pi_prox: the weights at the start of the step. Mini-batch 0's comes from its first pass.
+        prox_at_start: dict[int, list[torch.Tensor]] = {0: []}
         with torch.no_grad():
-            prox_at_start = {
-                i: [self._forward(self.model, mb) for mb, _ in self._micro(plans[i], batch)] for i in later
-            }
+            for i in range(1, len(plans)):
+                prox_at_start[i] = [self._forward(self.model, mb) for mb, _ in self._micro(plans[i], batch)]
+        times.lap("recompute_s")
         total: LossStats | None = None
         grad_norms = []
         for epoch, (index, plan) in itertools.product(range(spec.epochs), enumerate(plans)):
             self.optimizer.zero_grad(set_to_none=True)
             for k, (mb, real) in enumerate(self._micro(plan, batch)):
                 new = self._forward(self.model, mb)
-                prox = new.detach() if epoch == index == 0 else prox_at_start[index][k]
+                if epoch == index == 0:
+                    prox = new.detach()
+                    prox_at_start[0].append(prox)
+                else:
+                    prox = prox_at_start[index][k]
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref = self._forward(self.ref_model, mb)
+                times.lap("forward_s")
                 loss, stats = grpo_loss(
                     new, prox, mb, spec.grpo, total_tokens=max(plan.total_tokens, 1), ref_logprobs=ref
                 )
                 loss.backward()  # type: ignore[no-untyped-call]
                 if real:
                     total = stats if total is None else total + stats
+                times.lap("backward_s")
             clip = spec.grad_clip if spec.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
             grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optimizer.step()
-        out = self._reduce(total, batch)
+            times.lap("optimizer_s")
+        out = self._reduce(total, batch) | times.stats()
         out["grad_norm"] = max(grad_norms)
         out |= staleness(batch.versions, batch.loss_mask, version)
         out["tokens"] = float(batch.loss_tokens)

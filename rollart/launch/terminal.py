@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from rollart import step_times
+
 if TYPE_CHECKING:
     from rollart.launch.local import NodeProcess
 
@@ -125,5 +127,5 @@ def training_line(rollout: dict[str, Any], last: dict[str, Any]) -> str:
     busy = " ".join(f"{name} {value:.0%}" for name, value in last["generator_busy"].items()) or "-"
     return (
         f"{where} | {tasks} (20-step avg) | stale {last.get('staleness_mean', 0.0):.2f} | "
-        f"{last['traj_per_s']:.1f} traj/s | busy {busy}"
+        f"{last['traj_per_s']:.1f} traj/s | busy {busy} | step: {step_times.describe(last)}"
     )

@@ -191,6 +191,7 @@ class GeneratorNode(NodeDaemon):
             "engine_up_s": up,
             "version": float(self.receiver.version),
             "ucx_port": float(self.ucx_port),
+            "apply_s": self.receiver.stats().last_apply_s,
         }
 
     def progress(self) -> str:

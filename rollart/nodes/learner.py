@@ -293,6 +293,7 @@ class Learner:
             "stall_s": self.stall_s[-1] if self.stall_s else 0.0,
             **{key: round(value, 6) for key, value in stats.items()},
         }
+        line |= self._elsewhere(trajectories)
         links = (self.publisher.link_bytes, self.publisher.link_whole_bytes)
         line["weight_link_bytes"] = links[0] - self._links_counted[0]
         line["weight_link_whole_bytes"] = links[1] - self._links_counted[1]
@@ -302,6 +303,29 @@ class Learner:
         self.metrics.write([line])
         self.timeline.write(self._timeline(step, version - 1, trajectories, incarnation))
         return line
+
+    def _elsewhere(self, trajectories: list[Any]) -> dict[str, float]:
+        """The step's time outside the train step: the weights' way to the generators (the last push
+        to each, the slowest; the generators' last apply, the slowest) and, per trajectory of the
+        batch on average, its generation, env and reward time and its whole length."""
+        pushes = [s.last_push_s for s in self.publisher.stats().values() if s.pushes]
+        applies = [
+            float(status.load["apply_s"])
+            for status in self._peer_status.values()
+            if isinstance(status, NodeStatus) and "apply_s" in status.load
+        ]
+        spent = dict.fromkeys(("gen", "env", "reward"), 0.0)
+        for t in trajectories:
+            for kind, start, end in t.spans:
+                if kind in spent:
+                    spent[kind] += end - start
+        n = max(len(trajectories), 1)
+        return {
+            "time_push_s": round(max(pushes, default=0.0), 6),
+            "time_apply_s": round(max(applies, default=0.0), 6),
+            **{f"traj_{kind}_s": round(total / n, 6) for kind, total in spent.items()},
+            "traj_s": round(sum(t.finished_at - t.started_at for t in trajectories) / n, 6),
+        }
 
     def _timeline(
         self, step: int, taken_at: int, trajectories: list[Any], incarnation: int

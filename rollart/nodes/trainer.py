@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,12 @@ TRAINER_STEP_GAUGES = {
     "loss": "Loss of the last step",
     "train_s": "Seconds the last training step took",
     "traj_per_s": "Trajectories per second over the last step",
-    "stall_s": "Seconds the last step waited for its batch",
+    "stall_s": "Seconds the last step's weight export held the trainer",
+    "time_wait_s": "Seconds the last step waited for its batch",
+    "time_forward_s": "Seconds of forward passes in the last step (all passes)",
+    "time_backward_s": "Seconds of loss and backward passes in the last step (all passes)",
+    "time_optimizer_s": "Seconds of gradient clipping and optimizer steps in the last step",
+    "time_push_s": "Seconds the last weight push took, first byte to the slowest generator's ack",
     "staleness_max": "Largest version lag of a token in the last batch",
     "staleness_mean": "Mean version lag of the tokens in the last batch",
 }
@@ -76,6 +82,7 @@ class TrainerNode(NodeDaemon):
         self.version = 0
         self.batches = 0
         self.trained_s = 0.0
+        self.wait_s = 0.0
         """Seconds spent in training steps (for `/status` busy)."""
         self.done = False
         self.finished = asyncio.Event()
@@ -158,7 +165,9 @@ class TrainerNode(NodeDaemon):
         """Take batches as they complete and hand each to the mode's step, until the last one."""
         assert self.rollout is not None
         while self.rollout.steps is None or self.batches < self.rollout.steps:
+            waiting = time.perf_counter()
             batch = await self.buffer.take()
+            self.wait_s = time.perf_counter() - waiting
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             await steps.step(batch)

@@ -54,6 +54,8 @@ class TrainerCore(Protocol):
     version: int
     batches: int
     trained_s: float
+    wait_s: float
+    """How long the trainer waited for the last batch to fill."""
     dispenser: Dispenser
     buffer: SampleBuffer
     on_batch: Callable[[int, list[GroupDone]], None] | None
@@ -132,6 +134,7 @@ class TrainStep:
         core.dispenser.changed()
         async with self._lock:
             stats = await learner.train(batch, version=core.version)
+            stats["time_wait_s"] = core.wait_s
             core.trained_s += stats["train_s"]
             core.batches += 1
             await core.bump_version()

@@ -50,8 +50,9 @@ RULES: dict[str, set[str]] = {
     # the daemons put the parts together
     "nodes": set(),  # every part of a run (filled in below, from ROWS)
     "rundir": set(),
+    "step_times": set(),
     "node": {"nodes", "topology", "plugins"},
-    "report": {"rundir", "topology"},
+    "report": {"rundir", "topology", "step_times"},
     # starting runs: the top, beside the CLI
     "launch": {
         "protocol",
@@ -61,6 +62,7 @@ RULES: dict[str, set[str]] = {
         "tiny",
         "rundir",
         "report",
+        "step_times",
         "plugins",
         "sim",
         "envs",
@@ -78,7 +80,7 @@ RULES: dict[str, set[str]] = {
 # The rows of docs/architecture.md's picture: a part imports only parts on lower rows.
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
-    **dict.fromkeys(["protocol", "algorithms", "envs", "rundir", "__init__"], 0),
+    **dict.fromkeys(["protocol", "algorithms", "envs", "rundir", "step_times", "__init__"], 0),
     **dict.fromkeys(["engines", "tasks", "rewards", "weights"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
     "rollout": 3,

@@ -12,7 +12,7 @@ from rollart.report import ReportError, build_report, moving_average
 from rollart.rundir import RunDir, read_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("reward_success.png", "utilization.png", "timeline.png")
+PLOTS = ("reward_success.png", "step_time.png", "utilization.png", "timeline.png")
 
 
 def _write_jsonl(path: Path, records: list[dict[str, object]], tail: str = "") -> None:
@@ -36,6 +36,13 @@ def _step(step: int) -> dict[str, object]:
         "traj_per_s": 1.0 + step % 2,
         "generator_busy": {"gen-0": 0.5},
         "loss": 0.1,
+        # 5.25 s of the 6 s between two steps accounted for: 0.75 s "other"
+        "time_wait_s": 1.0,
+        "time_forward_s": 2.0,
+        "time_backward_s": 1.5,
+        "time_optimizer_s": 0.5,
+        "stall_s": 0.25,
+        "time_push_s": 0.1 * (step % 3),  # 0, 0.1, 0.2: median 0.1
     }
 
 
@@ -116,6 +123,13 @@ def test_the_summary_has_the_numbers_of_the_run(report_dir: Path) -> None:
     assert "| **all** | 0.675 |" in text
     for name in PLOTS:
         assert f"]({name})" in text
+
+
+def test_the_summary_says_where_a_step_went(report_dir: Path) -> None:
+    text = (report_dir / "report.md").read_text()
+    header = "| step | wait | recompute | forward | backward | optimizer | export | other | push | apply | traj gen |"
+    assert header in text
+    assert "| 6.00 | 1.00 | 0.00 | 2.00 | 1.50 | 0.50 | 0.25 | 0.75 | 0.10 | 0.00 | 0.00 | 0.00 | 0.00 |" in text
 
 
 def test_busy_falls_back_to_the_metrics_and_missing_logs_still_give_every_plot(tmp_path: Path) -> None:

@@ -124,6 +124,28 @@ def test_epochs_pass_over_the_whole_batch_again_around_the_same_weights(model_di
     assert TrainerSpec(epochs=0).validate() == [("epochs", "must be > 0, got 0")]
 
 
+def test_passes_over_one_mini_batch_take_no_forward_beyond_their_own_and_say_where_the_time_went(
+    model_dir: Path,
+) -> None:
+    engine = trainer(model_dir, lr=1e-2, epochs=4)  # the default run's shape: one mini-batch, 4 passes
+    forwards = 0
+    scored = engine.runner.logprobs
+
+    def counting(model: torch.nn.Module, mb: Any) -> torch.Tensor:
+        nonlocal forwards
+        forwards += 1
+        return scored(model, mb)
+
+    engine.runner.logprobs = counting
+    stats = engine.train_step(synthetic_batch(), version=4)
+    micro_batches = 2  # the 4 rows of synthetic_batch() at micro_batch_size 2
+    assert forwards == 4 * micro_batches  # pi_prox is the first pass's own forward, not one more
+    assert stats["clipped_frac"] > 0.0  # passes 2-4 are scored against the step's starting weights
+    parts = [stats[f"time_{part}_s"] for part in ("recompute", "forward", "backward", "optimizer")]
+    assert stats["time_recompute_s"] < 0.01 and all(p > 0 for p in parts[1:])
+    assert sum(parts) <= stats["train_s"]
+
+
 def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Path) -> None:
     engine = build_training_engine(TrainerSpec(micro_batch_size=2), model_dir, seed=0)
     assert isinstance(engine, TorchTrainer) and engine.describe()["backend"] == "torch"
