@@ -14,7 +14,7 @@ from rollart.weights import WeightReceiver
 from rollart.weights.buckets import byte_view, unpack_bucket
 from rollart.weights.delta import decode, encode, stride_of
 from rollart.weights.snapshot import Snapshot, SnapshotStore
-from rollart.weights.wire import WEIGHTS, DeltaBaseMissing, Holding, VersionAck, WeightFormatError
+from rollart.weights.wire import WEIGHTS, DeltaBaseMissing, Holding, Push, VersionAck, WeightFormatError
 
 
 def adam_step(weights: torch.Tensor, lr: float, seed: int) -> torch.Tensor:
@@ -125,14 +125,28 @@ async def push(conn: MemoryConnection, snap: Snapshot, *, delta: bool) -> Versio
     return ack
 
 
-async def test_a_receiver_keeping_its_base_applies_deltas_and_refuses_one_against_another_base() -> None:
-    engine = Engine()
-    receiver = WeightReceiver(engine.load_weights, keep_base=True)
+async def serve(receiver: WeightReceiver) -> tuple[MemoryConnection, list[asyncio.Task[None]]]:
+    """The trainer's end of an in-memory connection to `receiver`, and the task serving it."""
     net = MemoryNetwork()
     served: list[asyncio.Task[None]] = []
     net.listen("gen", lambda c: served.append(asyncio.create_task(receiver.on_bulk(c, Identity("t", "trainer")))))
     conn = await net.connect("gen")
     assert WEIGHTS.decode(await conn.recv()) == Holding(0, base=-1)
+    return conn, served
+
+
+async def start_delta(conn: MemoryConnection, snap: Snapshot, push: Push) -> None:
+    """Announce `push` and send the first bucket of `snap` as a delta."""
+    conn.send(WEIGHTS.encode(push))
+    manifest, parts = await snap.bucket(0, delta=True)
+    conn.send(WEIGHTS.encode(manifest))
+    await conn.send_bulk(b"".join(parts))
+
+
+async def test_a_receiver_keeping_its_base_applies_deltas_and_refuses_one_against_another_base() -> None:
+    engine = Engine()
+    receiver = WeightReceiver(engine.load_weights, keep_base=True)
+    conn, served = await serve(receiver)
     store = SnapshotStore(64 * 1024, delta=True)
     snaps = [held(store, v) for v in (1, 2, 3)]
     assert await push(conn, snaps[0], delta=False) == VersionAck(1, 1, base=1)
@@ -142,10 +156,7 @@ async def test_a_receiver_keeping_its_base_applies_deltas_and_refuses_one_agains
     stats = receiver.stats()
     assert stats.deltas == 1 and stats.bytes_received < stats.bytes_decoded
     # Version 3, a delta against version 2, announced as one against version 1: not what it keeps.
-    conn.send(WEIGHTS.encode(msgspec.structs.replace(snaps[2].push_header(delta=True), base=1)))
-    manifest, parts = await snaps[2].bucket(0, delta=True)
-    conn.send(WEIGHTS.encode(manifest))
-    await conn.send_bulk(b"".join(parts))
+    await start_delta(conn, snaps[2], msgspec.structs.replace(snaps[2].push_header(delta=True), base=1))
     with pytest.raises(DeltaBaseMissing, match="against version 1; this receiver keeps 2"):
         await served[0]
     assert sorted(engine.applied) == [1, 2] and receiver.base == 2
@@ -154,18 +165,11 @@ async def test_a_receiver_keeping_its_base_applies_deltas_and_refuses_one_agains
 
 async def test_a_receiver_not_keeping_a_base_says_so_and_refuses_a_delta() -> None:
     receiver = WeightReceiver(Engine().load_weights)
-    net = MemoryNetwork()
-    served: list[asyncio.Task[None]] = []
-    net.listen("gen", lambda c: served.append(asyncio.create_task(receiver.on_bulk(c, Identity("t", "trainer")))))
-    conn = await net.connect("gen")
-    assert WEIGHTS.decode(await conn.recv()) == Holding(0, base=-1)
+    conn, served = await serve(receiver)
     store = SnapshotStore(64 * 1024, delta=True)
     first, second = (held(store, v) for v in (1, 2))
     assert await push(conn, first, delta=False) == VersionAck(1, 1, base=-1)
-    conn.send(WEIGHTS.encode(second.push_header(delta=True)))
-    manifest, parts = await second.bucket(0, delta=True)
-    conn.send(WEIGHTS.encode(manifest))
-    await conn.send_bulk(b"".join(parts))
+    await start_delta(conn, second, second.push_header(delta=True))
     with pytest.raises(DeltaBaseMissing, match="keeps no version"):
         await served[0]
     store.close()
