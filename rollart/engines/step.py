@@ -181,9 +181,9 @@ class StepRunner:
     def train_step(self, batch: PackedBatch, *, version: int) -> dict[str, float]:
         """The step (module docstring); returns its statistics, the same on every rank."""
         started = time.perf_counter()
-        times = StepTimes(device=self.world.device)
         spec = self.spec
         plans = plan_step(batch, spec, self.world)
+        times = StepTimes(device=self.world.device)
         # pi_prox: the weights at the start of the step. Mini-batch 0's comes from its first pass.
         prox_at_start: dict[int, list[torch.Tensor]] = {0: []}
         with torch.no_grad():
