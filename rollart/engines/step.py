@@ -222,6 +222,7 @@ class StepRunner:
         out["grad_norm"] = max(grad_norms)
         out |= staleness(batch.versions, batch.loss_mask, version)
         out["tokens"] = float(batch.loss_tokens)
+        out["passes"] = float(spec.epochs)  # the time_* parts are sums over them
         out["train_s"] = time.perf_counter() - started
         return out
 
