@@ -271,7 +271,9 @@ def watch_until_done(cluster: Cluster, timeout: float) -> list[tuple[int, int]]:
 def freeze_when(cluster: Cluster, name: str, condition: Any, timeout: float) -> Any:
     """SIGSTOP `name` and return `condition()` if it holds while the node is stopped; else SIGCONT and retry.
 
-    A pause of 0.5 s lets a weight push already on the wire land before `condition` looks."""
+    A pause of 0.5 s lets a weight push already on the wire land before `condition` looks. The node
+    runs 0.1 s between looks: the tiny model trains a step in tens of milliseconds, and with 0.3 s
+    the full suite once saw the trainer go from its step-3 checkpoint to step 6 within one slice."""
     deadline = time.monotonic() + timeout
     while True:
         cluster.signal(name, signal.SIGSTOP)
@@ -281,7 +283,7 @@ def freeze_when(cluster: Cluster, name: str, condition: Any, timeout: float) -> 
         cluster.signal(name, signal.SIGCONT)
         if time.monotonic() > deadline:
             raise AssertionError(f"{name} never stopped in the state wanted within {timeout} s")
-        time.sleep(0.3)
+        time.sleep(0.1)
 
 
 def resume_run(cluster: Cluster, steps: int, generators_at: Any) -> dict[str, Any]:
@@ -378,8 +380,9 @@ def test_generators_ahead_of_the_checkpoint_get_its_weights_under_a_fresh_versio
     steps = 6
     # alpha 0: each step waits for a whole batch started at its version, so the moment wanted below
     # (the generators hold 4 or 5, the checkpoint is still 3) lasts two rollouts and two steps. The
-    # freeze loop lets the trainer run 0.3 s at a time; with a checkpoint every 2 steps the moment was
-    # one rollout, which a fast machine finished within one such slice (missed in CI).
+    # freeze loop lets the trainer run 0.1 s at a time (with 0.3 s the full suite once missed it);
+    # with a checkpoint every 2 steps the moment was one rollout, which a fast machine finished
+    # within one such slice (missed in CI).
     yaml = training_yaml(tiny_model, steps=steps, alpha=0, checkpoint_every=3)
     cluster = make_cluster(clusters, tmp_path, yaml)
     # Killed after version 4 reached the generators and before step 6's checkpoint: they hold a
