@@ -179,9 +179,10 @@ def plot_step_time(run: RunData, path: Path) -> None:
     stack_ax, beside_ax = fig.subplots(2, 1, sharex=True)
     intervals = step_intervals(run.steps)
     xs = [step for step, _, _ in intervals]
+    split = [step_times.parts(line, interval) for _, interval, line in intervals]
     bottom = [0.0] * len(intervals)
     for i, name in enumerate([*step_times.PARTS, "other"]):
-        heights = [step_times.parts(line, interval)[name] for _, interval, line in intervals]
+        heights = [parts[name] for parts in split]
         stack_ax.bar(xs, heights, bottom=bottom, width=0.9, color=f"C{i % 10}", label=name)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     for i, (name, key) in enumerate(step_times.BESIDE.items()):

@@ -100,7 +100,6 @@ ApplyWeights = Callable[[int, dict[str, torch.Tensor]], Awaitable[None]]
 class _Bucket:
     """One checked bucket: its tensors, and the bytes they view (kept as a delta base)."""
 
-    manifest: BucketManifest
     payload: memoryview
     tensors: dict[str, torch.Tensor]
 
@@ -327,7 +326,7 @@ class WeightReceiver:
         except ChecksumMismatch:
             self._stats.checksum_failures += 1
             raise
-        return _Bucket(manifest, payload, tensors)
+        return _Bucket(payload, tensors)
 
     async def _apply_version(self, version: int, weights: dict[str, torch.Tensor]) -> str:
         """Apply unless something newer got there first; returns the error to report, or ''."""
