@@ -8,7 +8,10 @@ rendered as the generators would), takes a warm-up step, then `--steps` steps wi
 trainer settings, each under `torch.profiler`. Writes the step's own split (`time_*_s`), the
 profiler's table of the ops that took the most CPU time, and, for comparison, what one no-grad
 forward over the batch costs (the pass a step with several passes over one mini-batch used to
-recompute for pi_prox, and no longer does), and the step's time at other micro-batch sizes.
+recompute for pi_prox, and no longer does), and the step's time at other micro-batch sizes, with
+the rows that read the same prefix sharing one pass through the decoder (`share_reads`, the
+default) and without. Ends with `summary: share_reads_speedup=X.XX` (a step without shared reads
+over one with them, at the topology's micro-batch size).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from machine import describe  # benchmarks/machine.py: this folder is on sys.pat
 
 from rollart.algorithms.grpo import PackedBatch, pack_batch
 from rollart.engines.loading import load_model_and_tokenizer
+from rollart.engines.step import read_groups
 from rollart.engines.training import build_training_engine
 from rollart.rollout.trajectory import ChatRenderer
 from rollart.tiny.warmup import random_episode
@@ -75,8 +79,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--micro-batch-sizes",
-        default="16,32,64,128,256,1024",
-        help="also time steps (unprofiled) at these micro-batch sizes, in rows; empty: skip",
+        default="16,64,256,1024",
+        help="also time steps (unprofiled) at these micro-batch sizes, with shared reads and without; empty: skip",
     )
     args = parser.parse_args()
     started = time.perf_counter()
@@ -86,6 +90,8 @@ def main() -> None:
     batch, model_path = default_batch(args.topology, seed=0)
     if not model_path.is_dir():
         sys.exit(f"{model_path}: no model; run `bin/rollart run {args.topology}` once to build it")
+    groups, lengths = read_groups(batch, share=True)
+    reads, read_tokens, batch_tokens = len(groups), sum(lengths), int(batch.attention_mask.sum())
     engine = build_training_engine(spec, model_path, seed=0)
     engine.train_step(batch, version=1)  # warm-up: allocations, the optimizer's state
     steps, tables = [], []
@@ -105,11 +111,15 @@ def main() -> None:
 
     by_size = []
     for size in [int(n) for n in args.micro_batch_sizes.split(",") if n]:
-        other = build_training_engine(msgspec.structs.replace(spec, micro_batch_size=size), model_path, seed=0)
-        other.train_step(batch, version=1)
-        seconds = statistics.median(other.train_step(batch, version=1)["train_s"] for _ in range(args.steps))
-        by_size.append(f"| {size} | {seconds:.3f} |")
-        del other
+        seconds = []
+        for share in (True, False):
+            other = build_training_engine(
+                msgspec.structs.replace(spec, micro_batch_size=size, share_reads=share), model_path, seed=0
+            )
+            other.train_step(batch, version=1)
+            seconds.append(statistics.median(other.train_step(batch, version=1)["train_s"] for _ in range(args.steps)))
+            del other
+        by_size.append((size, *seconds))
 
     def median(key: str) -> float:
         return statistics.median(s[key] for s in steps)
@@ -135,14 +145,34 @@ def main() -> None:
         f"| one no-grad forward over the batch (what pi_prox used to cost) | "
         f"{statistics.median(forward_s):.3f} | {statistics.median(forward_s) / train_s:.2f} |",
         "",
-        *(["## Step time by micro-batch size (rows; median of the steps, unprofiled)", ""] if by_size else []),
-        *(["| micro-batch rows | train_s |", "|---:|---:|", *by_size, ""] if by_size else []),
+        *(
+            ["## Step time by micro-batch size, shared reads on and off (median of the steps, unprofiled)", ""]
+            if by_size
+            else []
+        ),
+        *(
+            [
+                f"With `share_reads` (the default) the batch's {reads} distinct prefixes go through the decoder, "
+                f"{read_tokens} tokens in all, instead of its {len(batch)} rows' {batch_tokens} tokens; "
+                "a micro-batch's size then counts prefixes.",
+                "",
+                "| micro-batch size | train_s, shared reads | train_s, every row | every row / shared |",
+                "|---:|---:|---:|---:|",
+                *(f"| {size} | {on:.3f} | {off:.3f} | {off / on:.2f} |" for size, on, off in by_size),
+                "",
+            ]
+            if by_size
+            else []
+        ),
         "## The ops that took the most CPU time (the last profiled step)",
         "",
         "```",
         tables[-1],
         "```",
     ]
+    if by_size:
+        at_spec = next(((on, off) for size, on, off in by_size if size == spec.micro_batch_size), by_size[0][1:])
+        lines += ["", f"summary: share_reads_speedup={at_spec[1] / at_spec[0]:.2f}"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines[:20]))

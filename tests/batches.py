@@ -68,3 +68,19 @@ def random_batch(
             )
         )
     return pack_batch(seqs, [rng.uniform(-1, 1) for _ in seqs], pad_id=0)
+
+
+def repeated_batch() -> PackedBatch:
+    """Rows that read the same prefix, as a batch of one-token turns has them: 3 prompts, each answered
+    several times with one token (the same answer or another), two identical longer answers, two
+    answers that part before their last token, and a row with no loss token."""
+    rng = random.Random(7)
+    seqs = []
+    for prompt in ([5, 20, 21, 22, 6], [5, 20, 23, 6], [5, 30, 31, 32, 33, 34, 6]):
+        for answer in (40, 41, 40, 42, 40):
+            seqs.append(Seq(prompt, [answer], [1], [rng.uniform(-5.5, -3.8)], [2]))
+    long = [5, 60, 61, 6]
+    for reply in ([44, 45, 46, 3], [44, 45, 46, 3], [44, 47, 46, 3], [44, 45, 46, 9]):
+        seqs.append(Seq(long, reply, [1] * 4, [rng.uniform(-5.5, -3.8) for _ in reply], [3] * 4))
+    seqs.append(Seq([5, 20, 21, 22, 6], [40, 8, 9], [0, 0, 0], [0.0] * 3, [-1] * 3))
+    return pack_batch(seqs, [rng.uniform(-1, 1) for _ in seqs], pad_id=0)

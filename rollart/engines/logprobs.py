@@ -2,8 +2,10 @@
 
 `PolicyLogprobs` wraps a Hugging Face causal LM as the module a training engine runs: its forward
 takes token ids and attention mask and returns each token's log-prob given the tokens before it
-(`[N, T]` float32, 0 at t = 0 and on padding). With `chunk_tokens > 0` it runs the decoder once,
-then the output head on at most `chunk_tokens` real positions at a time, keeping only each
+(`[N, T]` float32, 0 at t = 0 and on padding). Given the loss mask too, as the trainer gives it,
+it scores the loss tokens alone: the loss reads no other log-prob, and in the default run's batch
+they are 892 of 21,796 tokens. With `chunk_tokens > 0` it runs the decoder once, then the output
+head on at most `chunk_tokens` scored positions at a time, keeping only each
 position's log-sum-exp and target logit: in a backward pass each chunk is recomputed
 (`torch.utils.checkpoint`), so at most one chunk's logits ever exist. At Qwen3's 151,936-token
 vocabulary the fp32 logits of 16 rows of 1,024 tokens alone are 10 GB; a 1,024-token chunk is 0.6 GB.
@@ -13,6 +15,15 @@ Being the module FSDP2 shards at its root, the wrapper's forward runs with the r
 bypass FSDP2's hooks. The output head is the model's `get_output_embeddings()` applied to the
 decoder's last hidden state, which is the whole head for Qwen, Qwen2.5 and Llama families; models
 that scale or soft-cap logits after the head (Gemma 2) need `chunk_tokens: 0`.
+
+Rows whose log-probs need the same tokens share one pass through the decoder (`shared_reads`):
+a row's loss needs the log-probs of its generated tokens, which depend on the tokens before its
+last generated one alone (the model is causal), so two rows with the same such prefix (every
+FrozenLake turn from the same board under `context: last`, a group's identical answers) read the
+same states. The decoder runs on the distinct prefixes; each row takes its positions' states from
+its own prefix's row, and in the backward pass the gradients of the rows sharing one add up there,
+as they would have in the decoder's weights. The default run's batch has 540 rows and 43 distinct
+prefixes (`benchmarks/profile_step.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +33,23 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rollart.algorithms.grpo import token_logprobs
+
+def shared_reads(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct prefixes that rows' log-probs need: `(reads, rows)`, `reads` [U, W] their tokens
+    (-1 after each prefix's end), `rows` [N] which of them each row reads.
+
+    A row's prefix is its tokens before its last loss token (the whole row when it has none): the
+    log-prob of every loss token depends on those alone. `torch.unique` orders `reads`, so the same
+    rows give the same result wherever it is computed.
+    """
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = torch.where(loss_mask > 0, positions, -1).amax(dim=1)
+    length = torch.where(last > 0, last, attention_mask.sum(dim=1)).clamp(min=1)
+    keyed = input_ids.masked_fill(positions >= length[:, None], -1)
+    reads, rows = torch.unique(keyed, dim=0, return_inverse=True)
+    return reads[:, : int(length.max())], rows
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -33,20 +60,34 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
 class PolicyLogprobs(torch.nn.Module):
     """A causal LM whose forward returns token log-probs (module docstring)."""
 
-    def __init__(self, lm: Any, *, chunk_tokens: int = 0) -> None:
+    def __init__(self, lm: Any, *, chunk_tokens: int = 0, share_reads: bool = False) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        self.share_reads = share_reads
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        real = attention_mask[:, 1:] > 0
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N, T] log-probs, 0 at t = 0 and on padding. With a `loss_mask`, those of the loss tokens
+        alone (0 elsewhere: the output head runs on no other position), and with `share_reads` only
+        the rows' distinct prefixes go through the decoder."""
+        real = (attention_mask if loss_mask is None else loss_mask)[:, 1:] > 0
+        ids, mask, rows = input_ids, attention_mask, None
+        if self.share_reads and loss_mask is not None:
+            reads, rows = shared_reads(input_ids, attention_mask, loss_mask)
+            ids, mask = reads.clamp(min=0), (reads >= 0).long()
+        where = real.nonzero(as_tuple=True)
+        source = where if rows is None else (rows[where[0]], where[1])
+        targets = input_ids[:, 1:][real]
         if self.chunk_tokens <= 0:
-            logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
-            full = token_logprobs(logits, input_ids)
-            return full * torch.nn.functional.pad(real, (1, 0)).to(full.dtype)
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            logits = self.lm(input_ids=ids, attention_mask=mask).logits
+            picked = torch.log_softmax(logits[source].float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+            shifted = torch.zeros(real.shape, dtype=picked.dtype, device=input_ids.device)
+            return torch.nn.functional.pad(shifted.masked_scatter(real, picked), (1, 0))
+        hidden = self.lm.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         head = self.lm.get_output_embeddings()
-        states, targets = hidden[:, :-1][real], input_ids[:, 1:][real]
+        states = hidden[source]
         pieces = []
         for start in range(0, states.shape[0], self.chunk_tokens):
             h, t = states[start : start + self.chunk_tokens], targets[start : start + self.chunk_tokens]
@@ -57,7 +98,7 @@ class PolicyLogprobs(torch.nn.Module):
         shifted = torch.zeros(real.shape, dtype=torch.float32, device=input_ids.device)
         if not pieces:  # no position to score (an empty micro-batch): still one through the head, so
             # that a backward pass reaches every parameter as it does on the other ranks
-            first = _chunk_logprobs(head, hidden[:, 0], input_ids[:, 0]).sum() * 0.0
+            first = _chunk_logprobs(head, hidden[:, 0], ids[:, 0]).sum() * 0.0
             return torch.nn.functional.pad(shifted, (1, 0)) + first
         shifted = shifted.masked_scatter(real, torch.cat(pieces))
         return torch.nn.functional.pad(shifted, (1, 0))
@@ -65,5 +106,5 @@ class PolicyLogprobs(torch.nn.Module):
 
 def policy_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """`StepRunner`'s log-prob function for a `PolicyLogprobs` model (plain or sharded)."""
-    out: torch.Tensor = model(batch.input_ids, batch.attention_mask)
+    out: torch.Tensor = model(batch.input_ids, batch.attention_mask, batch.loss_mask)
     return out

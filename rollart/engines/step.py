@@ -4,6 +4,8 @@ Every rank holds the whole packed batch (batches are small next to a model) and 
 plan from it, so no rank waits on another to learn its share:
 
 - the batch is cut into `updates_per_batch` mini-batches (one optimizer step each), as on one device;
+- rows whose log-probs read the same prefix (`rollart.engines.logprobs.shared_reads`) stay
+  together, to go through the decoder once (`share_reads`); in what follows a row is such a group;
 - each mini-batch's rows go to the ranks by token count (`split_rows`: longest first to the rank
   with the fewest tokens so far), not by row count;
 - each rank cuts its rows into micro-batches (`micro_batch_rows`): `micro_batch_size` rows, or with
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollart.algorithms.grpo import LossStats, PackedBatch, grpo_loss, staleness
+from rollart.engines.logprobs import shared_reads
 
 if TYPE_CHECKING:
     from rollart.engines.training import TrainerSpec
@@ -103,25 +106,40 @@ class MiniPlan:
 
 def plan_step(batch: PackedBatch, spec: TrainerSpec, world: World) -> list[MiniPlan]:
     """This rank's micro-batches of each mini-batch (see the module docstring)."""
-    lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
     rows = len(batch)
     per_update = -(-rows // spec.updates_per_batch)
     plans = []
     for start in range(0, rows, per_update):
         mini = list(range(start, min(start + per_update, rows)))
-        shares = split_rows([lengths[r] for r in mini], world.size)
+        groups, lengths = read_groups(batch.select(mini), share=spec.share_reads)
+        shares = split_rows(lengths, world.size)
         cuts = [
-            micro_batch_rows(
-                lengths, [mini[i] for i in share], max_rows=spec.micro_batch_size, max_tokens=spec.micro_batch_tokens
-            )
+            micro_batch_rows(lengths, share, max_rows=spec.micro_batch_size, max_tokens=spec.micro_batch_tokens)
             for share in shares
         ]
         count = max(len(cut) for cut in cuts)
-        mine: list[PackedBatch | None] = [batch.select(mb) for mb in cuts[world.rank]]
+        mine: list[PackedBatch | None] = [
+            batch.select(sorted(mini[row] for group in mb for row in groups[group])) for mb in cuts[world.rank]
+        ]
         mine += [None] * (count - len(mine))
         total = int(batch.loss_mask[mini].sum().item())
         plans.append(MiniPlan(mine, total))
     return plans
+
+
+def read_groups(batch: PackedBatch, *, share: bool) -> tuple[list[list[int]], list[int]]:
+    """The rows that go through the decoder as one, and the tokens each group reads: with `share`,
+    rows with the same prefix (`shared_reads`), so that they land in one micro-batch on one rank;
+    otherwise each row alone, reading all its tokens."""
+    if not share:
+        return [[row] for row in range(len(batch))], [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+    reads, which = shared_reads(batch.input_ids, batch.attention_mask, batch.loss_mask)
+    members: list[list[int]] = [[] for _ in range(len(reads))]
+    for row, group in enumerate(which.tolist()):
+        members[group].append(row)
+    lengths = (reads >= 0).sum(dim=1).tolist()
+    order = sorted(range(len(members)), key=lambda group: members[group][0])  # in row order, as unshared
+    return [members[group] for group in order], [int(lengths[group]) for group in order]
 
 
 @dataclasses.dataclass

@@ -65,11 +65,13 @@ class TorchTrainer:
         self.lm = lm
         if spec.activation_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = PolicyLogprobs(lm, chunk_tokens=spec.logprob_chunk_tokens).train()
+        self.model = PolicyLogprobs(lm, chunk_tokens=spec.logprob_chunk_tokens, share_reads=spec.share_reads).train()
         self.ref_model = None
         if spec.grpo.kl_coef > 0:
             ref, _ = load_model_and_tokenizer(model_path, dtype=dtype, device=self.device)
-            self.ref_model = PolicyLogprobs(ref.requires_grad_(False), chunk_tokens=spec.logprob_chunk_tokens)
+            self.ref_model = PolicyLogprobs(
+                ref.requires_grad_(False), chunk_tokens=spec.logprob_chunk_tokens, share_reads=spec.share_reads
+            )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
         self.optimizer = torch.optim.AdamW(

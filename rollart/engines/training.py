@@ -58,6 +58,11 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     micro_batch_tokens: int = 0
     """When > 0, micro-batches by token budget instead: as many sequences as fit in this many
     padded tokens (sequences x the longest), longest first; micro_batch_size is then not used."""
+    share_reads: bool = True
+    """Rows whose log-probs need the same tokens (the same prefix up to the last generated token:
+    every turn from the same board under `context: last`, a group's identical answers) go through
+    the decoder once (`rollart.engines.logprobs`). Exact; micro-batch sizes then count the distinct
+    prefixes. False: every row its own pass."""
     logprob_chunk_tokens: int = 1024
     """Apply the output head to this many positions at a time, recomputed in the backward pass, so
     the whole [N, T, vocabulary] logits never exist; 0: all at once."""

@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from rollart.engines.loading import load_model_and_tokenizer
+from rollart.engines.logprobs import PolicyLogprobs
+from rollart.engines.step import read_groups
 from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register_env
@@ -35,7 +37,7 @@ from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology
-from tests.batches import synthetic_batch
+from tests.batches import repeated_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,6 +146,51 @@ def test_passes_over_one_mini_batch_take_no_forward_beyond_their_own_and_say_whe
     parts = [stats[f"time_{part}_s"] for part in ("recompute", "forward", "backward", "optimizer")]
     assert stats["time_recompute_s"] < 0.01 and all(p > 0 for p in parts[1:])
     assert sum(parts) <= stats["train_s"]
+
+
+def test_rows_that_read_the_same_prefix_go_through_the_decoder_once_and_train_as_apart(model_dir: Path) -> None:
+    batch = repeated_batch()
+    groups, lengths = read_groups(batch, share=True)
+    # 3 prompts with one-token answers; long answers alike up to their last token; no loss token: its row
+    assert groups == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 18], [17], [19]]
+    assert lengths == [5, 4, 7, 7, 7, 8]
+    assert read_groups(batch, share=False)[0] == [[row] for row in range(20)]
+    seen: dict[bool, list[int]] = {True: [], False: []}
+    results = {}
+    for share in (True, False):
+        engine = trainer(model_dir, lr=1e-2, epochs=2, share_reads=share)  # micro-batches of 2 groups or rows
+        engine.model.lm.get_decoder().register_forward_pre_hook(
+            lambda _, args, kwargs, share=share: seen[share].append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        )
+        results[share] = (engine.train_step(batch, version=3), engine.export_weights())
+    assert seen[True] == [2, 2, 2] * 2 and seen[False] == [2] * 10 * 2
+    (shared, shared_weights), (apart, apart_weights) = results[True], results[False]
+    for key in ("loss", "grad_norm", "policy_loss", "importance_ratio_mean", "importance_ratio_max", "clipped_frac"):
+        assert shared[key] == pytest.approx(apart[key], rel=1e-5, abs=1e-7), key
+    assert shared["tokens"] == apart["tokens"] == 15 + 16
+    # The gradients agree to ~1e-6 (the test below); AdamW's first updates are about lr x sign(gradient),
+    # which turns the summation-order noise of gradient entries near 0 into ~1e-4 of the weights.
+    for name, tensor in apart_weights.items():
+        assert float((shared_weights[name] - tensor).norm() / tensor.norm()) < 5e-4, name
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_shared_reads_give_every_loss_token_its_own_log_prob_and_gradient(model_dir: Path, chunk: int) -> None:
+    lm, _ = load_model_and_tokenizer(model_dir)
+    batch = repeated_batch()
+    results = []
+    for share in (False, True):
+        lm.zero_grad()
+        out = PolicyLogprobs(lm, chunk_tokens=chunk, share_reads=share)(
+            batch.input_ids, batch.attention_mask, batch.loss_mask
+        )
+        (out * batch.loss_mask * batch.advantages).sum().backward()
+        results.append((out.detach() * batch.loss_mask, {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (apart, apart_grads), (shared, shared_grads) = results
+    assert (apart[batch.loss_mask > 0] < 0).all()
+    torch.testing.assert_close(shared, apart, rtol=1e-5, atol=1e-6)
+    for name, grad in apart_grads.items():
+        assert float((shared_grads[name] - grad).norm() / grad.norm()) < 1e-5, name
 
 
 def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Path) -> None:
