@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from rollart.cpus import pin_from_env
 from rollart.errors import ConfigError
 from rollart.topology import Topology, load_topology
 
@@ -79,6 +80,7 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
         topology = load_topology(args.topology)
         spec = topology.node(args.node)
         topology.read_secret()  # fail here, with the config error, not inside the loop

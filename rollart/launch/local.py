@@ -34,6 +34,7 @@ from typing import Any, Literal, TextIO
 import aiohttp
 
 from rollart.errors import ConfigError
+from rollart.launch.placement import plan_cpus
 from rollart.launch.terminal import Terminal, describe_exit
 from rollart.node import read_config_error
 from rollart.rundir import RunDir
@@ -148,6 +149,7 @@ class Launcher:
             for spec in topology.nodes
         ]
         self.env = dict(os.environ)
+        self.cpus = plan_cpus(topology, sorted(os.sched_getaffinity(0)))
         self.stop_reason: str | None = None
         self.failure: str | None = None
         self._stop = asyncio.Event()
@@ -180,6 +182,7 @@ class Launcher:
             token_path.touch(mode=0o600)
             token_path.write_text(token + "\n")
         self.env["PYTHONUNBUFFERED"] = "1"
+        self.say(self.cpus.describe(self.topology.nodes))
 
     def _warm_up(self, folder: Path) -> None:
         run = self.topology.run
@@ -206,7 +209,7 @@ class Launcher:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
-                env=self.env,
+                env=self.env | self.cpus.env_for(node.spec.name),
                 start_new_session=True,  # Ctrl-C reaches the launcher, which drains the nodes
             )
         node.state, node.exit_code, node.status = "starting", None, None

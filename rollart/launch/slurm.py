@@ -71,7 +71,7 @@ def components(topology: Topology) -> list[list[NodeSpec]]:
 
 def placements(topology: Topology) -> list[Placement]:
     return [
-        Placement(node.name, g, max(1, math.ceil(node.resources.cpus)), node.resources.gpus)
+        Placement(node.name, g, max(1, math.ceil(node.resources.cpus or 1)), node.resources.gpus)
         for g, nodes in enumerate(components(topology))
         for node in nodes
     ]
@@ -108,7 +108,7 @@ def sbatch_script(
         role = nodes[0].role.value
         if g:
             lines.append("#SBATCH hetjob")
-        cpus = max(max(1, math.ceil(n.resources.cpus)) for n in nodes)
+        cpus = max(max(1, math.ceil(n.resources.cpus or 1)) for n in nodes)
         group = " of one trainer group" if role == Role.TRAINER.value and len(nodes) > 1 else ""
         lines.append(f"# component {g}: {role} ({len(nodes)} node{'s' * (len(nodes) > 1)}{group})")
         lines.append(f"#SBATCH --ntasks={len(nodes)} --cpus-per-task={cpus}")

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import time
 from typing import Any
 
 import msgspec
 import structlog
 
+from rollart import cpus
 from rollart.engines.base import GenerationEngine, SamplingParams
 from rollart.errors import ConfigError
 from rollart.nodes.base import NodeDaemon
@@ -50,7 +52,9 @@ def build_engine(run: RunSpec, hardware: str) -> GenerationEngine:
             )
         from rollart.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, max_batch_size=max_batch_size, dtype=dtype)
+        # the launcher's share of the machine for this node (rollart.launch.placement), if any
+        bind = os.environ.get(cpus.ENV) or None
+        return VLLMEngine(model_path, max_batch_size=max_batch_size, dtype=dtype, cpu_threads_bind=bind)
     import torch
 
     from rollart.engines.hf import HFEngine

@@ -66,8 +66,10 @@ class RestartPolicy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
 class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """What a node needs from its machine."""
 
-    cpus: float = 1.0
-    """CPU cores reserved for the node."""
+    cpus: float | None = None
+    """CPU cores for the node (0.5: half of one); None: not given. The local launcher pins the node
+    to that many (`rollart.launch.placement`; when no node gives any, it picks a split), Slurm
+    reserves them rounded up (1 when not given)."""
     gpus: int = 0
     """GPUs given to the node."""
     memory_gb: float | None = None

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rollart.launch.placement import plan_cpus
 from rollart.rundir import RunDir
+from rollart.topology import load_topology
 from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
@@ -64,11 +66,17 @@ def test_on_failure_restarts_a_killed_node_and_ctrl_c_drains_the_run(tmp_path: P
     try:
         for name, (_, admin) in ports.items():
             wait_for(lambda admin=admin: healthy(admin), 60, f"{name} healthy")
+        # every node runs on its share of this machine's cores (all of them: env-host, reward)
+        split = plan_cpus(load_topology(topology), sorted(os.sched_getaffinity(0)))
+        every = os.sched_getaffinity(0)
+        for name, (_, admin) in ports.items():
+            assert os.sched_getaffinity(pid_of(admin)) == set(split.cores.get(name, every)), name
         gen_admin = ports["gen-0"][1]
         first = pid_of(gen_admin)
         os.kill(first, signal.SIGKILL)
         second = wait_for(lambda: pid_of(gen_admin) != first and pid_of(gen_admin), 30, "gen-0 restarted")
         assert second != first
+        assert os.sched_getaffinity(second) == set(split.cores.get("gen-0", every))
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -76,6 +84,7 @@ def test_on_failure_restarts_a_killed_node_and_ctrl_c_drains_the_run(tmp_path: P
     assert proc.returncode == 0, out
     assert "node gen-0 was killed by SIGKILL" in out and "restart policy on-failure" in out
     assert "SIGINT received" in out and "all 4 nodes stopped cleanly" in out
+    assert split.describe(load_topology(topology).nodes) in out
 
 
 def test_stop_all_ends_the_run_with_an_error_naming_the_node(tmp_path: Path) -> None:

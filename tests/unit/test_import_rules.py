@@ -51,7 +51,8 @@ RULES: dict[str, set[str]] = {
     "nodes": set(),  # every part of a run (filled in below, from ROWS)
     "rundir": set(),
     "step_times": set(),
-    "node": {"nodes", "topology", "plugins"},
+    "cpus": set(),
+    "node": {"nodes", "topology", "plugins", "cpus"},
     "report": {"rundir", "topology", "step_times"},
     # starting runs: the top, beside the CLI
     "launch": {
@@ -63,6 +64,7 @@ RULES: dict[str, set[str]] = {
         "rundir",
         "report",
         "step_times",
+        "cpus",
         "plugins",
         "sim",
         "envs",
@@ -80,7 +82,7 @@ RULES: dict[str, set[str]] = {
 # The rows of docs/architecture.md's picture: a part imports only parts on lower rows.
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
-    **dict.fromkeys(["protocol", "algorithms", "envs", "rundir", "step_times", "__init__"], 0),
+    **dict.fromkeys(["protocol", "algorithms", "envs", "rundir", "step_times", "cpus", "__init__"], 0),
     **dict.fromkeys(["engines", "tasks", "rewards", "weights"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
     "rollout": 3,

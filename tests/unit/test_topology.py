@@ -69,7 +69,7 @@ def test_minimal_file_gets_every_default() -> None:
     topology = parse_topology(_yaml([_node("a", "trainer", 1, 2)]))
     assert topology.run == RunSpec()
     assert topology.nodes == [NodeSpec(name="a", role=Role.TRAINER, port=1, admin_port=2)]
-    assert topology.nodes[0].resources == Resources(cpus=1.0, gpus=0, memory_gb=None)
+    assert topology.nodes[0].resources == Resources(cpus=None, gpus=0, memory_gb=None)  # not given: the launcher picks
     assert topology.restart_policy(topology.nodes[0]) is topology.run.restart
     assert topology.run_dir() == pathlib.Path("runs/rollart")
 

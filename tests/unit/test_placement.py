@@ -1,0 +1,67 @@
+"""The local launcher's CPU split (`rollart.launch.placement`) and the node side of it (`rollart.cpus`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rollart.cpus import ENV, cpu_list, parse_cpu_list
+from rollart.errors import ConfigError
+from rollart.launch.placement import plan_cpus
+from rollart.topology import parse_topology
+
+NODES = """
+nodes:
+  - {name: trainer, role: trainer, port: 17100, admin_port: 17200%s}
+  - {name: gen-a, role: generator, hardware: compute, port: 17101, admin_port: 17201%s}
+  - {name: gen-b, role: generator, hardware: bandwidth, port: 17102, admin_port: 17202%s}
+  - {name: env-0, role: env-host, port: 17103, admin_port: 17203}
+"""
+
+
+def topology(trainer: str = "", gen_a: str = "", gen_b: str = "") -> object:
+    return parse_topology("run: {}\n" + NODES % (trainer, gen_a, gen_b))
+
+
+def test_no_cpus_given_splits_the_machine_half_to_the_trainer_half_to_the_generators() -> None:
+    two = plan_cpus(topology(), [0, 1])
+    assert two.picked and not two.oversubscribed
+    assert two.cores == {"trainer": (0,), "gen-a": (1,), "gen-b": (1,)}  # two generators share one core
+    assert two.env_for("trainer") == {ENV: "0", "OMP_NUM_THREADS": "1"} and two.env_for("env-0") == {}
+    line = two.describe(topology().nodes)  # type: ignore[attr-defined]
+    assert line == "cpus (picked for this machine, 2 cores 0-1): trainer 0, gen-a 1, gen-b 1; env-0 on any core"
+    sixteen = plan_cpus(topology(), range(16))
+    assert sixteen.cores == {"trainer": tuple(range(8)), "gen-a": tuple(range(8, 12)), "gen-b": tuple(range(12, 16))}
+    assert sixteen.env_for("gen-b") == {ENV: "12-15", "OMP_NUM_THREADS": "4"}
+    one = plan_cpus(topology(), [3])
+    assert one.cores == {} and one.describe([]) == "cpus: 1 core(s), no node pinned"
+
+
+def test_given_cpus_are_laid_out_core_after_core_and_wrap_when_the_machine_is_short() -> None:
+    split = plan_cpus(
+        topology(", resources: {cpus: 2}", ", resources: {cpus: 0.5}", ", resources: {cpus: 0.5}"), [4, 5, 6]
+    )
+    assert not split.picked and not split.oversubscribed
+    assert split.cores == {"trainer": (4, 5), "gen-a": (6,), "gen-b": (6,)}
+    short = plan_cpus(topology(", resources: {cpus: 2}", ", resources: {cpus: 1}"), [0, 1])
+    assert short.oversubscribed and short.cores == {"trainer": (0, 1), "gen-a": (0,)}  # gen-b gave none: floats
+    assert "more cores asked for than this machine has" in short.describe(topology().nodes)  # type: ignore[attr-defined]
+
+
+def test_cpu_lists_read_and_write_as_linux_does_and_bad_ones_are_refused() -> None:
+    assert cpu_list([6, 0, 1, 2, 3]) == "0-3,6" and parse_cpu_list("0-3,6") == (0, 1, 2, 3, 6)
+    for bad in ("", "a", "3-x", "-1"):
+        with pytest.raises(ConfigError, match="expected a CPU list"):
+            parse_cpu_list(bad)
+
+
+def test_a_node_process_pins_itself_to_the_cores_it_was_given() -> None:
+    core = min(os.sched_getaffinity(0))
+    code = "import os; from rollart.cpus import pin_from_env; print(pin_from_env(), sorted(os.sched_getaffinity(0)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, ENV: str(core)}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split("\n")[0] == f"({core},) [{core}]"
