@@ -509,7 +509,11 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, machine: str, took
         for system in SYSTEMS:
             s = sums.get((system, kind))
             if s is None:
-                lines.append(f"| {kind} | {system} | not run | | | | | | | | |")
+                meta = FOLDER / f"{system}-{kind}.json"
+                why = "not run"
+                if meta.exists():  # it ran but recorded no round
+                    why = f"no round recorded ({json.loads(meta.read_text())['stopped']}; {system}-{kind}.log)"
+                lines.append(f"| {kind} | {system} | {why} | | | | | | | | |")
                 continue
             o = next(o for o in outcomes if (o.system, o.kind) == (system, kind))
             time_cell = f"{s['time_s']:.0f}" if s["reached"] else f"not reached ({s['time_s']:.0f} at the end)"
@@ -518,10 +522,13 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, machine: str, took
                 f"| {fmt(s['s_per_round'])} | {fmt(s['reward'])} | {fmt(s['success'])} | {fmt(s['exact'])} "
                 f"| {s['first_generation_s']:.0f} | {s['whole_s']:.0f} |"
             )
-            extra = f", TRL path: {o.meta.get('path')}" if system == "trl" else ""
+            m = o.meta
+            extra = f", TRL path: {m.get('path')}" if system == "trl" else ""
+            if system == "trl" and m.get("trl_all_groups"):
+                extra += ", every group trained (--trl-all-groups)"
             notes.append(
-                f"- {kind}, {system}: run {o.meta['date']}, stopped by {o.meta['stopped']}{extra}; "
-                f"clock from {o.clock_note}"
+                f"- {kind}, {system}: finished {m['date']} ({m['rounds_asked']} rounds asked, cap "
+                f"{m['minutes']:g} min, seed {m['seed']}), stopped by {m['stopped']}{extra}; clock from {o.clock_note}"
             )
         r, t = sums.get(("rollart", kind)), sums.get(("trl", kind))
         if r and t:
@@ -552,9 +559,9 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, machine: str, took
         f"- machine: {machine}\n"
         f"- command: `{command}` (from the repository root; took {took_s:.0f} s)\n"
         f"- shape: {args.config.name}'s model and trainer settings; `repeat` alone (one vLLM generator) and the "
-        f"default mix (its topology unchanged); {args.rounds} rounds each, clock capped at {args.minutes:g} min; "
-        f"seed {args.seed}. Score: the {WINDOW}-round moving average ({targets}), first reached after a full "
-        f"window. Final reward and success: over every episode of the score's task in the last {WINDOW} rounds; "
+        "default mix (its topology unchanged); rounds, clock cap and seed: in each run's note. Score: the "
+        f"{WINDOW}-round moving average ({targets}), first reached after a full window. Final reward and "
+        f"success: over every episode of the score's task in the last {WINDOW} rounds; "
         f"repeat exact: the fraction of `repeat` replies exactly right (reward 1.0) in the last {WINDOW} rounds\n"
         "- clocks: from the first generation request with the model loaded and every engine started (TRL: its "
         "first generation call; RollArt: a trajectory's first generation request, or the first generator's "
