@@ -1,6 +1,7 @@
 """Peer benchmark: TRL's GRPOTrainer against `bin/rollart run`, same model, tasks and shape, one after the other.
 
-Run from the repository root (the full run takes about 45 minutes; issue 18 item 6):
+Run from the repository root (issue 18 item 6; the full run takes about 35 minutes on an idle machine, at
+most about 90 with every run at its cap):
 
     .venv/bin/python benchmarks/peer_trl.py                         # both tasks, both systems, 80 rounds each
     .venv/bin/python benchmarks/peer_trl.py --tasks repeat --rounds 40 --minutes 5   # a shorter look
@@ -460,8 +461,9 @@ def mapping(config: Path) -> str:
             if rollout.dynamic_sampling
             else "every group drawn",
             "repeat: stock TRL, every group "
-            "drawn (none uniform until solved); default: the episode trainer follows `dynamic_sampling` unless "
-            "`--trl-all-groups`",
+            "drawn (none uniform until solved); default: the episode trainer follows `dynamic_sampling` (waves of "
+            f"{rollout.batch_groups} groups until {rollout.batch_groups} have signal, a surplus dropped; RollArt "
+            "keeps its surplus for the next step) unless `--trl-all-groups`",
         ),
         (
             "multi-turn",

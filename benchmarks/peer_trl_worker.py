@@ -23,9 +23,11 @@ Two ways to train, both TRL's loss, optimizer, multi-pass reuse (`num_iterations
   by turn with the model (`generate`, every live episode of a turn in one batch), makes one row per
   turn (the turn's own prompt and reply, as RollArt's trainer does), gives every row its episode's
   group advantage (TRL's formula) and hands TRL the same tensors its own method returns. With the
-  topology's `dynamic_sampling` it plays groups until `batch_groups` of them have rewards that
-  differ (DAPO's dynamic sampling, RollArt's rule) and trains on those; `--all-groups` trains on
-  every group drawn instead, as stock TRL would.
+  topology's `dynamic_sampling` it plays waves of `batch_groups` groups until that many have
+  rewards that differ (DAPO's dynamic sampling, RollArt's rule; a surplus is dropped, as DAPO's
+  implementations drop it, where RollArt keeps it for its next batch) and trains on those, or
+  hands out what it has once `max_uniform_batches` batches' worth of uniform groups were played;
+  `--all-groups` trains on every group drawn instead, as stock TRL would.
 
 Writes one JSON line per round (wall time, seconds since the first generation call, per task the
 mean reward, success rate and count over every episode played) plus `event` lines: `ready` (model
@@ -258,13 +260,15 @@ class EpisodeGRPOTrainer(ClockedGRPOTrainer):
         trained: list[list[Episode]] = []
         uniform: list[list[Episode]] = []
         while True:
-            for group in self._play([self.source.draw() for _ in range(want - len(trained))]):
+            # Whole waves of `want` groups, as DAPO's implementations sample (a wave of the few groups still
+            # missing would cost as many turns of `generate` as a whole one); the surplus is left out.
+            for group in self._play([self.source.draw() for _ in range(want)]):
                 signal = has_signal([e.reward for e in group])
                 (trained if signal or not dynamic else uniform).append(group)
             if not dynamic or len(trained) >= want or len(uniform) >= self.rollout.max_uniform_batches * want:
                 break
         # No signal anywhere: train on the uniform groups (zero advantage), TRL has no empty step.
-        return trained or uniform, len(uniform)
+        return trained[:want] or uniform[:want], len(uniform)
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """TRL's: reward minus the group mean, over the group's std (Bessel-corrected) + 1e-4."""
