@@ -81,6 +81,8 @@ def rank_main(args: RankArgs, commands: Connection | None, alive: Connection) ->
         torch.cuda.set_device(device)
     elif spec.threads:
         torch.set_num_threads(spec.threads)
+    else:  # the cores this node may use (its share of the machine, when pinned), divided among its ranks
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.ranks))
     timeout = timedelta(seconds=spec.rank_timeout_s)
     client, generation = join(args, timeout)
     dist.init_process_group(

@@ -5,8 +5,8 @@ that the nodes stop oversubscribing them: on 2 cores, two vLLM engines and a tra
 the whole machine made a training step take 4-10x its time alone, its threads waiting on each
 other while the engines held the cores. A node's share reaches it as `ROLLART_CPUS` (a core list,
 `0-3,6`) and `OMP_NUM_THREADS` in its environment; the node pins itself and its children to those
-cores (`rollart.cpus.pin_from_env`), torch sizes its intra-op threads to them, and a vLLM engine binds its
-threads to them (`VLLM_CPU_OMP_THREADS_BIND`).
+cores (`rollart.cpus.pin_from_env`), torch sizes its intra-op threads to them (an fsdp2 trainer's
+ranks divide them), and a vLLM engine binds its threads to them (`VLLM_CPU_OMP_THREADS_BIND`).
 
 The shares: a node's `resources.cpus` where the topology gives them (0.5 is half a core: two such
 nodes share one), laid out core after core in the topology's order, wrapping around when the
