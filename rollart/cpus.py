@@ -42,5 +42,8 @@ def pin_from_env() -> tuple[int, ...] | None:
     if not text:
         return None
     cores = parse_cpu_list(text)
-    os.sched_setaffinity(0, cores)
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as exc:  # a core this machine does not have, or this process may not use
+        raise ConfigError(f"{ENV}={text!r}: cannot run on those cores ({exc.strerror})") from None
     return cores

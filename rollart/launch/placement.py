@@ -12,8 +12,9 @@ The shares: a node's `resources.cpus` where the topology gives them (0.5 is half
 nodes share one), laid out core after core in the topology's order, wrapping around when the
 machine has fewer cores than asked (the launcher says so). When no node gives any, a split picked
 for the machine: half the cores for the trainer nodes, half for the generators, each half divided
-evenly among its nodes. Env-hosts, reward gateways and nodes without a share float over all cores
-(they wait on sockets more than they compute). On one core nothing is pinned.
+evenly among its nodes (all of them for the generators in a rollout-only run). Env-hosts, reward
+gateways and nodes without a share float over all cores (they wait on sockets more than they
+compute). On one core nothing is pinned.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def plan_cpus(topology: Topology, available: Sequence[int]) -> CpuSplit:
     if picked:
         if len(cores) < 2:
             return CpuSplit({}, cores, picked=True, oversubscribed=False)
-        given = _halves(topology.nodes, len(cores))
+        rollout = topology.run.rollout
+        trains = rollout is not None and rollout.mode == "train"
+        given = _halves(topology.nodes, len(cores), trains=trains)
     shares, cursor = {}, 0.0
     for name, cpus in given:
         first, last = math.floor(cursor + 1e-9), math.ceil(cursor + cpus - 1e-9) - 1
@@ -74,10 +77,11 @@ def plan_cpus(topology: Topology, available: Sequence[int]) -> CpuSplit:
     return CpuSplit(shares, cores, picked=picked, oversubscribed=cursor > len(cores) + 1e-9)
 
 
-def _halves(nodes: Sequence[NodeSpec], count: int) -> list[tuple[str, float]]:
+def _halves(nodes: Sequence[NodeSpec], count: int, *, trains: bool) -> list[tuple[str, float]]:
     """Half of `count` cores for the trainer nodes, half for the generators, evenly within each half;
-    all of them for one side when the topology has no node of the other."""
-    trainers = [node.name for node in nodes if node.role is Role.TRAINER]
+    all of them for the generators when the run does not train (rollout-only: the trainer only
+    dispenses work and gathers groups, and floats), and for the trainers when there is no generator."""
+    trainers = [node.name for node in nodes if node.role is Role.TRAINER] if trains else []
     generators = [node.name for node in nodes if node.role is Role.GENERATOR]
     half = count / 2 if trainers and generators else count
     return [(name, half / len(trainers)) for name in trainers] + [(name, half / len(generators)) for name in generators]

@@ -22,8 +22,9 @@ nodes:
 """
 
 
-def topology(trainer: str = "", gen_a: str = "", gen_b: str = "") -> object:
-    return parse_topology("run: {}\n" + NODES % (trainer, gen_a, gen_b))
+def topology(trainer: str = "", gen_a: str = "", gen_b: str = "", *, mode: str = "train") -> object:
+    run = f"run:\n  rollout: {{mode: {mode}, tasks: [{{name: t, env: frozen-lake}}]}}\n"
+    return parse_topology(run + NODES % (trainer, gen_a, gen_b))
 
 
 def test_no_cpus_given_splits_the_machine_half_to_the_trainer_half_to_the_generators() -> None:
@@ -36,6 +37,8 @@ def test_no_cpus_given_splits_the_machine_half_to_the_trainer_half_to_the_genera
     sixteen = plan_cpus(topology(), range(16))
     assert sixteen.cores == {"trainer": tuple(range(8)), "gen-a": tuple(range(8, 12)), "gen-b": tuple(range(12, 16))}
     assert sixteen.env_for("gen-b") == {ENV: "12-15", "OMP_NUM_THREADS": "4"}
+    rollout_only = plan_cpus(topology(mode="rollout-only"), [0, 1])  # the trainer computes nothing: it floats
+    assert rollout_only.cores == {"gen-a": (0,), "gen-b": (1,)}
     one = plan_cpus(topology(), [3])
     assert one.cores == {} and one.describe([]) == "cpus: 1 core(s), no node pinned"
 
@@ -65,3 +68,9 @@ def test_a_node_process_pins_itself_to_the_cores_it_was_given() -> None:
         [sys.executable, "-c", code], env={**os.environ, ENV: str(core)}, capture_output=True, text=True, check=True
     )
     assert out.stdout.split("\n")[0] == f"({core},) [{core}]"
+    missing = max(os.sched_getaffinity(0)) + 1000
+    code = "from rollart.cpus import pin_from_env; pin_from_env()"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, ENV: str(missing)}, capture_output=True, text=True, check=False
+    )
+    assert out.returncode != 0 and f"{ENV}='{missing}': cannot run on those cores" in out.stderr
