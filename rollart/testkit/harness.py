@@ -224,7 +224,7 @@ class ChaosRun:
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
                 watcher = asyncio.ensure_future(self._watch(http))
-                injector = asyncio.ensure_future(self._inject_all())
+                injector = asyncio.ensure_future(self._inject_all(launcher))
                 self.outcome.exit_code = await launcher.wait()
                 injector.cancel()
                 watcher.cancel()
@@ -306,21 +306,27 @@ class ChaosRun:
 
     # -- faults ---------------------------------------------------------------------------------
 
-    async def _inject_all(self) -> None:
+    async def _inject_all(self, launcher: asyncio.subprocess.Process) -> None:
         s = self.scenario
         kinds = [kind for kind in s.faults if kind not in CONTINUOUS]
-        if not kinds:
-            return
-        await self.training.wait()
+        if kinds:
+            await self.training.wait()
         for kind in itertools.cycle(kinds):
             await asyncio.sleep(self.rng.uniform(*s.gap_s))
             if self.done_at is not None or (s.steps is not None and len(self.step_times) >= s.steps - s.quiet_steps):
                 return  # too late for a fault to be recovered from within the run
             if s.injections is not None and len(self.outcome.injections) >= s.injections:
-                return
+                break
             injection = await self._inject(kind)
             self.outcome.injections.append(injection)
             await self._recovered(injection)
+        if s.steps is None and s.duration_s is None:  # the run ends when its faults are behind it
+            target = len(self.step_times) + s.quiet_steps
+            while self.done_at is None:
+                if len(self.step_times) >= target:
+                    launcher.send_signal(signal.SIGTERM)  # the launcher drains every node, as Ctrl-C would
+                    return
+                await asyncio.sleep(s.sample_s)
 
     async def _inject(self, kind: str) -> Injection:
         if kind == "partition":

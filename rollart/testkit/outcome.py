@@ -40,7 +40,9 @@ class Scenario:
     gap_s: tuple[float, float] = (3.0, 10.0)
     """Random pause between a recovery and the next injection."""
     injections: int | None = None
-    """Stop injecting after this many faults (None: until `quiet_steps` before the end)."""
+    """Stop injecting after this many faults (None: until `quiet_steps` before the end). With `steps`
+    and `duration_s` None the run is drained `quiet_steps` steps after the last one was recovered
+    from: however fast it trains, every fault is injected while it runs."""
     backend: str = "hf"
     fsdp_ranks: int = 0
     """0: the trainer trains on one device (`backend: torch`); N: `backend: fsdp2` with N rank
@@ -56,6 +58,8 @@ class Scenario:
     sample_s: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.steps is None and self.duration_s is None and self.injections is None:
+            raise ValueError(f"scenario {self.name}: give steps, duration_s or injections, or it never ends")
         if self.fsdp_ranks < 1 and set(NEEDS_RANKS) & set(self.faults):
             raise ValueError(f"scenario {self.name}: {', '.join(NEEDS_RANKS)} needs a trainer with fsdp_ranks")
 
