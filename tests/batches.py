@@ -84,3 +84,18 @@ def repeated_batch() -> PackedBatch:
         seqs.append(Seq(long, reply, [1] * 4, [rng.uniform(-5.5, -3.8) for _ in reply], [3] * 4))
     seqs.append(Seq([5, 20, 21, 22, 6], [40, 8, 9], [0, 0, 0], [0.0] * 3, [-1] * 3))
     return pack_batch(seqs, [rng.uniform(-1, 1) for _ in seqs], pad_id=0)
+
+
+def grouped_batch() -> PackedBatch:
+    """A group's answers to one prompt, as the `repeat` task has them: 3 prompts of 9-12 tokens, each
+    answered 4 times with 3-4 different tokens (one answer masked in its middle, one of them twice)."""
+    rng = random.Random(11)
+    seqs = []
+    for prompt_length in (9, 12, 10):
+        prompt = [5] + [rng.randint(20, 39) for _ in range(prompt_length - 2)] + [6]
+        answers = [[rng.randint(40, 49) for _ in range(3 + i % 2)] for i in range(3)]
+        for answer in [*answers, answers[0]]:
+            mask = [1, 0, 1, 1][: len(answer)] if answer is answers[1] else [1] * len(answer)
+            logprobs = [rng.uniform(-5.5, -3.8) if m else 0.0 for m in mask]
+            seqs.append(Seq(prompt, answer, mask, logprobs, [2 if m else -1 for m in mask]))
+    return pack_batch(seqs, [rng.uniform(-1, 1) for _ in seqs], pad_id=0)

@@ -24,14 +24,29 @@ same states. The decoder runs on the distinct prefixes; each row takes its posit
 its own prefix's row, and in the backward pass the gradients of the rows sharing one add up there,
 as they would have in the decoder's weights. The default run's batch has 540 rows and 43 distinct
 prefixes (`benchmarks/profile_step.py`).
+
+Distinct prefixes that begin alike share that beginning too (`shared_heads`): a group's 8 answers
+to one prompt differ from their first generated token on, but the prompt before it is the same.
+Only the states from the position before a read's first loss token on are scored; the ones before
+it are context, keys and values the later tokens attend to. So the decoder runs twice: once over
+the distinct heads (each read's tokens before that position), keeping their keys and values, then
+over each read's tail with its head's keys and values as the past (`DynamicCache`), its positions
+numbered on from its head's end. Gradients flow back through the past to the head's pass. In the
+`repeat` task's batch of 96 distinct answers to 12 prompts this reads 1,848 tokens instead of 5,856.
+It is used where it saves a fifth of the padded tokens or more, and with `chunk_tokens > 0` only
+(the decoder path: the whole model's forward may do more after the head).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+HEAD_SAVING = 0.8
+"""Split reads into heads and tails only when that reads at most this fraction of the padded tokens."""
 
 
 def shared_reads(
@@ -50,6 +65,60 @@ def shared_reads(
     keyed = input_ids.masked_fill(positions >= length[:, None], -1)
     reads, rows = torch.unique(keyed, dim=0, return_inverse=True)
     return reads[:, : int(length.max())], rows
+
+
+class Heads(NamedTuple):
+    """Reads cut in two (`shared_heads`): `heads` [K, Wh] the distinct beginnings (-1 after each
+    one's end), `head_of` [U] which one each read begins with, `tails` [U, Wt] the rest of each
+    read (-1 after its end), `split` [U] where each read's tail begins."""
+
+    heads: torch.Tensor
+    head_of: torch.Tensor
+    tails: torch.Tensor
+    split: torch.Tensor
+
+
+def shared_heads(reads: torch.Tensor, rows: torch.Tensor, loss_mask: torch.Tensor) -> Heads | None:
+    """`reads` (from `shared_reads`) cut where the states their rows score begin: each read's head is
+    its tokens before the position whose state predicts the first loss token of any row reading it.
+    None when that would not save `HEAD_SAVING` of the padded tokens (nothing to share, or a read
+    whose head would be empty)."""
+    count, width = reads.shape
+    length = (reads >= 0).sum(dim=1)
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    first = torch.where(loss_mask > 0, positions, loss_mask.shape[1]).amin(dim=1)
+    split = torch.full((count,), width, dtype=torch.long, device=reads.device)
+    split = split.scatter_reduce(0, rows, first - 1, "amin")
+    split = torch.minimum(split, length - 1)
+    if count == 0 or int(split.min()) < 1:
+        return None
+    keyed = reads.masked_fill(torch.arange(width, device=reads.device) >= split[:, None], -1)
+    heads, head_of = torch.unique(keyed, dim=0, return_inverse=True)
+    head_width, tail_width = int(split.max()), int((length - split).max())
+    if len(heads) * head_width + count * tail_width > HEAD_SAVING * count * width:
+        return None
+    at = split[:, None] + torch.arange(tail_width, device=reads.device)
+    tails = reads.gather(1, at.clamp(max=width - 1)).masked_fill(at >= length[:, None], -1)
+    return Heads(heads[:, :head_width], head_of, tails, split)
+
+
+def _run_heads(decoder: Any, cut: Heads) -> torch.Tensor:
+    """The tails' last hidden states [U, Wt, H]: the heads' pass, then the tails' with their heads'
+    keys and values as the past."""
+    head_mask = (cut.heads >= 0).long()
+    past = decoder(input_ids=cut.heads.clamp(min=0), attention_mask=head_mask, use_cache=True).past_key_values
+    layers = [(layer.keys[cut.head_of], layer.values[cut.head_of]) for layer in past.layers]
+    mask = torch.cat([head_mask[cut.head_of], (cut.tails >= 0).long()], dim=1)
+    positions = cut.split[:, None] + torch.arange(cut.tails.shape[1], device=cut.tails.device)
+    out = decoder(
+        input_ids=cut.tails.clamp(min=0),
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(ddp_cache_data=layers),
+        use_cache=True,
+    )
+    hidden: torch.Tensor = out.last_hidden_state
+    return hidden
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,9 +154,15 @@ class PolicyLogprobs(torch.nn.Module):
             picked = torch.log_softmax(logits[source].float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
             shifted = torch.zeros(real.shape, dtype=picked.dtype, device=input_ids.device)
             return torch.nn.functional.pad(shifted.masked_scatter(real, picked), (1, 0))
-        hidden = self.lm.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        decoder = self.lm.get_decoder()
+        cut = None if rows is None or loss_mask is None else shared_heads(ids, rows, loss_mask)
+        if cut is None:
+            hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            states = hidden[source]
+        else:
+            hidden = _run_heads(decoder, cut)
+            states = hidden[source[0], source[1] - cut.split[source[0]]]
         head = self.lm.get_output_embeddings()
-        states = hidden[source]
         pieces = []
         for start in range(0, states.shape[0], self.chunk_tokens):
             h, t = states[start : start + self.chunk_tokens], targets[start : start + self.chunk_tokens]

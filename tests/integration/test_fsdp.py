@@ -26,7 +26,7 @@ from rollart.engines.step import micro_batch_rows, split_rows
 from rollart.engines.torch_train import TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.errors import RollartError
-from tests.batches import random_batch, repeated_batch
+from tests.batches import grouped_batch, random_batch, repeated_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -56,13 +56,14 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], *, rtol: float) -> N
 
 
 def test_fsdp_two_ranks_train_like_one_device(tiny_model: Path) -> None:
-    """3 steps on the same batches: loss, gradient norm and updated weights agree to 1e-5."""
+    """4 steps on the same batches: loss, gradient norm and updated weights agree to 1e-5."""
     single = TorchTrainer(tiny_model, TrainerSpec(**SPEC), seed=0)
     sharded = fsdp(tiny_model, 2)
     try:
-        for step in range(3):
-            # odd rows and lengths: the ranks' shares differ; the last batch's rows share prefixes
-            batch = random_batch(step, rows=7) if step < 2 else repeated_batch()
+        for step in range(4):
+            # odd rows and lengths: the ranks' shares differ; then rows that share prefixes, and
+            # answers that share their prompt (the decoder runs twice in one forward)
+            batch = random_batch(step, rows=7) if step < 2 else repeated_batch() if step == 2 else grouped_batch()
             one, two = single.train_step(batch, version=4), sharded.train_step(batch, version=4)
             for key in ("loss", "grad_norm", "policy_loss", "importance_ratio_mean", "importance_ratio_max", "tokens"):
                 assert two[key] == pytest.approx(one[key], rel=1e-5), (step, key)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.logprobs import PolicyLogprobs
+from rollart.engines.logprobs import PolicyLogprobs, shared_heads, shared_reads
 from rollart.engines.step import read_groups
 from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
 from rollart.engines.training import TrainerSpec, build_training_engine
@@ -37,7 +37,7 @@ from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology
-from tests.batches import repeated_batch, synthetic_batch
+from tests.batches import grouped_batch, repeated_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -186,6 +186,35 @@ def test_shared_reads_give_every_loss_token_its_own_log_prob_and_gradient(model_
         )
         (out * batch.loss_mask * batch.advantages).sum().backward()
         results.append((out.detach() * batch.loss_mask, {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    (apart, apart_grads), (shared, shared_grads) = results
+    assert (apart[batch.loss_mask > 0] < 0).all()
+    torch.testing.assert_close(shared, apart, rtol=1e-5, atol=1e-6)
+    for name, grad in apart_grads.items():
+        assert float((shared_grads[name] - grad).norm() / grad.norm()) < 1e-5, name
+
+
+def test_a_groups_answers_read_their_prompt_once_and_score_as_apart(model_dir: Path) -> None:
+    batch = grouped_batch()
+    reads, rows = shared_reads(batch.input_ids, batch.attention_mask, batch.loss_mask)
+    cut = shared_heads(reads, rows, batch.loss_mask)
+    assert cut is not None and len(reads) == 9 and len(cut.heads) == 3  # 9 distinct answers, 3 prompts
+    assert sorted(cut.split.tolist()) == [8, 8, 8, 9, 9, 9, 11, 11, 11]  # each prompt but its last token
+    ones = repeated_batch()  # one-token answers: a head would be all but a read's last token, saving nothing
+    assert shared_heads(*shared_reads(ones.input_ids, ones.attention_mask, ones.loss_mask), ones.loss_mask) is None
+    lm, _ = load_model_and_tokenizer(model_dir)
+    calls: list[int] = []
+    lm.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    results = []
+    for share in (False, True):
+        lm.zero_grad()
+        out = PolicyLogprobs(lm, chunk_tokens=5, share_reads=share)(
+            batch.input_ids, batch.attention_mask, batch.loss_mask
+        )
+        (out * batch.loss_mask * batch.advantages).sum().backward()
+        results.append((out.detach() * batch.loss_mask, {n: p.grad.clone() for n, p in lm.named_parameters()}))
+    assert calls == [12, 3, 9]  # every row; then the prompts, then the distinct answers after them
     (apart, apart_grads), (shared, shared_grads) = results
     assert (apart[batch.loss_mask > 0] < 0).all()
     torch.testing.assert_close(shared, apart, rtol=1e-5, atol=1e-6)
