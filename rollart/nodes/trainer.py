@@ -53,6 +53,7 @@ TRAINER_STEP_GAUGES = {
     "time_push_s": "Seconds the last weight push took, first byte to the slowest generator's ack",
     "staleness_max": "Largest version lag of a token in the last batch",
     "staleness_mean": "Mean version lag of the tokens in the last batch",
+    "lookahead": "Batches of work admission let start beyond the one the trainer waited for (rollout.lookahead)",
 }
 """Numbers of the last step's metrics line exported as `rollart_trainer_last_<key>` gauges."""
 RANK_MEMORY_GAUGES = {
@@ -165,9 +166,10 @@ class TrainerNode(NodeDaemon):
         """Take batches as they complete and hand each to the mode's step, until the last one."""
         assert self.rollout is not None
         while self.rollout.steps is None or self.batches < self.rollout.steps:
-            waiting = time.perf_counter()
+            waiting, ready = time.perf_counter(), self.buffer.ready()
             batch = await self.buffer.take()
             self.wait_s = time.perf_counter() - waiting
+            self.dispenser.pace(batch_was_ready=ready)
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             await steps.step(batch)

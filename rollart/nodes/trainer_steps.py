@@ -135,6 +135,7 @@ class TrainStep:
         async with self._lock:
             stats = await learner.train(batch, version=core.version)
             stats["time_wait_s"] = core.wait_s
+            stats["lookahead"] = core.dispenser.ahead
             core.trained_s += stats["train_s"]
             core.batches += 1
             await core.bump_version()

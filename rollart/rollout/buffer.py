@@ -78,10 +78,14 @@ class SampleBuffer:
         self.dropped_stale += len(dropped)
         return dropped
 
+    def ready(self) -> bool:
+        """A batch is complete: `take` would return at once."""
+        return len(self._groups) >= self.batch_groups or len(self._uniform) >= self.max_uniform
+
     async def take(self) -> list[GroupDone]:
         """Wait for `batch_groups` groups and return them, oldest first (with dynamic sampling, the
         uniform groups waiting follow them)."""
-        while len(self._groups) < self.batch_groups and len(self._uniform) < self.max_uniform:
+        while not self.ready():
             self._changed.clear()
             await self._changed.wait()
         batch = [self._groups.popleft() for _ in range(min(self.batch_groups, len(self._groups)))]

@@ -100,6 +100,13 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     without signal wait (a mix solved everywhere, or nowhere yet, still steps)."""
     alpha: int = 1
     """Staleness bound: at version n, every trajectory used was started at version n - alpha or later."""
+    lookahead: Literal["adaptive", "alpha"] = "adaptive"
+    """How many batches of work admission lets start beyond the one the trainer waits for. alpha:
+    always alpha (AReaL's rule). adaptive: one more (up to alpha) after each batch the trainer had
+    to wait for, one fewer (down to 0) after each it found complete when it asked. Such a trainer
+    is the slower side: with none ahead the next batch
+    is generated while it trains on this one (one version old when trained), and work started
+    further ahead would only be staler, by up to alpha + 1 versions, at no gain in speed."""
     steps: int | None = None
     """Batches to collect (or train on) before the run is done; None: until stopped."""
     bump_version_every_batch: bool = True

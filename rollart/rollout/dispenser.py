@@ -10,7 +10,18 @@ grant draws a fresh one: a task instance that breaks its env every time cannot h
 Admission (AReaL's rule, in groups): new work starts only while
     in flight + buffered < (alpha + 1) * batch_groups,
 so the trainer never has more than alpha batches of work beyond the one it is waiting for, and
-staleness is bounded mostly by not starting work rather than by discarding it.
+staleness is bounded mostly by not starting work rather than by discarding it. With `lookahead:
+adaptive` the alpha in that rule is `ahead`, which `pace` moves after every batch taken: one up
+(to alpha at most) when the trainer had to wait for the batch, one down (to 0) when it was
+complete already. A trainer that finds its batches ready is the
+slower side: with alpha batches ahead the buffer holds alpha + 1 complete batches when the trainer
+asks, each generated before the last alpha versions came out, so every trajectory of a one-turn
+task would be alpha versions old when trained (measured: 2.0 at alpha 2, and still 2.0 with 1
+batch ahead); with none ahead the next batch is generated while the trainer trains on this one,
+one version old. One step at a time, because with none ahead a rollout about as fast as the
+trainer leaves it waiting now and then (jumping back to alpha ahead made the staleness swing
+between 1 and 2). The staleness bound itself stays alpha: a long episode started while rollout was
+the slower side is still kept.
 """
 
 from __future__ import annotations
@@ -71,10 +82,21 @@ class Dispenser:
         """Groups completed, then dropped from the buffer as stale and put back in line."""
         self.abandoned_seeds: list[int] = []
         """The seeds given up, so a run's records account for every seed drawn."""
+        self.ahead = spec.alpha
+        """Batches of work admitted beyond the one the trainer waits for (`pace`)."""
 
     @property
     def limit(self) -> int:
-        return (self.spec.alpha + 1) * self.spec.batch_groups
+        return (self.ahead + 1) * self.spec.batch_groups
+
+    def pace(self, *, batch_was_ready: bool) -> None:
+        """The trainer took a batch: it was complete before the trainer asked, or the trainer waited."""
+        if self.spec.lookahead == "adaptive":
+            ahead = max(0, self.ahead - 1) if batch_was_ready else min(self.spec.alpha, self.ahead + 1)
+            if ahead != self.ahead:
+                log.info("dispenser.lookahead", ahead=ahead, batch_was_ready=batch_was_ready)
+            self.ahead = ahead
+            self.changed()
 
     def room(self) -> int:
         """How many groups may be granted now."""

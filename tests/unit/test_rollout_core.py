@@ -139,6 +139,28 @@ async def test_admission_keeps_in_flight_plus_buffered_within_alpha(alpha: int) 
     assert await dispenser.grant("env-0", 0, wait_s=0.01) is not None
 
 
+@pytest.mark.parametrize("lookahead", ["adaptive", "alpha"])
+async def test_a_trainer_that_finds_its_batches_ready_gets_less_work_started_ahead(lookahead: str) -> None:
+    dispenser = Dispenser(spec(alpha=2, batch_groups=2, lookahead=lookahead), buffered=lambda: 0)
+    adaptive = lookahead == "adaptive"
+    assert dispenser.limit == 6  # until the trainer takes a batch: alpha batches ahead
+    limits = []
+    for ready in (True, True, True, False):  # the trainer is the slower side, then waits once
+        dispenser.pace(batch_was_ready=ready)
+        limits.append(dispenser.limit)
+    assert limits == ([4, 2, 2, 4] if adaptive else [6, 6, 6, 6])  # one batch at a time, 0 to alpha
+    dispenser.pace(batch_was_ready=True)
+    granted = [await dispenser.grant("env-0", 0, wait_s=0.01) for _ in range(6)]
+    assert sum(g is not None for g in granted) == (2 if adaptive else 6)  # the next batch only
+    waiting = asyncio.ensure_future(dispenser.grant("env-0", 0, wait_s=0.5))
+    await asyncio.sleep(0.01)
+    dispenser.pace(batch_was_ready=False)  # it had to wait: room for one more batch, at once
+    assert (await waiting is not None) == adaptive
+    zero = Dispenser(spec(alpha=0, batch_groups=2), buffered=lambda: 0)
+    zero.pace(batch_was_ready=False)
+    assert zero.limit == 2  # alpha 0 (the sync baseline): never ahead
+
+
 async def test_room_wakes_the_oldest_waiting_grants_only_as_many_as_fit() -> None:
     dispenser = Dispenser(spec(alpha=0, batch_groups=1), buffered=lambda: 0)
     first = await dispenser.grant("env-0", 0, wait_s=0.01)
