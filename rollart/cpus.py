@@ -1,5 +1,11 @@
 """The CPU cores a node process was given (`$ROLLART_CPUS`, set by the local launcher:
-`rollart.launch.placement`), as Linux writes a CPU list (`0-3,6`)."""
+`rollart.launch.placement`), as Linux writes a CPU list (`0-3,6`).
+
+A node pins itself at start (`pin_from_env`), except a vLLM generator: its engine's start is three
+processes importing torch and vLLM (40-50 s on one core, two engines sharing it), while the
+trainer's cores sit idle; it starts on every core and settles on its own once the engine is up
+(`pin_tree`: itself, its engine's processes and all their threads). The engine's compute threads
+are bound to its cores from the start (`VLLM_CPU_OMP_THREADS_BIND`)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,27 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
+def pin_tree(cores: tuple[int, ...], pid: int | None = None) -> int:
+    """Pin every thread of process `pid` (this one by default) and of all its descendants to `cores`;
+    how many threads were pinned. A thread or process that ended meanwhile is skipped."""
+    pinned, root = 0, os.getpid() if pid is None else pid
+    try:
+        threads = os.listdir(f"/proc/{root}/task")
+    except FileNotFoundError:
+        return 0
+    for tid in threads:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+            pinned += 1
+            with open(f"/proc/{root}/task/{tid}/children") as listing:
+                children = [int(child) for child in listing.read().split()]
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        for child in children:
+            pinned += pin_tree(cores, child)
+    return pinned
+
+
 def pin_from_env() -> tuple[int, ...] | None:
     """Pin this process (and what it starts later) to `$ROLLART_CPUS`; its cores, or None when unset."""
     text = os.environ.get(ENV)
@@ -46,4 +73,13 @@ def pin_from_env() -> tuple[int, ...] | None:
         os.sched_setaffinity(0, cores)
     except OSError as exc:  # a core this machine does not have, or this process may not use
         raise ConfigError(f"{ENV}={text!r}: cannot run on those cores ({exc.strerror})") from None
+    return cores
+
+
+def check_from_env() -> tuple[int, ...] | None:
+    """`pin_from_env`'s checks (a clear error for cores this process may not use) without staying
+    pinned: for a node that pins itself later (`pin_tree`)."""
+    before = os.sched_getaffinity(0)
+    cores = pin_from_env()
+    os.sched_setaffinity(0, before)
     return cores

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import structlog
 
-from rollart.cpus import pin_from_env
+from rollart.cpus import check_from_env, pin_from_env
 from rollart.errors import ConfigError
-from rollart.topology import Topology, load_topology
+from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2
 THREAD_GRACE_S = 2.0
@@ -80,9 +80,12 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
         topology = load_topology(args.topology)
         spec = topology.node(args.node)
+        if spec.role is Role.GENERATOR and topology.run.generator.backend == "vllm":
+            check_from_env()  # it settles on its cores once its engine is up (rollart.cpus)
+        else:
+            pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
         topology.read_secret()  # fail here, with the config error, not inside the loop
     except ConfigError as exc:
         say_config_error(exc)

@@ -117,6 +117,9 @@ class GeneratorNode(NodeDaemon):
         started = time.monotonic()
         engine = build_engine(run, self.spec.hardware)
         await engine.start()
+        if run.generator.backend == "vllm" and (given := os.environ.get(cpus.ENV)):
+            pinned = cpus.pin_tree(cpus.parse_cpu_list(given))  # started on every core: now its own
+            log.info("generator.pinned", cpus=given, threads=pinned)
         self.engine = engine
         self._engine_started = time.monotonic()
         self.engine_start_s = round(self._engine_started - started, 3)

@@ -74,3 +74,27 @@ def test_a_node_process_pins_itself_to_the_cores_it_was_given() -> None:
         [sys.executable, "-c", code], env={**os.environ, ENV: str(missing)}, capture_output=True, text=True, check=False
     )
     assert out.returncode != 0 and f"{ENV}='{missing}': cannot run on those cores" in out.stderr
+
+
+def test_a_process_tree_settles_on_its_cores_threads_and_children_too() -> None:
+    """What a vLLM generator does once its engine is up: it started on every core (checked, not pinned)."""
+    every = sorted(os.sched_getaffinity(0))
+    core = every[0]
+    code = f"""
+import os, subprocess, sys, threading, time
+from rollart.cpus import check_from_env, pin_tree
+print(check_from_env(), sorted(os.sched_getaffinity(0)) == {every})
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+time.sleep(0.2)
+print(pin_tree(({core},)))
+tasks = [(p, t) for p in (os.getpid(), child.pid) for t in os.listdir(f"/proc/{{p}}/task")]
+print(all(os.sched_getaffinity(int(t)) == {{{core}}} for _, t in tasks))
+child.kill()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, ENV: str(core)}, capture_output=True, text=True, check=True
+    )
+    checked, pinned, settled = out.stdout.split("\n")[:3]
+    assert checked == f"({core},) True"  # the cores are checked, the process stays on every core
+    assert int(pinned) >= 3 and settled == "True"  # its threads and its child's
