@@ -11,17 +11,18 @@ Admission (AReaL's rule, in groups): new work starts only while
     in flight + buffered < (alpha + 1) * batch_groups,
 so the trainer never has more than alpha batches of work beyond the one it is waiting for, and
 staleness is bounded mostly by not starting work rather than by discarding it. With `lookahead:
-adaptive` the alpha in that rule is `ahead`, which `pace` moves after every batch taken: one up
-(to alpha at most) when the trainer had to wait for the batch, one down (to 0) when it was
-complete already. A trainer that finds its batches ready is the
+adaptive` the alpha in that rule is `ahead`, which `pace` moves as batches are taken: one up (to
+alpha at most) whenever the trainer had to wait for a batch, one down (to 0) after `SHED_AFTER`
+batches in a row that were complete already. A trainer that finds its batches ready is the
 slower side: with alpha batches ahead the buffer holds alpha + 1 complete batches when the trainer
 asks, each generated before the last alpha versions came out, so every trajectory of a one-turn
 task would be alpha versions old when trained (measured: 2.0 at alpha 2, and still 2.0 with 1
 batch ahead); with none ahead the next batch is generated while the trainer trains on this one,
-one version old. One step at a time, because with none ahead a rollout about as fast as the
-trainer leaves it waiting now and then (jumping back to alpha ahead made the staleness swing
-between 1 and 2). The staleness bound itself stays alpha: a long episode started while rollout was
-the slower side is still kept.
+one version old. One batch at a time, and down only after several ready in a row: a batch can be
+complete when asked for in a run that rollout paces too (groups finish in bursts), and shedding
+work ahead on every such batch left the trainer of the paper's simulated shape waiting (fig. 13,
+alpha 1: 74 -> 112 simulated s a step). The staleness bound itself stays alpha: a long episode
+started while rollout was the slower side is still kept.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from rollart.protocol.messages import GroupTask
 from rollart.rollout.config import RolloutSpec
 
 log = structlog.get_logger("rollart.rollout.dispenser")
+
+SHED_AFTER = 3
+"""`lookahead: adaptive`: batches in a row found complete before one fewer is started ahead."""
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Dispenser:
         """The seeds given up, so a run's records account for every seed drawn."""
         self.ahead = spec.alpha
         """Batches of work admitted beyond the one the trainer waits for (`pace`)."""
+        self._ready_in_a_row = 0
 
     @property
     def limit(self) -> int:
@@ -92,7 +97,10 @@ class Dispenser:
     def pace(self, *, batch_was_ready: bool) -> None:
         """The trainer took a batch: it was complete before the trainer asked, or the trainer waited."""
         if self.spec.lookahead == "adaptive":
-            ahead = max(0, self.ahead - 1) if batch_was_ready else min(self.spec.alpha, self.ahead + 1)
+            self._ready_in_a_row = self._ready_in_a_row + 1 if batch_was_ready else 0
+            ahead = min(self.spec.alpha, self.ahead + 1) if not batch_was_ready else self.ahead
+            if self._ready_in_a_row >= SHED_AFTER:
+                ahead, self._ready_in_a_row = max(0, self.ahead - 1), 0
             if ahead != self.ahead:
                 log.info("dispenser.lookahead", ahead=ahead, batch_was_ready=batch_was_ready)
             self.ahead = ahead
