@@ -103,10 +103,10 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     lookahead: Literal["adaptive", "alpha"] = "adaptive"
     """How many batches of work admission lets start beyond the one the trainer waits for. alpha:
     always alpha (AReaL's rule). adaptive: one more (up to alpha) after each batch the trainer had
-    to wait for, one fewer (down to 0) after 3 in a row it found complete when it asked. Such a trainer
-    is the slower side: with none ahead the next batch
-    is generated while it trains on this one (one version old when trained), and work started
-    further ahead would only be staler, by up to alpha + 1 versions, at no gain in speed."""
+    to wait for, one fewer (down to 0) after 3 in a row it found complete when it asked. Such a
+    trainer is the slower side: with none ahead the next batch is generated while it trains on this
+    one (one version old when trained), and work started further ahead would only be staler, at no
+    gain in speed (`rollart.rollout.dispenser`)."""
     steps: int | None = None
     """Batches to collect (or train on) before the run is done; None: until stopped."""
     bump_version_every_batch: bool = True

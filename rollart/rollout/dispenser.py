@@ -97,10 +97,13 @@ class Dispenser:
     def pace(self, *, batch_was_ready: bool) -> None:
         """The trainer took a batch: it was complete before the trainer asked, or the trainer waited."""
         if self.spec.lookahead == "adaptive":
-            self._ready_in_a_row = self._ready_in_a_row + 1 if batch_was_ready else 0
-            ahead = min(self.spec.alpha, self.ahead + 1) if not batch_was_ready else self.ahead
-            if self._ready_in_a_row >= SHED_AFTER:
-                ahead, self._ready_in_a_row = max(0, self.ahead - 1), 0
+            ahead = self.ahead
+            if not batch_was_ready:
+                ahead, self._ready_in_a_row = min(self.spec.alpha, ahead + 1), 0
+            else:
+                self._ready_in_a_row += 1
+                if self._ready_in_a_row >= SHED_AFTER:
+                    ahead, self._ready_in_a_row = max(0, ahead - 1), 0
             if ahead != self.ahead:
                 log.info("dispenser.lookahead", ahead=ahead, batch_was_ready=batch_was_ready)
             self.ahead = ahead
