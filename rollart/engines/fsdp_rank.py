@@ -156,15 +156,19 @@ class Rank:
         self.lm, self.tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
         if spec.activation_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # every rank runs the decoder once per micro-batch: its layers' forwards are collectives
         self.model = PolicyLogprobs(
-            self.lm.train(), chunk_tokens=spec.logprob_chunk_tokens, share_reads=spec.share_reads
+            self.lm.train(), chunk_tokens=spec.logprob_chunk_tokens, share_reads=spec.share_reads, share_heads=False
         )
         shard(self.model, self.lm, mp)
         ref = None
         if spec.grpo.kl_coef > 0:
             ref_lm, _ = load_model_and_tokenizer(model_path, dtype=dtype)
             ref = PolicyLogprobs(
-                ref_lm.requires_grad_(False), chunk_tokens=spec.logprob_chunk_tokens, share_reads=spec.share_reads
+                ref_lm.requires_grad_(False),
+                chunk_tokens=spec.logprob_chunk_tokens,
+                share_reads=spec.share_reads,
+                share_heads=False,
             )
             shard(ref, ref_lm, mp)
         self.optimizer = torch.optim.AdamW(

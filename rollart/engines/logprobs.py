@@ -34,7 +34,10 @@ over each read's tail with its head's keys and values as the past (`DynamicCache
 numbered on from its head's end. Gradients flow back through the past to the head's pass. In the
 `repeat` task's batch of 96 distinct answers to 12 prompts this reads 1,848 tokens instead of 5,856.
 It is used where it saves a fifth of the padded tokens or more, and with `chunk_tokens > 0` only
-(the decoder path: the whole model's forward may do more after the head).
+(the decoder path: the whole model's forward may do more after the head). Not under FSDP2
+(`share_heads=False`): there every decoder layer's forward is a collective, so every rank must run
+the decoder as often as the others, and whether a micro-batch's reads are worth cutting is decided
+from that rank's rows alone.
 """
 
 from __future__ import annotations
@@ -129,11 +132,12 @@ def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
 class PolicyLogprobs(torch.nn.Module):
     """A causal LM whose forward returns token log-probs (module docstring)."""
 
-    def __init__(self, lm: Any, *, chunk_tokens: int = 0, share_reads: bool = False) -> None:
+    def __init__(self, lm: Any, *, chunk_tokens: int = 0, share_reads: bool = False, share_heads: bool = True) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.share_reads = share_reads
+        self.share_heads = share_heads
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None
@@ -155,7 +159,9 @@ class PolicyLogprobs(torch.nn.Module):
             shifted = torch.zeros(real.shape, dtype=picked.dtype, device=input_ids.device)
             return torch.nn.functional.pad(shifted.masked_scatter(real, picked), (1, 0))
         decoder = self.lm.get_decoder()
-        cut = None if rows is None or loss_mask is None else shared_heads(ids, rows, loss_mask)
+        cut = None
+        if self.share_heads and rows is not None and loss_mask is not None:
+            cut = shared_heads(ids, rows, loss_mask)
         if cut is None:
             hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
             states = hidden[source]

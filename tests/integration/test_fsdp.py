@@ -62,7 +62,7 @@ def test_fsdp_two_ranks_train_like_one_device(tiny_model: Path) -> None:
     try:
         for step in range(4):
             # odd rows and lengths: the ranks' shares differ; then rows that share prefixes, and
-            # answers that share their prompt (the decoder runs twice in one forward)
+            # answers that share their prompt (one device reads it once, the ranks read every row)
             batch = random_batch(step, rows=7) if step < 2 else repeated_batch() if step == 2 else grouped_batch()
             one, two = single.train_step(batch, version=4), sharded.train_step(batch, version=4)
             for key in ("loss", "grad_norm", "policy_loss", "importance_ratio_mean", "importance_ratio_max", "tokens"):
