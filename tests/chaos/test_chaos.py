@@ -2,7 +2,7 @@
 in one run, with flaky environments and crashing reward workers throughout, drained 10 steps after
 the last fault was recovered from (a fixed step count ran out before the last fault on a faster
 machine). Nothing may be lost or trained twice, alpha kept, versions increasing, every fault
-recovered from and every node healthy at the end. Slow: about four minutes here. The table of
+recovered from and every node healthy at the end. Slow: about two minutes here. The table of
 each kind on its own is benchmarks/chaos.py's."""
 
 from __future__ import annotations
