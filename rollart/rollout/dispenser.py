@@ -96,18 +96,20 @@ class Dispenser:
 
     def pace(self, *, batch_was_ready: bool) -> None:
         """The trainer took a batch: it was complete before the trainer asked, or the trainer waited."""
-        if self.spec.lookahead == "adaptive":
-            ahead = self.ahead
-            if not batch_was_ready:
-                ahead, self._ready_in_a_row = min(self.spec.alpha, ahead + 1), 0
-            else:
-                self._ready_in_a_row += 1
-                if self._ready_in_a_row >= SHED_AFTER:
-                    ahead, self._ready_in_a_row = max(0, ahead - 1), 0
-            if ahead != self.ahead:
-                log.info("dispenser.lookahead", ahead=ahead, batch_was_ready=batch_was_ready)
-            self.ahead = ahead
-            self.changed()
+        if self.spec.lookahead != "adaptive":
+            return
+        ahead = self.ahead
+        if not batch_was_ready:
+            ahead, self._ready_in_a_row = min(self.spec.alpha, ahead + 1), 0
+        else:
+            self._ready_in_a_row += 1
+            if self._ready_in_a_row >= SHED_AFTER:
+                ahead, self._ready_in_a_row = max(0, ahead - 1), 0
+        if ahead != self.ahead:
+            log.info("dispenser.lookahead", ahead=ahead, batch_was_ready=batch_was_ready)
+            grew, self.ahead = ahead > self.ahead, ahead
+            if grew:  # more room: wake the grants waiting for it
+                self.changed()
 
     def room(self) -> int:
         """How many groups may be granted now."""
