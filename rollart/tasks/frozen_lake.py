@@ -136,9 +136,11 @@ class FrozenLakeEnv(GridEnv):
         self.player = self.start
 
     def _move(self, direction: str) -> tuple[str, float, bool]:
+        if not self.shaping:
+            return self._apply(direction)
         before = self._potential()
         feedback, reward, terminated = self._apply(direction)
-        if self.shaping and self.player not in self.holes:
+        if self.player not in self.holes:
             reward += self.shaping * (self._potential() - before)
         return feedback, reward, terminated
 

@@ -34,13 +34,14 @@ UCX_FAILURES = (
 
 def test_drain_after_restart_every_node_exits_0_with_weights_over_ucx(tmp_path: Path, tiny_model: Path) -> None:
     # The kill comes in the first few steps; a generator restarted under UCX gets its weights at the
-    # trainer's next publish, and its turns wait for them, so recovery takes ~25 s here: 30 steps
-    # leave room for it before the end.
+    # trainer's next publish, and its turns wait for them. No step count: with a fast trainer 30
+    # steps were over before the kill (24 s); the harness drains the run (SIGTERM to the launcher, as
+    # Ctrl-C) 10 steps after the restarted generator is back.
     scenario = Scenario(
         "drain-after-restart",
         ("kill-generator",),
-        steps=30,
-        quiet_steps=22,
+        steps=None,
+        quiet_steps=10,
         gap_s=(1.0, 2.0),
         injections=1,
         weight_transport="auto",

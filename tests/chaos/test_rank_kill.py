@@ -1,7 +1,7 @@
 """A trainer rank killed mid-run (rollart/testkit/harness.py's `kill-rank`): the trainer trains with
 `backend: fsdp2, ranks: 2`, and one of its rank processes gets SIGKILL, twice. The trainer node
 fails at once, the launcher restarts it, and its new ranks resume from the last checkpoint; the run
-must still reach its step count with every invariant of tests/chaos held (nothing trained twice,
+must go on past both kills with every invariant of tests/chaos held (nothing trained twice,
 nothing lost, versions only increasing, every node healthy at the end). About a minute here."""
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ def test_rank_kill_fails_the_trainer_which_resumes_from_its_checkpoint_with_noth
     tmp_path: Path, tiny_model: Path
 ) -> None:
     # A checkpoint every step, and each kill 2-3 s after a step: there is always one to resume from.
-    # Steps take about half a second here: 20 leave room for both kills and their recoveries.
+    # No step count (20 steps were once room for both kills; with faster steps they were not): the
+    # harness drains the run 5 steps after the second recovery.
     scenario = Scenario(
         "rank-kill",
         ("kill-rank",),
-        steps=20,
+        steps=None,
         quiet_steps=5,
         gap_s=(2.0, 3.0),
         injections=2,
