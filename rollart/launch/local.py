@@ -165,10 +165,22 @@ class Launcher:
             aside = self.run_dir.with_name(f"{self.run_dir.name}.prev-{int(time.time())}")
             self.run_dir.rename(aside)
             self.say(f"{self.run_dir} holds a finished run (checkpoint at step {finished}); moved it to {aside}")
+        elif run.rollout is not None and (step := RunDir(self.run_dir).latest_step()) is not None:
+            self.say(
+                f"{self.run_dir} holds a checkpoint at step {step}: the trainer resumes from it "
+                f"(move {self.run_dir} away to start afresh)"
+            )
         RunDir(self.run_dir).logs.mkdir(parents=True, exist_ok=True)
         model = Path(run.model.path)
+        if run.rollout is not None and run.model.build_tiny_if_missing and run.model.format_warmup_steps:
+            from rollart.tiny.warmup import warmup_outdated
+
+            if (model / "config.json").exists() and (why := warmup_outdated(model)):
+                aside = model.with_name(f"{model.name}.outdated-{int(time.time())}")
+                model.rename(aside)
+                self.say(f"{model}: {why}; moved it to {aside} and building it again")
         if run.rollout is not None and run.model.build_tiny_if_missing and not (model / "config.json").exists():
-            self.say(f"building the tiny default model in {model} (first run only)")
+            self.say(f"building the tiny default model in {model}")
             from rollart.tiny.model import ensure_tiny_model
 
             ensure_tiny_model(model, seed=run.model.seed, prepare=self._warm_up)
@@ -191,7 +203,10 @@ class Launcher:
             return
         from rollart.tiny.warmup import format_warmup
 
-        self.say(f"format warm-up: {steps} supervised steps on random valid actions (the reply format, no solutions)")
+        self.say(
+            f"format warm-up: {steps} supervised steps on random valid moves "
+            "(the reply format and which moves move; no solutions)"
+        )
         summary = format_warmup(folder, run.rollout.tasks, steps=steps, seed=run.model.seed)
         self.say(f"format warm-up done in {summary['seconds']} s, final loss {summary['final_loss']}")
 

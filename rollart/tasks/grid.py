@@ -164,8 +164,19 @@ class GridEnv(Env):
         observation = self._board() if self.compact else f"{feedback}\n{self._board()}"
         return observation, reward, terminated, truncated, info
 
+    def _moves(self, direction: str) -> bool:
+        """Whether `direction` changes the board (here: it stays on it); subclasses add their walls."""
+        row, col = shift(self.player, direction)
+        return 0 <= row < self.size and 0 <= col < self.size
+
     def sample_action(self, rng: random.Random) -> str | None:
-        direction = rng.choice(list(DIRECTIONS))
+        """A uniformly random move among those that move: the rules of motion (edges, walls), never
+        the board's holes, goal, box or target. A move that changes nothing is a wasted turn, as a
+        malformed reply is; and its targets depend on where the player stands, so the format warm-up
+        also teaches the model to find P on the board, which RL from a board-blind start had to
+        discover by chance (docs/training.md, "Where the lake's plateau came from")."""
+        moving = [direction for direction in DIRECTIONS if self._moves(direction)] or list(DIRECTIONS)
+        direction = rng.choice(moving)
         return direction[0].upper() if self.actions == "letters" else f"\\boxed{{{direction}}}"
 
     def _rows(self) -> list[str]:

@@ -92,6 +92,10 @@ class SokobanEnv(GridEnv):
             self.player = nxt
             moves += 1
 
+    def _moves(self, direction: str) -> bool:
+        nxt = shift(self.player, direction)
+        return self._is_floor(nxt) and (nxt != self.box or self._is_floor(shift(nxt, direction)))
+
     def _move(self, direction: str) -> tuple[str, float, bool]:
         nxt = shift(self.player, direction)
         if not self._is_floor(nxt):

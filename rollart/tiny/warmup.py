@@ -1,11 +1,19 @@
-"""Format warm-up: teach a model built from scratch the reply format of the run's tasks, nothing more.
+"""Format warm-up: teach a model built from scratch the reply format of the run's tasks and the rules of
+motion, never a solution.
 
 A randomly initialized model almost never produces a parseable action (`U`, `\\boxed{...}`), so
 RL from scratch first spends its time learning the format. Real RL starts from an instruct model
 that already has it; the tiny model gets it here, in a few supervised steps on episodes played by
-a **uniformly random valid policy** (`Env.sample_action`: right format, random content). The
-targets never depend on the board or the answer, so the warm-up teaches no solution: after it the
-model's success rate is the random policy's (the baseline the trainer measures and prints).
+a **uniformly random valid policy** (`Env.sample_action`: right format, random content; on a grid,
+a random move among those that move, so the edges and walls count and the holes, goal, box and
+target never do). The targets never depend on the answer or on where the goal is, so the warm-up
+teaches no solution: after it the model's success rate is the random policy's (the baseline the
+trainer measures and prints).
+
+On a grid the targets do depend on where the player stands, and that is on purpose: a warm-up
+whose targets ignored the board left a model that ignored it too, and RL then had to discover by
+chance that the board matters; in a seeded study that took from 45 steps to more than 100 (`benchmarks/
+lake_study.py`, docs/training.md "Where the lake's plateau came from").
 
 Episodes are rendered exactly as trajectories are (`ChatRenderer`), so the format learned is the
 one the generators will be prompted with; the loss is on the reply tokens only.
@@ -30,6 +38,11 @@ from rollart.rollout.trajectory import ChatRenderer
 from rollart.tiny.model import MARKER_FILE
 
 log = structlog.get_logger("rollart.warmup")
+
+WARMUP_POLICY = "moves-that-move"
+"""Names the random policy the warm-up plays (`format_warmup` records it in the model's marker): a
+tiny model built and warmed up by an older RollArt, whose marker names another or none, is built
+again (`warmup_outdated`)."""
 
 
 def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
@@ -107,13 +120,27 @@ def format_warmup(
         "final_loss": round(loss_value, 4),
         "seconds": round(time.monotonic() - started, 1),
         "tasks": [task.name for task in tasks],
-        "what": "supervised steps on episodes of a uniformly random valid policy (format only, never a solution)",
+        "what": "supervised steps on episodes of a uniformly random valid policy (format and moves, never a solution)",
+        "policy": WARMUP_POLICY,
     }
     marker_path = model_dir / MARKER_FILE
     marker = json.loads(marker_path.read_text()) if marker_path.exists() else {}
     marker["format_warmup"] = summary
     marker_path.write_text(json.dumps(marker, indent=2) + "\n")
     return summary
+
+
+def warmup_outdated(model_dir: Path) -> str | None:
+    """Why the tiny model in `model_dir` must be built again, or None: its marker says RollArt built
+    and warmed it up with another random policy than today's. A model without a marker (not built
+    here) or without a warm-up is left alone."""
+    marker_path = model_dir / MARKER_FILE
+    if not marker_path.exists():
+        return None
+    warmup = json.loads(marker_path.read_text()).get("format_warmup")
+    if warmup is None or warmup.get("policy") == WARMUP_POLICY:
+        return None
+    return f"its format warm-up played {warmup.get('policy', 'uniformly random moves')!r}, not {WARMUP_POLICY!r}"
 
 
 def random_policy_baseline(

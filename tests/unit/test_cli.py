@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_run_says_how_to_get_vllm_when_even_its_environment_lacks_it(
 
 
 def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path: Path) -> None:
-    from rollart.launch.local import finished_step
+    from rollart.launch.local import Launcher, finished_step
 
     run_dir = tmp_path / "run"
     rollout = "{mode: train, tasks: [{name: t, env: copy-reverse}], steps: 80}"
@@ -47,6 +48,34 @@ def test_a_finished_run_is_moved_aside_and_an_unfinished_one_is_resumed(tmp_path
     files.point_latest_at(files.checkpoint(80))
     assert finished_step(topology) == 80
     assert finished_step(parse_topology(text.replace("steps: 80", "steps: 120"))) is None  # more steps asked for
+    out = io.StringIO()
+    more = text.replace("steps: 80", "steps: 120").replace("run:\n", "run:\n  model: {build_tiny_if_missing: false}\n")
+    Launcher(parse_topology(more), "t.yaml", out=out)._prepare()
+    assert f"{run_dir} holds a checkpoint at step 80: the trainer resumes from it" in out.getvalue()
+
+
+def test_a_tiny_model_warmed_up_by_an_older_rollart_is_built_again(tmp_path: Path) -> None:
+    import json
+
+    from rollart.launch.local import Launcher
+    from rollart.tiny.model import MARKER_FILE, build_tiny_model
+    from rollart.tiny.warmup import WARMUP_POLICY, warmup_outdated
+
+    model = tmp_path / "model"
+    build_tiny_model(model, seed=0)
+    assert warmup_outdated(model) is None  # built here, never warmed up: left alone
+    marker = json.loads((model / MARKER_FILE).read_text())
+    marker["format_warmup"] = {"steps": 100, "what": "format only"}  # as RollArt wrote it before
+    (model / MARKER_FILE).write_text(json.dumps(marker))
+    assert "not 'moves-that-move'" in (warmup_outdated(model) or "")
+    rollout = "{mode: train, tasks: [{name: t, env: copy-reverse}], steps: 2}"
+    text = f"run:\n  run_dir: {tmp_path / 'run'}\n  model: {{path: {model}, format_warmup_steps: 2}}\n"
+    out = io.StringIO()
+    Launcher(parse_topology(text + f"  rollout: {rollout}\n" + NODES), "t.yaml", out=out)._prepare()
+    assert json.loads((model / MARKER_FILE).read_text())["format_warmup"]["policy"] == WARMUP_POLICY
+    [aside] = tmp_path.glob("model.outdated-*")  # the old one is kept beside it
+    assert json.loads((aside / MARKER_FILE).read_text())["format_warmup"]["what"] == "format only"
+    assert "building it again" in out.getvalue()
 
 
 def test_killing_a_node_kills_what_it_started(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ The solvers here read only the observation text, so they also check that it says
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import re
 import sys
@@ -809,6 +810,20 @@ def test_corner_lakes_start_top_left_end_bottom_right_and_stay_solvable(
     assert len(holes) >= 20  # the holes change with the seed
 
 
+def sampled_episodes(env: Any, rng: random.Random, episodes: int = 30) -> Iterator[tuple[str, str, Any]]:
+    """Play `episodes` episodes (seeds 0, 1, ...) with `env.sample_action`: per step the observation
+    before it, the reply and what `env.step` returned."""
+    for seed in range(episodes):
+        observation, _ = env.reset(seed=seed)
+        done = False
+        while not done:
+            reply = env.sample_action(rng)
+            assert reply is not None
+            result = env.step(reply)
+            yield observation, reply, result
+            observation, done = result[0], result[2] or result[3]
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs"),
     [
@@ -822,21 +837,11 @@ def test_corner_lakes_start_top_left_end_bottom_right_and_stay_solvable(
     ],
 )
 def test_sampled_actions_are_always_well_formed(name: str, kwargs: dict[str, Any]) -> None:
-    import random
-
     env = make_env(name, **kwargs)
-    rng = random.Random(0)
     replies = []
-    for seed in range(30):
-        _, info = env.reset(seed=seed)
-        done = False
-        while not done:
-            reply = env.sample_action(rng)
-            assert reply is not None
-            replies.append(reply)
-            _, _, terminated, truncated, step_info = env.step(reply)
-            assert not step_info["format_error"], reply
-            done = terminated or truncated
+    for _, reply, (_, _, _, _, info) in sampled_episodes(env, random.Random(0)):
+        replies.append(reply)
+        assert not info["format_error"], reply
         if name == "copy-reverse":
             alphabet = kwargs.get("alphabet", "abcdefgh")
             content = last_boxed(replies[-1])
@@ -852,6 +857,21 @@ def test_sampled_actions_are_always_well_formed(name: str, kwargs: dict[str, Any
     second.reset(seed=9)
     rng_a, rng_b = random.Random(42), random.Random(42)
     assert [first.sample_action(rng_a) for _ in range(5)] == [second.sample_action(rng_b) for _ in range(5)]
+
+
+@pytest.mark.parametrize("name", ["frozen-lake", "sokoban"])
+def test_sampled_moves_always_move(name: str) -> None:
+    # The random valid policy on a grid never walks into the edge or a wall (a wasted turn), and
+    # still takes every move that does move equally often: in the lake's top-left corner D and R
+    # half the time each.
+    env = make_env(name, actions="letters", compact=True, max_turns=40)
+    rng = random.Random(0)
+    for before, reply, (after, _, terminated, _, _) in sampled_episodes(env, rng):
+        assert after != before or terminated, (name, reply, before)
+    lake = make_env("frozen-lake", layout=CLASSIC, actions="letters", compact=True)
+    lake.reset(seed=0)
+    firsts = collections.Counter(lake.sample_action(rng) for _ in range(2000))
+    assert set(firsts) == {"D", "R"} and abs(firsts["D"] - 1000) < 150
 
 
 def test_copy_reverse_has_no_sampled_action_outside_an_episode() -> None:
