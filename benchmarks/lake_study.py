@@ -124,6 +124,8 @@ def play(sample: Sampler, renderer: ChatRenderer, episodes: list[Episode], versi
             if terminated or truncated or e.turns >= (e.task.max_turns or e.env.max_turns):
                 e.done, e.success = True, bool(info.get("success", False))
                 continue
+            if e.task.context != "last":
+                raise ValueError(f"task {e.task.name!r}: the study plays multi-turn tasks with `context: last` only")
             _, e.current = renderer.first_prompt(e.task.system_for(e.env.system_prompt), observation)
             e.segments.append(len(e.response_ids))
             e.response_ids += e.current
@@ -315,10 +317,12 @@ def main() -> None:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
+    torch.set_num_threads(args.threads)
     for seed in args.seeds:
-        print(
-            json.dumps(run(seed, args.steps, args.topology, overrides, args.threads, args.model, args.lag)), flush=True
+        result = run(
+            seed, steps=args.steps, topology=args.topology, overrides=overrides, model=args.model, lag=args.lag
         )
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -151,9 +151,9 @@ class FrozenLakeEnv(GridEnv):
         return -len(left or []) / max(len(first or []), 1)
 
     def _apply(self, direction: str) -> tuple[str, float, bool]:
-        nxt = shift(self.player, direction)
-        if not (0 <= nxt[0] < self.size and 0 <= nxt[1] < self.size):
+        if not self._moves(direction):
             return f"You cannot move {direction}: that is the edge of the lake.", 0.0, False
+        nxt = shift(self.player, direction)
         self.player = nxt
         if nxt == self.goal:
             return f"You moved {direction} and reached the goal!", 1.0, True
