@@ -15,58 +15,23 @@ background, and its future completes when the folder is whole. They load onto an
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from rollart.algorithms.grpo import PackedBatch
 from rollart.engines.export import DCP_FOLDER
-from rollart.engines.fsdp_group import RankGroup
-from rollart.engines.training import RankLayout, TrainerSpec
+from rollart.engines.rank_engine import RankGroupEngine
 from rollart.errors import RollartError
 
 
-class FSDPTrainer:
+class FSDPTrainer(RankGroupEngine):
     """Drives this node's FSDP2 ranks (module docstring); it owns rank 0, so it is the primary."""
 
-    def __init__(self, model_path: str | Path, spec: TrainerSpec, *, seed: int, layout: RankLayout) -> None:
-        from transformers import AutoTokenizer
-
-        self.spec = spec
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-        pad = tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
-        self.ranks = RankGroup(spec, str(model_path), seed=seed, layout=layout, primary=True)
-        try:
-            self.info: dict[str, Any] = self.ranks.call("describe")  # every rank up and sharded
-        except BaseException:
-            self.ranks.close()
-            raise
-
-    def train_step(self, batch: PackedBatch, *, version: int) -> dict[str, float]:
-        stats: dict[str, float] = self.ranks.call("train", batch.to("cpu"), version)
-        return stats
-
-    def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        weights: dict[str, torch.Tensor] = {}
-        self.ranks.call("export", self.spec.bucket_mb << 20, dtype, on_part=weights.update)
-        return weights
-
-    def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
-        return True  # gathered from the ranks into this process
+    backend = "fsdp2"
 
     def full_state(self) -> dict[str, Any]:
         """Weights and optimizer state, whole, by parameter name (the rank group's `full_state`)."""
         state: dict[str, Any] = self.ranks.call("full_state")
         return state
-
-    def save(self, path: Path) -> Future[None]:
-        written: Future[None] = Future()
-        written.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it under the group
-        self.ranks.call("save", str(path), later=written)
-        return written
 
     def load(self, path: Path) -> None:
         if not (path / DCP_FOLDER).is_dir():
@@ -76,22 +41,3 @@ class FSDPTrainer:
                 "new run from it with `rollart export` and run.model.path"
             )
         self.ranks.call("load", str(path))
-
-    def close(self) -> None:
-        self.ranks.close()
-
-    def failed(self) -> Future[None]:
-        return self.ranks.failed
-
-    def describe(self) -> dict[str, Any]:
-        spec = self.spec
-        return {
-            "backend": "fsdp2",
-            "ranks": self.ranks.layout.world_size,
-            "precision": spec.precision,
-            "master_dtype": spec.master_dtype,
-            "activation_checkpointing": spec.activation_checkpointing,
-            "reference_model": spec.grpo.kl_coef > 0,
-            "pids": [process.pid for process in self.ranks.processes.values()],
-            **self.info,
-        }

@@ -61,6 +61,9 @@ class RankGroup:
             self.store.set("generation", uuid.uuid4().hex)
             port = self.store.port
         context = mp.get_context("spawn")
+        entry = rank_main
+        if spec.backend == "megatron":  # the same group and commands; its ranks run Megatron-Core
+            from rollart.engines.megatron_rank import rank_main as entry
         self.processes: dict[int, BaseProcess] = {}
         self._alive: list[Connection] = []
         self.commands: Connection | None = None
@@ -71,7 +74,7 @@ class RankGroup:
                 self.commands, commands = context.Pipe()
             args = RankArgs(rank, rank - layout.first_rank, layout.world_size, (host, port), spec, model_path, seed)
             process = context.Process(
-                target=rank_main, args=(args, commands, theirs), name=f"rollart-rank{rank}", daemon=True
+                target=entry, args=(args, commands, theirs), name=f"rollart-rank{rank}", daemon=True
             )
             process.start()
             theirs.close()

@@ -56,6 +56,38 @@ REJOIN_S = 1.0
 """How often a rank that found only a broken group looks for the next one (`join`)."""
 
 
+class CommandLoop:
+    """A rank's side of the group's commands: rank 0 reads each from its pipe to the trainer node and broadcasts
+    it; every rank runs `do_<name>(call, *args)` and rank 0 sends the result back (the fsdp2 and megatron ranks)."""
+
+    _commands: Connection | None = None
+    _send_lock: threading.Lock
+
+    def serve(self, commands: Connection | None) -> None:
+        self._commands, self._send_lock = commands, threading.Lock()
+        while True:
+            box: list[Any] = [commands.recv() if commands is not None else None]
+            dist.broadcast_object_list(box, src=0)
+            name, call, *args = box[0]
+            if name == "stop":
+                self.before_stop()
+                return
+            try:
+                result = getattr(self, f"do_{name}")(call, *args)
+            except Exception:  # the node raises it in the caller; the group may be broken
+                self._reply(call, "error", traceback.format_exc())
+                raise
+            self._reply(call, "result", result)
+
+    def before_stop(self) -> None:
+        """What a rank finishes before the group stops (a background checkpoint write)."""
+
+    def _reply(self, call: int, kind: str, payload: Any) -> None:
+        if self._commands is not None:
+            with self._send_lock:
+                self._commands.send((call, kind, payload))
+
+
 @dataclasses.dataclass(frozen=True)
 class RankArgs:
     """What a rank process starts from (pickled to it)."""
@@ -141,7 +173,7 @@ def shard(model: torch.nn.Module, lm: Any, mp: MixedPrecisionPolicy) -> None:
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
 
-class Rank:
+class Rank(CommandLoop):
     """The policy shard, its optimizer and the commands it serves."""
 
     def __init__(self, spec: TrainerSpec, model_path: str, *, seed: int, device: torch.device, world_size: int) -> None:
@@ -181,31 +213,9 @@ class Rank:
         self.checkpoint_group = dist.new_group(backend="gloo")
         """Background checkpoint writes run their collectives here, apart from training's."""
         self._saving: Future[Any] | None = None
-        self._send_lock = threading.Lock()
-        self._commands: Connection | None = None
 
-    # -- the command loop -------------------------------------------------------------------------
-
-    def serve(self, commands: Connection | None) -> None:
-        self._commands = commands
-        while True:
-            box: list[Any] = [commands.recv() if commands is not None else None]
-            dist.broadcast_object_list(box, src=0)
-            name, call, *args = box[0]
-            if name == "stop":
-                self._wait_saved()
-                return
-            try:
-                result = getattr(self, f"do_{name}")(call, *args)
-            except Exception:  # the node raises it in the caller; the group may be broken
-                self._reply(call, "error", traceback.format_exc())
-                raise
-            self._reply(call, "result", result)
-
-    def _reply(self, call: int, kind: str, payload: Any) -> None:
-        if self._commands is not None:
-            with self._send_lock:
-                self._commands.send((call, kind, payload))
+    def before_stop(self) -> None:
+        self._wait_saved()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -51,8 +51,13 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     ranks: int = 1
-    """Training processes per trainer node, one per device (fsdp2; torch: 1). A group of trainer
-    nodes (`primary:` in the topology) runs ranks x nodes in all."""
+    """Training processes per trainer node, one per device (fsdp2, megatron; torch: 1). A group of
+    trainer nodes (`primary:` in the topology) runs ranks x nodes in all."""
+    tensor_parallel: int = 1
+    """megatron: ranks each layer's matrices are split over; the group's ranks are tensor x pipeline x
+    data parallel, data parallel being what is left."""
+    pipeline_parallel: int = 1
+    """megatron: stages the layers are split into, in order."""
     micro_batch_size: int = 16
     """Sequences per forward/backward; gradients accumulate over a batch's micro-batches."""
     micro_batch_tokens: int = 0
@@ -118,6 +123,17 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
         ):
             if getattr(self, key) < 0:
                 problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            value = getattr(self, key)
+            if value < 1:
+                problems.append((key, f"must be >= 1, got {value}"))
+            elif value > 1 and self.backend != "megatron":
+                problems.append((key, f"only the megatron backend splits layers; backend is {self.backend}"))
+        if self.backend == "megatron" and self.tensor_parallel >= 1 and self.ranks % self.tensor_parallel:
+            # Megatron keeps a tensor-parallel group on one node (its all-reduces run in every layer)
+            problems.append(
+                ("tensor_parallel", f"{self.tensor_parallel} must divide run.trainer.ranks ({self.ranks}, per node)")
+            )
         if self.ranks > 1 and self.backend == "torch":
             problems.append(("ranks", f"the torch backend trains on one device; use backend fsdp2 for {self.ranks}"))
         if self.keep_checkpoints < 1:
@@ -217,8 +233,15 @@ def _fsdp2(spec: TrainerSpec, model_path: str | Path, seed: int, layout: RankLay
     return FSDPTrainer(model_path, spec, seed=seed, layout=layout)
 
 
+def _megatron(spec: TrainerSpec, model_path: str | Path, seed: int, layout: RankLayout) -> TrainingEngine:
+    from rollart.engines.megatron import MegatronTrainer
+
+    return MegatronTrainer(model_path, spec, seed=seed, layout=layout)
+
+
 TRAINING_BACKENDS: dict[str, Callable[[TrainerSpec, str | Path, int, RankLayout], TrainingEngine]] = {
     "torch": _torch,
     "fsdp2": _fsdp2,
+    "megatron": _megatron,
 }
 """`run.trainer.backend` -> the function that builds its engine (spec, model path, seed, rank layout)."""

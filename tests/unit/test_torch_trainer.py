@@ -31,7 +31,7 @@ from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register
 from rollart.envs import registry as registry_module
 from rollart.errors import ConfigError
 from rollart.rollout.config import TaskSpec
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
@@ -225,7 +225,7 @@ def test_the_engine_factory_builds_the_backend_the_topology_names(model_dir: Pat
     engine = build_training_engine(TrainerSpec(micro_batch_size=2), model_dir, seed=0)
     assert isinstance(engine, TorchTrainer) and engine.describe()["backend"] == "torch"
     with pytest.raises(
-        ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: fsdp2, torch\)"
+        ConfigError, match=r"run\.trainer\.backend: unknown training backend 'fsdp9' \(known: fsdp2, megatron, torch\)"
     ):
         build_training_engine(TrainerSpec(backend="fsdp9"), model_dir, seed=0)
     # An unknown backend is refused when the topology loads, with its YAML path and a hint.
