@@ -19,7 +19,7 @@ import torch
 
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.envs import make_env
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent

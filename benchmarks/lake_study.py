@@ -40,7 +40,7 @@ from rollart.engines.torch_train import TorchTrainer
 from rollart.engines.training import TrainerSpec
 from rollart.envs import make_env
 from rollart.rollout.config import TaskSpec
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.topology import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -58,7 +58,7 @@ from rollart.algorithms.selection import has_signal
 from rollart.envs import import_env_modules, make_env
 from rollart.rewards import ScoreInput, get_reward
 from rollart.rollout.config import RolloutSpec, TaskSpec
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.topology import load_topology
 
 TRL_ADV_EPS = 1e-4

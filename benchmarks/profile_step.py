@@ -32,7 +32,7 @@ from rollart.algorithms.grpo import PackedBatch, pack_batch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.step import read_groups
 from rollart.engines.training import build_training_engine
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.tiny.warmup import random_episode
 from rollart.topology import load_topology
 

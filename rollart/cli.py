@@ -2,8 +2,10 @@
 
     rollart run TOPOLOGY [--duration S]   start every node of the topology here, show their status
     rollart simulate TOPOLOGY             run a simulation topology in-process on a virtual clock
-    rollart check TOPOLOGY                validate a topology file and print its nodes
-    rollart build-model DIR [--seed N]    build the tiny default model (Hugging Face format) in DIR
+    rollart check TOPOLOGY                validate a topology, and size every node against its declared GPUs
+    rollart build-model DIR [--seed N] [--preset tiny|qwen3-bpe]
+                                          build the tiny default model (Hugging Face format) in DIR, or
+                                          qwen3-bpe: a 30 M Qwen3 with a byte-level BPE tokenizer (tests)
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
     rollart export RUN_DIR OUT [--step N | --checkpoint PATH] [--dtype auto|bf16|fp32] [--force]
                                           the trained policy as a Hugging Face model folder
@@ -49,9 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("topology", help="a topology with generator.backend: sim, e.g. configs/sim-paper.yaml")
     check = commands.add_parser("check", help="validate a topology file")
     check.add_argument("topology")
-    build = commands.add_parser("build-model", help="build the tiny default model in a folder")
+    build = commands.add_parser("build-model", help="build the tiny default model (or a test preset) in a folder")
     build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
-    build.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    build.add_argument("--seed", type=int, default=0, help="seed of the initial weights (and the BPE corpus)")
+    build.add_argument(
+        "--preset",
+        choices=["tiny", "qwen3-bpe"],
+        default="tiny",
+        help="tiny: the default 1 M char-level model; qwen3-bpe: a 30 M Qwen3 with a byte-level BPE tokenizer",
+    )
     report = commands.add_parser("report", help="plots and a summary table of a training run")
     report.add_argument(
         "run_dir", help=f"the run directory ({RunDir.METRICS}, {RunDir.TIMELINE}, {RunDir.UTILIZATION})"
@@ -94,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "build-model":
-        from rollart.tiny.model import main as build_model
+        if args.preset == "qwen3-bpe":
+            from rollart.models.qwen3_bpe import main as build_model
+        else:
+            from rollart.tiny.model import main as build_model
 
         build_model(["--out", args.out, "--seed", str(args.seed)])
         return 0
@@ -120,12 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         return _simulate(topology)
     if args.command == "check":
-        for node in topology.nodes:
-            admin = f"{node.admin_host}:{node.admin_port}"
-            print(f"{node.name:<16} {node.role.value:<15} {node.host}:{node.port}  admin {admin}")
+        from rollart.topology.table import check_report
+
+        lines, problems = check_report(topology)
+        print("\n".join(lines))
+        if problems:
+            print("rollart: " + "\n".join(problems), file=sys.stderr)
+            return EXIT_CONFIG
         print(f"{args.topology}: ok, {len(topology.nodes)} nodes")
         return 0
 
+    from rollart.launch.gpus import place_gpus
+
+    try:  # before setting up vLLM (minutes): a topology this machine's GPUs cannot hold is refused at once
+        place_gpus(topology).check(topology)
+    except ConfigError as exc:
+        print(f"rollart: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if _needs_vllm(topology) and importlib.util.find_spec("vllm") is None:
         return _rerun_with_vllm(argv if argv is not None else sys.argv[1:])
 

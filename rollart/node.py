@@ -24,7 +24,7 @@ import structlog
 
 from rollart.cpus import check_from_env, pin_from_env
 from rollart.errors import ConfigError
-from rollart.topology import Role, Topology, load_topology
+from rollart.topology import NodeSpec, Role, Topology, load_topology
 
 EXIT_CONFIG = 2
 THREAD_GRACE_S = 2.0
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
         topology.read_secret()  # fail here, with the config error, not inside the loop
+        check_visible_gpus(topology, spec)
     except ConfigError as exc:
         say_config_error(exc)
         return EXIT_CONFIG
@@ -116,6 +117,28 @@ def main(argv: list[str] | None = None) -> int:
                 say_config_error(cause)
     _leave_stuck_threads(log, code)
     return code
+
+
+def check_visible_gpus(topology: Topology, spec: NodeSpec) -> None:
+    """A trainer or generator node given `resources.gpus: N` must see at least N CUDA devices (what the
+    launcher's `CUDA_VISIBLE_DEVICES` or Slurm left it): otherwise it would train or generate on fewer, or
+    on CPU, without a word. Only these nodes import torch anyway; a simulated generator uses none."""
+    wanted = spec.resources.gpus
+    if not wanted or spec.role not in (Role.TRAINER, Role.GENERATOR):
+        return
+    if spec.role is Role.GENERATOR and topology.run.generator.backend == "sim":
+        return
+    import torch
+
+    seen = torch.cuda.device_count()
+    if seen < wanted:
+        index = topology.nodes.index(spec)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"{topology.source}: nodes[{index}].resources.gpus: node {spec.name} is given {wanted} GPU(s) but sees "
+            f"{seen} (CUDA_VISIBLE_DEVICES={visible!r}, torch {torch.__version__}, CUDA {torch.version.cuda}): "
+            "start it where its GPUs are, with a CUDA build of torch"
+        )
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

@@ -24,6 +24,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def qwen3_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3-shaped BPE test model (`rollart build-model --preset qwen3-bpe`), built once per test session."""
+    from rollart.models.qwen3_bpe import build_qwen3_bpe_model
+
+    return build_qwen3_bpe_model(tmp_path_factory.mktemp("qwen3-bpe") / "model", seed=0)
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """One intra-op torch thread while the test runs: the tiny model's matmuls gain nothing from

@@ -59,7 +59,7 @@ def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> 
     return {
         "restart": {"policy": "stop-all"},
         "model": {"path": str(model)},
-        "generator": {"backend": "sim", "max_batch_size": 512},
+        "generator": {"backend": "sim", "max_num_seqs": 512},
         "reward_pool": {"min_workers": 1, "max_workers": 2},
         "sim": {
             "speedup": args.speedup,

@@ -314,7 +314,7 @@ def paper_run_spec(
     return {
         "restart": {"policy": "stop-all"},
         "model": {"path": str(model)},
-        "generator": {"backend": "sim", "max_batch_size": 256},
+        "generator": {"backend": "sim", "max_num_seqs": 256},
         "reward_pool": {"min_workers": 2, "max_workers": 2},
         "sim": {
             "speedup": speedup,

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 """vLLM's finish reasons that RollArt has; any other ends the request with `VLLMRequestFailed`."""
+CPU_KV_CACHE_GB = 1.0
+"""KV cache of an engine on CPU when `run.generator.kv_cache_gb` is not given (vLLM would take a quarter of RAM)."""
 _ENV_LOCK = threading.Lock()
 """vLLM reads its CPU settings from the environment of the process it spawns: one engine start at a time edits it."""
 
@@ -43,6 +45,10 @@ class EngineSettings:
     cpu_threads_bind: str | None
     enforce_eager: bool | None
     seed: int
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    cuda_devices: str | None = None
 
 
 def create_engine(settings: EngineSettings, created: list[Any]) -> None:
@@ -54,20 +60,27 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
 
     on_cpu = bool(current_platform.is_cpu())
     env: dict[str, str | None] = {}
-    if on_cpu and settings.kv_cache_gb is not None:
+    kv_cache_gb = settings.kv_cache_gb
+    if on_cpu:
+        kv_cache_gb = CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb
         env["VLLM_CPU_KVCACHE_SPACE"] = None  # the legacy variable would override kv_cache_memory_bytes
+    elif settings.cuda_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = settings.cuda_devices  # this engine's slice of the node's GPUs
     if on_cpu and settings.cpu_threads_bind is not None:
         # An explicit core list; vLLM then reserves no core of its own (with "auto" it keeps one for its
         # scheduler process, which on 2 shared cores ran 16 x 32 tokens 5x faster than using both).
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_threads_bind
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     enforce_eager = on_cpu if settings.enforce_eager is None else settings.enforce_eager
-    kv_cache_bytes = None if settings.kv_cache_gb is None else int(settings.kv_cache_gb * 2**30)
+    kv_cache_bytes = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
     args = AsyncEngineArgs(
         model=str(settings.model_path),
         dtype=settings.dtype,  # type: ignore[arg-type,unused-ignore]
         seed=settings.seed,
         max_num_seqs=settings.max_batch_size,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_bytes,
         enforce_eager=enforce_eager,
         logprobs_mode="processed_logprobs",

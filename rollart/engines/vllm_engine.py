@@ -91,15 +91,22 @@ class VLLMEngine:
         max_batch_size: int = 64,
         dtype: str | torch.dtype = "float32",
         version: int = 0,
-        kv_cache_gb: float | None = 1,
+        kv_cache_gb: float | None = None,
         cpu_threads_bind: str | None = None,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        cuda_devices: str | None = None,
     ) -> None:
-        """`kv_cache_gb`: memory for the KV cache (None: vLLM sizes it, on GPU from `gpu_memory_utilization`).
-        `cpu_threads_bind`: CPU cores for the engine's threads (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0" or "0-3";
-        None: vLLM's choice); ignored on GPU. `enforce_eager`: skip graph compilation (None: eager on CPU, where
-        compiling costs more start-up than it saves, compiled on GPU). `seed`: for requests without their own."""
+        """`kv_cache_gb`: memory for the KV cache (None: 1 GiB on CPU; on GPU vLLM sizes it from
+        `gpu_memory_utilization`, the fraction of each GPU the engine may use). `cpu_threads_bind`: CPU cores for
+        the engine's threads (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0" or "0-3"; None: vLLM's choice); ignored on GPU.
+        `enforce_eager`: skip graph compilation (None: eager on CPU, where compiling costs more start-up than it
+        saves, compiled on GPU). `seed`: for requests without their own. `tensor_parallel_size`: GPUs the model is
+        sharded over. `max_model_len`: longest prompt plus completion (None: the model's own). `cuda_devices`: the
+        GPUs this engine uses (`CUDA_VISIBLE_DEVICES` of its processes; None: the process's own)."""
         if max_batch_size < 1:
             raise InvalidRequest(f"max_batch_size must be at least 1, got {max_batch_size}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -112,6 +119,10 @@ class VLLMEngine:
             cpu_threads_bind=cpu_threads_bind,
             enforce_eager=enforce_eager,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            cuda_devices=cuda_devices,
         )
         self._model_path = self._settings.model_path
         self._version = version

@@ -34,6 +34,7 @@ from typing import Any, Literal, TextIO
 import aiohttp
 
 from rollart.errors import ConfigError
+from rollart.launch.gpus import place_gpus
 from rollart.launch.placement import plan_cpus
 from rollart.launch.terminal import Terminal, describe_exit
 from rollart.node import read_config_error
@@ -150,6 +151,7 @@ class Launcher:
         ]
         self.env = dict(os.environ)
         self.cpus = plan_cpus(topology, sorted(os.sched_getaffinity(0)))
+        self.gpus = place_gpus(topology)
         self.stop_reason: str | None = None
         self.failure: str | None = None
         self._stop = asyncio.Event()
@@ -195,6 +197,8 @@ class Launcher:
             token_path.write_text(token + "\n")
         self.env["PYTHONUNBUFFERED"] = "1"
         self.say(self.cpus.describe(self.topology.nodes))
+        if gpu_line := self.gpus.describe():
+            self.say(gpu_line)
 
     def _warm_up(self, folder: Path) -> None:
         run = self.topology.run
@@ -224,7 +228,7 @@ class Launcher:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
-                env=self.env | self.cpus.env_for(node.spec.name),
+                env=self.env | self.cpus.env_for(node.spec.name) | self.gpus.env_for(node.spec.name),
                 start_new_session=True,  # Ctrl-C reaches the launcher, which drains the nodes
             )
         node.state, node.exit_code, node.status = "starting", None, None
@@ -233,6 +237,7 @@ class Launcher:
 
     async def run(self) -> int:
         check_ports_free(self.topology)
+        self.gpus.check(self.topology)  # a node asking for GPUs this machine lacks: refused before any starts
         self._prepare()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -27,6 +27,7 @@ import structlog
 from rollart.clock import SimClock
 from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
+from rollart.models.checkpoint import generation_eos_ids
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.env_host_modes import EnvHostMode, RollingOut, StatusOnly
 from rollart.protocol import ClientSession, Session
@@ -46,7 +47,8 @@ from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import RolloutSpec
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
-from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
+from rollart.rollout.render import ChatRenderer
+from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
 from rollart.topology import Role
 
 log = structlog.get_logger("rollart.env_host")
@@ -116,9 +118,10 @@ class EnvHostNode(NodeDaemon):
             log.info("env_host.envs_placed", placement=self.envs.status()["placement"])
             path = self.topology.run.model.path
             if self.network is None:
-                self.renderer = ChatRenderer(await asyncio.to_thread(_load_tokenizer, path))
+                tokenizer = await asyncio.to_thread(_load_tokenizer, path)
             else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
-                self.renderer = ChatRenderer(_load_tokenizer(path))
+                tokenizer = _load_tokenizer(path)
+            self.renderer = ChatRenderer(tokenizer, stop_ids=generation_eos_ids(path))
             trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
             async with asyncio.TaskGroup() as tg:
                 if spec.env_stepping == "batch":

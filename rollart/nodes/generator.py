@@ -14,6 +14,7 @@ request whose `min_version` is newer than the weights held waits for the push.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
 import time
@@ -23,8 +24,10 @@ import msgspec
 import structlog
 
 from rollart import cpus
-from rollart.engines.base import GenerationEngine, SamplingParams
+from rollart.engines.base import SamplingParams
+from rollart.engines.engine_set import EngineSet, slices
 from rollart.errors import ConfigError
+from rollart.models.checkpoint import engine_dtype
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import RemoteError
@@ -35,16 +38,26 @@ from rollart.weights import WeightReceiver, ucx_unavailable
 log = structlog.get_logger("rollart.generator")
 
 
-def build_engine(run: RunSpec, hardware: str) -> GenerationEngine:
-    """The configured backend for a generator of `hardware`; imported here so a node without rollout
-    never imports torch."""
-    backend, model_path = run.generator.backend, run.model.path
-    max_batch_size, dtype = run.generator.max_batch_size, run.generator.dtype
-    if backend == "sim":
+def build_engines(run: RunSpec, hardware: str, *, dtype: str, on_gpu: bool) -> EngineSet:
+    """The node's `run.generator.engines` engines of the configured backend, each on its slice of the node's
+    GPUs (or cores); imported here so a node without rollout never imports torch."""
+    spec, model_path = run.generator, run.model.path
+    if spec.backend == "sim":
         from rollart.sim.engine import build_sim_engine
 
-        return build_sim_engine(run.sim, hardware, tokenizer_path=model_path, max_batch_size=max_batch_size)
-    if backend == "vllm":
+        sim = build_sim_engine(run.sim, hardware, tokenizer_path=model_path, max_batch_size=spec.max_num_seqs)
+        return EngineSet([sim])
+    gpus = _visible_gpus() if on_gpu else []
+    gpu_slices = slices(gpus, spec.engines, what="visible GPUs") if on_gpu else [[]] * spec.engines
+    if on_gpu and len(gpu_slices[0]) != spec.tensor_parallel_size:
+        raise ConfigError(
+            f"run.generator: {spec.engines} engines x tensor_parallel_size {spec.tensor_parallel_size} need "
+            f"{spec.gpus_per_node()} GPUs; this node sees {len(gpus)} ({', '.join(gpus) or 'none'})"
+        )
+    given = os.environ.get(cpus.ENV)  # the launcher's share of the machine for this node (rollart.launch.placement)
+    cores = cpus.parse_cpu_list(given) if given else []
+    core_slices = slices(cores, spec.engines, what="CPU cores") if len(cores) >= spec.engines else [[]] * spec.engines
+    if spec.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(
                 "run.generator.backend: vllm is not installed in this environment; run bin/setup-vllm and start "
@@ -52,14 +65,49 @@ def build_engine(run: RunSpec, hardware: str) -> GenerationEngine:
             )
         from rollart.engines.vllm_engine import VLLMEngine
 
-        # the launcher's share of the machine for this node (rollart.launch.placement), if any
-        bind = os.environ.get(cpus.ENV) or None
-        return VLLMEngine(model_path, max_batch_size=max_batch_size, dtype=dtype, cpu_threads_bind=bind)
+        return EngineSet(
+            [
+                VLLMEngine(
+                    model_path,
+                    max_batch_size=spec.max_num_seqs,
+                    dtype=dtype,
+                    kv_cache_gb=spec.kv_cache_gb,
+                    cpu_threads_bind=cpus.cpu_list(core_slice) if core_slice else None,
+                    enforce_eager=spec.enforce_eager,
+                    tensor_parallel_size=spec.tensor_parallel_size,
+                    gpu_memory_utilization=spec.gpu_memory_utilization,
+                    max_model_len=spec.max_model_len,
+                    cuda_devices=",".join(gpu_slice) if gpu_slice else None,
+                )
+                for gpu_slice, core_slice in zip(gpu_slices, core_slices, strict=True)
+            ]
+        )
     import torch
 
     from rollart.engines.hf import HFEngine
 
-    return HFEngine(model_path, max_batch_size=max_batch_size, dtype=getattr(torch, dtype))
+    def device(i: int) -> str:
+        if spec.device != "auto":
+            return spec.device
+        return f"cuda:{i}" if on_gpu else "cpu"
+
+    return EngineSet(
+        [
+            HFEngine(model_path, max_batch_size=spec.max_num_seqs, dtype=getattr(torch, dtype), device=device(i))
+            for i in range(spec.engines)
+        ]
+    )
+
+
+def _visible_gpus() -> list[str]:
+    """The node's GPUs as CUDA numbers them for its processes: its `CUDA_VISIBLE_DEVICES` (set by the launcher
+    or Slurm), else every GPU torch sees."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [gpu.strip() for gpu in given.split(",") if gpu.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 class GeneratorNode(NodeDaemon):
@@ -67,7 +115,7 @@ class GeneratorNode(NodeDaemon):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine: GenerationEngine | None = None
+        self.engine: EngineSet | None = None
         self.ready = asyncio.Event()
         self.served = 0
         self.aborted = 0
@@ -79,11 +127,27 @@ class GeneratorNode(NodeDaemon):
         self.receiver.relay_as(self.identity, self.secret, self.cfg)  # relay chains pass through generators
         self.ucx_port = 0
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the engines run on GPUs: the node was given some (`resources.gpus`), or it runs vLLM where
+        CUDA is (vLLM takes the GPU whatever the topology says)."""
+        if self.spec.resources.gpus > 0:
+            return True
+        return self.topology.run.generator.backend == "vllm" and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    @functools.cached_property
+    def dtype(self) -> str:
+        """The dtype the engines run floating-point weights in (`run.generator.dtype`, auto resolved against the
+        checkpoint and the device): what the weights must arrive in."""
+        run = self.topology.run
+        if run.generator.backend == "sim":
+            return "float32"
+        return engine_dtype(run.generator.dtype, run.model.path, on_gpu=self.on_gpu)
+
     def _weights_dtype(self) -> Any:
-        """The dtype the engine runs floating-point weights in: what they must arrive in."""
         from rollart.weights.buckets import wire_dtype
 
-        return wire_dtype(self.topology.run.generator.dtype, what=f"generator {self.spec.name}")
+        return wire_dtype(self.dtype, what=f"generator {self.spec.name}")
 
     async def _load_weights(self, version: int, weights: dict[str, Any]) -> None:
         await self.ready.wait()
@@ -115,7 +179,7 @@ class GeneratorNode(NodeDaemon):
     async def _serve_engine(self) -> None:
         run = self.topology.run
         started = time.monotonic()
-        engine = build_engine(run, self.spec.hardware)
+        engine = build_engines(run, self.spec.hardware, dtype=self.dtype, on_gpu=self.on_gpu)
         await engine.start()
         if run.generator.backend == "vllm" and (given := os.environ.get(cpus.ENV)):
             pinned = cpus.pin_tree(cpus.parse_cpu_list(given))  # started on every core: now its own
@@ -124,7 +188,14 @@ class GeneratorNode(NodeDaemon):
         self._engine_started = time.monotonic()
         self.engine_start_s = round(self._engine_started - started, 3)
         self.ready.set()
-        log.info("generator.ready", backend=run.generator.backend, start_s=self.engine_start_s)
+        log.info(
+            "generator.ready",
+            backend=run.generator.backend,
+            engines=len(engine.engines),
+            dtype=self.dtype,
+            gpu=self.on_gpu,
+            start_s=self.engine_start_s,
+        )
         try:
             await asyncio.Event().wait()
         finally:
@@ -135,7 +206,7 @@ class GeneratorNode(NodeDaemon):
             case Generate():
                 return await self._generate(msg)
             case WeightsWhere():
-                return WeightsHere(self.receiver.version, self.ucx_port, self.topology.run.generator.dtype)
+                return WeightsHere(self.receiver.version, self.ucx_port, self.dtype)
             case SimWeights():
                 return await self._sim_weights(msg)
             case _:
@@ -147,12 +218,13 @@ class GeneratorNode(NodeDaemon):
         from rollart.sim.engine import SimEngine
 
         await self.ready.wait()
-        if not isinstance(self.engine, SimEngine):
+        engine = self.engine.engines[0] if self.engine is not None else None
+        if not isinstance(engine, SimEngine):
             raise RemoteError("bad-request", f"{self.spec.name} runs no simulated engine")
-        await self.engine.clock.sleep(msg.after_s)
-        self.engine.pause(msg.pause_s)
-        await self.engine.clock.sleep(msg.pause_s)
-        await self.engine.load_weights(msg.version, {})
+        await engine.clock.sleep(msg.after_s)
+        engine.pause(msg.pause_s)
+        await engine.clock.sleep(msg.pause_s)
+        await engine.load_weights(msg.version, {})
         return msg
 
     async def _generate(self, msg: Generate) -> Generated:
@@ -162,7 +234,7 @@ class GeneratorNode(NodeDaemon):
         assert self.engine is not None
         params = msgspec.convert(msg, SamplingParams, from_attributes=True)  # its sampling fields, by name
         try:
-            result = await self.engine.generate(msg.request_id, msg.prompt_ids, params)
+            result = await self.engine.generate(msg.request_id, msg.prompt_ids, params, key=msg.trajectory_id)
         except asyncio.CancelledError:
             self.aborted += 1  # the caller gave up: the engine has aborted the request
             raise

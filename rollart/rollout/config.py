@@ -30,6 +30,9 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     format_warmup_steps: int = 0
     """After building the tiny model: supervised steps on random *valid* actions of the run's tasks
     (the reply format only, never a solution; `rollart.tiny.warmup`); 0: none."""
+    shape: str | None = None
+    """A preset of `rollart.models.presets` (`qwen3-8b`, ...) that `rollart check` sizes the nodes for while
+    `path` has no config.json yet; a checkpoint's own config.json wins when there is one. None: only that."""
 
 
 class TaskSpec(msgspec.Struct, **_STRUCT):
@@ -56,15 +59,26 @@ class TaskSpec(msgspec.Struct, **_STRUCT):
     system_prompt: str | None = None
     """Replaces the environment's system prompt; "" for none (a tiny model cannot read instructions,
     and every prompt gets shorter). None: the environment's own."""
-    context: Literal["full", "last"] = "full"
-    """full: each turn's prompt is the whole conversation so far. last: the system prompt and the
-    latest observation alone, for environments whose observation says everything (FrozenLake's
-    board): short prompts to generate from and to train on; the trainer trains each turn as its
-    own sequence with the trajectory's advantage."""
+    context: Literal["full", "template", "last"] = "full"
+    """What each turn's prompt holds (`rollart.rollout.render`). full: the whole conversation as it happened,
+    the model's earlier replies token for token, thinking included: one sequence per trajectory. template:
+    the conversation as the model's chat template renders it (Qwen3's drops earlier turns' thinking), what
+    the model will be shown when served with that template; a turn the template rewrote starts a sequence
+    of its own. last: the system prompt and the latest observation alone, for environments whose
+    observation says everything (FrozenLake's board). The trainer trains each sequence on its own with the
+    trajectory's advantage."""
+    thinking: bool | None = None
+    """Passed to the chat template as `enable_thinking` (Qwen3: false adds an empty `<think></think>` to the
+    generation prompt, so the model answers at once); None: the template's default. The environment and
+    the reward always get the reply after its thinking."""
 
     def system_for(self, env_system_prompt: str) -> str:
         """The system prompt of this task's conversations in an environment with `env_system_prompt`."""
         return env_system_prompt if self.system_prompt is None else self.system_prompt
+
+    def chat_options(self) -> dict[str, Any]:
+        """Keyword arguments for the model's chat template."""
+        return {} if self.thinking is None else {"enable_thinking": self.thinking}
 
 
 class SamplingSpec(msgspec.Struct, **_STRUCT):

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from rollart.envs import EnvHandle
 from rollart.errors import RollartError
@@ -28,70 +28,7 @@ from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.proxy import LLMProxy
-
-
-class Tokenizer(Protocol):
-    """The part of a Hugging Face tokenizer a trajectory uses."""
-
-    eos_token_id: int | None
-
-    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
-
-    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
-
-    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
-
-    def convert_tokens_to_ids(self, token: str) -> Any: ...
-
-    def convert_ids_to_tokens(self, ids: int) -> Any: ...
-
-
-class ChatRenderer:
-    """Turns a conversation into token ids with the model's own chat template.
-
-    Later turns are rendered as the text the template adds after the assistant's reply, so the
-    generated ids are kept exactly as sampled and only the environment's text is tokenized.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-        self.stop_ids = sorted(i for i in stops if isinstance(i, int) and i >= 0)
-
-    def render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        if not isinstance(text, str):  # a check, not an assert: `python -O` would drop it
-            raise TypeError(f"the chat template rendered {type(text).__name__}, not text (tokenize=False)")
-        return text
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def first_prompt(self, system: str, observation: str) -> tuple[list[dict[str, str]], list[int]]:
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": observation})
-        return messages, self.encode(self.render(messages, generation_prompt=True))
-
-    def next_turn(
-        self, messages: list[dict[str, str]], reply: str, generated: list[int], observation: str
-    ) -> list[int]:
-        """Ids that follow the generated reply: the end of the assistant turn, the observation
-        as the next user turn, and the next generation prompt. `messages` is extended."""
-        before = self.render(messages, generation_prompt=True)
-        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
-        after = self.render(messages, generation_prompt=True)
-        if not after.startswith(before + reply):
-            raise ValueError("the chat template does not render the reply verbatim after the generation prompt")
-        tail = after[len(before) + len(reply) :]
-        if generated and generated[-1] in self.stop_ids:
-            stop_text = self.tokenizer.convert_ids_to_tokens(generated[-1])
-            if isinstance(stop_text, str) and tail.startswith(stop_text):
-                tail = tail[len(stop_text) :]  # the model already generated the end of its turn
-        return self.encode(tail)
-
+from rollart.rollout.render import ChatRenderer
 
 Scorer = Callable[[Score], Awaitable[float]]
 T = TypeVar("T")
@@ -161,29 +98,47 @@ class _History:
 
 @dataclass
 class _Conversation:
-    """What each turn is prompted with: the whole conversation so far, or with `context: last` the
-    system prompt and the latest observation alone."""
+    """What each turn is prompted with (the task's `context`): the conversation as it happened (`full`), as
+    the chat template renders it (`template`), or the system prompt and the latest observation (`last`)."""
 
     renderer: ChatRenderer
+    task: TaskSpec
     system: str
-    last_only: bool
     messages: list[dict[str, str]]
     first: list[int]
     """The first prompt's ids."""
     current: list[int]
-    """This turn's prompt when `last_only`."""
+    """This turn's prompt when it starts a sequence of its own."""
+    since: int = 0
+    """Where in the history the current sequence's tokens after `current` begin."""
 
     def prompt(self, history: _History) -> list[int]:
-        return self.current if self.last_only else self.first + history.ids
+        if self.task.context == "full":
+            return self.first + history.ids
+        return self.current + history.ids[self.since :]
 
     def advance(self, history: _History, reply: str, generated: list[int], observation: str, *, more: bool) -> None:
         """Add what follows `reply` to `history`; `more`: another turn follows (a fresh prompt needs one)."""
-        if not self.last_only:
-            history.context(self.renderer.next_turn(self.messages, reply, generated, observation))
-            return
-        self.messages, self.current = self.renderer.first_prompt(self.system, observation)
+        options = self.task.chat_options()
+        if self.task.context == "last":
+            self.messages, fresh = self.renderer.first_prompt(self.system, observation, options)
+        else:
+            turn = self.renderer.next_turn(
+                self.messages,
+                reply,
+                generated,
+                observation,
+                as_template=self.task.context == "template",
+                options=options,
+            )
+            if not turn.fresh:
+                history.context(turn.ids)
+                return
+            fresh = turn.ids
         if more:  # no prompt without a reply to train on
-            history.fresh_prompt(self.current)
+            self.current = fresh
+            history.fresh_prompt(fresh)
+            self.since = len(history.ids)
 
 
 async def run_trajectory(
@@ -211,9 +166,9 @@ async def run_trajectory(
     try:
         observation, info = await history.timed("env", runner.reset(job.seed))
         system = task.system_for(env.system_prompt)
-        messages, prompt_ids = renderer.first_prompt(system, observation)
-        prompt_text = renderer.render(messages, generation_prompt=True)
-        talk = _Conversation(renderer, system, task.context == "last", messages, prompt_ids, prompt_ids)
+        messages, prompt_ids = renderer.first_prompt(system, observation, task.chat_options())
+        prompt_text = renderer.render(messages, generation_prompt=True, options=task.chat_options())
+        talk = _Conversation(renderer, task, system, messages, prompt_ids, prompt_ids)
         started_at_version: int | None = None
         env_reward, turns, finish = 0.0, 0, "max-turns"
         max_turns = task.max_turns or env.max_turns
@@ -242,8 +197,10 @@ async def run_trajectory(
             if result.finish_reason == "abort":
                 raise TrajectoryAborted(f"{request.request_id} was aborted on {result.generator}")
             reply = renderer.decode(result.token_ids)
-            history.generated(result, reply)
-            observation, reward, terminated, truncated, info = await history.timed("env", runner.step(reply))
+            history.generated(result, renderer.answer(reply))
+            observation, reward, terminated, truncated, info = await history.timed(
+                "env", runner.step(renderer.answer(reply))
+            )
             env_reward += reward
             turns += 1
             if terminated or truncated:

@@ -34,7 +34,7 @@ import torch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.envs import make_env
 from rollart.rollout.config import TaskSpec
-from rollart.rollout.trajectory import ChatRenderer
+from rollart.rollout.render import ChatRenderer
 from rollart.tiny.model import MARKER_FILE
 
 log = structlog.get_logger("rollart.warmup")
@@ -47,20 +47,22 @@ again (`warmup_outdated`)."""
 
 def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
     """One episode of `task` under the random valid policy, as the trainer would see it: rows of
-    token ids and the mask of reply tokens (one row per turn with `context: last`, else one)."""
+    token ids and the mask of reply tokens (a row per turn with `context: last`, a new one where
+    `context: template` starts a sequence, else one)."""
     env = make_env(task.env, **task.env_kwargs)
     observation, _ = env.reset(rng.randrange(2**31))
     system = task.system_for(env.system_prompt)
-    messages, ids = renderer.first_prompt(system, observation)
+    options = task.chat_options()
+    messages, ids = renderer.first_prompt(system, observation, options)
     mask = [0] * len(ids)
     rows = [(ids, mask)]
-    stop = renderer.stop_ids[-1]
+    stop = renderer.turn_end_id
     for _ in range(task.max_turns or env.max_turns):
         reply = env.sample_action(rng)
         if reply is None:
             raise ValueError(f"task {task.name!r}: env {task.env!r} has no sample_action; it cannot be warmed up")
         generated = renderer.encode(reply)
-        if len(generated) < task.max_tokens_per_turn:
+        if stop is not None and len(generated) < task.max_tokens_per_turn:
             generated.append(stop)  # the model ends its turn itself unless the token budget ends it
         if len(ids) + len(generated) > task.max_total_tokens:
             break
@@ -70,13 +72,18 @@ def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -
         if terminated or truncated:
             break
         if task.context == "last":
-            messages, ids = renderer.first_prompt(system, observation)
-            mask = [0] * len(ids)
-            rows.append((ids, mask))
-            continue
-        context = renderer.next_turn(messages, reply, generated, observation)
-        ids += context
-        mask += [0] * len(context)
+            messages, ids = renderer.first_prompt(system, observation, options)
+        else:
+            turn = renderer.next_turn(
+                messages, reply, generated, observation, as_template=task.context == "template", options=options
+            )
+            if not turn.fresh:
+                ids += turn.ids
+                mask += [0] * len(turn.ids)
+                continue
+            ids = turn.ids
+        mask = [0] * len(ids)
+        rows.append((ids, mask))
     return [(ids, mask) for ids, mask in rows if any(mask)]
 
 

@@ -24,11 +24,12 @@ from rollart.engines.config import GeneratorSpec
 from rollart.engines.training import RankLayout, TrainerSpec
 from rollart.envs.registry import unknown_env
 from rollart.errors import ConfigError
+from rollart.models.presets import preset, unknown_preset
 from rollart.protocol.config import SessionConfig
 from rollart.rewards.config import RewardPoolSpec
 from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
-from rollart.topology import trainers
+from rollart.topology import gpus, trainers
 from rollart.topology.explain import explain
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -72,6 +73,16 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     reserves them rounded up (1 when not given)."""
     gpus: int = 0
     """GPUs given to the node."""
+    gpu_type: str | None = None
+    """The kind of those GPUs (H100, H800, H200, H20, A100-80G, L40S, ...: `rollart.topology.gpus`), whose
+    memory `rollart check` sizes the node against; None: not sized."""
+    gpu_memory_gb: float | None = None
+    """Memory of each of those GPUs in GiB, for a kind not in the table; overrides the table's."""
+    gpu_ids: list[int] | None = None
+    """Which of its host's GPUs the node gets (indices into what the launcher sees); None: the next free
+    ones, in topology order. Slurm picks its own."""
+    share_gpus: bool = False
+    """Whether another node may be given the same GPUs; two nodes share one only when both say so."""
     memory_gb: float | None = None
     """Memory limit in GiB; None: no limit."""
 
@@ -283,6 +294,9 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems += _check_env_names(run.rollout.tasks, run.env_modules)
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
     problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
+    problems += [(f"run.generator.{field}", problem) for field, problem in run.generator.validate()]
+    if run.model.shape is not None and preset(run.model.shape) is None:
+        problems.append(("run.model.shape", unknown_preset(run.model.shape)))
     if run.generator.backend == "sim":
         for i, node in enumerate(topology.nodes):
             if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
@@ -317,7 +331,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb"), ("gpus",))
         if node.restart is not None:
             problems += _check_restart(f"{at}.restart", node.restart)
-    return problems + trainers.check_trainer_groups(topology)
+    return problems + trainers.check_trainer_groups(topology) + gpus.check_gpus(topology)
 
 
 def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ MATH_TOKENS = 600
 
 def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "") -> str:
     return f"""  model: {{path: {model}}}
-  generator: {{backend: sim, max_batch_size: 128}}
+  generator: {{backend: sim, max_num_seqs: 128}}
   sim:
     speedup: {speedup}
     model: qwen3-8b{sim_extra}

@@ -35,7 +35,8 @@ from rollart.nodes.env_host import EnvHostNode
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import SamplingSpec, TaskSpec
-from rollart.rollout.trajectory import ChatRenderer, TrajectoryJob, run_trajectory
+from rollart.rollout.render import ChatRenderer
+from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
 from rollart.topology import parse_topology
 from tests.support import ROOT
 

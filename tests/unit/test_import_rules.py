@@ -30,6 +30,8 @@ RULES: dict[str, set[str]] = {
     "protocol": set(),
     # pure code over plain data: no network, no nodes, no engines
     "algorithms": set(),
+    # model folders and shapes: config.json, generation config, presets, the test model's recipe
+    "models": set(),
     "envs": set(),
     "tasks": {"envs"},
     "rewards": {"envs"},
@@ -37,16 +39,16 @@ RULES: dict[str, set[str]] = {
     # running env calls in threads and worker processes: its own frames on a pipe
     "envexec": {"envs", "tasks", "protocol"},
     # engines are driven by their node: no nodes, no protocol, no rollout
-    "engines": {"algorithms"},
+    "engines": {"algorithms", "models"},
     # the weight path: the wire and the bulk transfer
     "weights": {"protocol"},
     # trajectory coroutines, routing, buffers: other nodes only through protocol sessions, never an engine
     "rollout": {"protocol", "envs", "envexec", "rewards", "algorithms"},
     # the typed topology: no torch, no nodes
-    "topology": {"protocol", "rollout", "envs", "envexec", "rewards", "engines", "sim", "algorithms"},
+    "topology": {"protocol", "rollout", "envs", "envexec", "rewards", "engines", "sim", "algorithms", "models"},
     "plugins": {"envs", "rewards"},
     # the tiny model and its warm-up: a recipe over engines, envs, tasks and rollout
-    "tiny": {"engines", "envs", "tasks", "rollout", "algorithms"},
+    "tiny": {"engines", "envs", "tasks", "rollout", "algorithms", "models"},
     # the daemons put the parts together
     "nodes": set(),  # every part of a run (filled in below, from ROWS)
     "rundir": set(),
@@ -69,10 +71,11 @@ RULES: dict[str, set[str]] = {
         "sim",
         "envs",
         "rewards",
+        "models",
     },
     "admin_cli": {"protocol", "topology", "rundir"},
     # `rollart export` reads a checkpoint with the engines that wrote it
-    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol", "engines"},
+    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol", "engines", "models"},
     "__main__": {"cli"},
     "__init__": set(),
     # tools for testing a deployment (fault injection, topology building): imports anything, imported by nothing
@@ -82,7 +85,7 @@ RULES: dict[str, set[str]] = {
 # The rows of docs/architecture.md's picture: a part imports only parts on lower rows.
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
-    **dict.fromkeys(["protocol", "algorithms", "envs", "rundir", "step_times", "cpus", "__init__"], 0),
+    **dict.fromkeys(["protocol", "algorithms", "models", "envs", "rundir", "step_times", "cpus", "__init__"], 0),
     **dict.fromkeys(["engines", "tasks", "rewards", "weights"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
     "rollout": 3,

@@ -14,7 +14,7 @@ from rollart.launch.local import after_failure
 from rollart.topology import RestartPolicy, parse_topology
 
 TOPOLOGY = """
-run: {name: demo}
+run: {name: demo, trainer: {backend: fsdp2, ranks: 4}}
 nodes:
   - {name: trainer, role: trainer, port: 7001, admin_port: 8001, resources: {cpus: 8, gpus: 4, memory_gb: 64}}
   - {name: gen-a, role: generator, hardware: compute, port: 7002, admin_port: 8002, resources: {gpus: 1}}

@@ -1,0 +1,149 @@
+"""A decoder-only transformer's shape, read from a checkpoint's `config.json` without loading it, and
+what that shape costs: parameters, weight bytes, KV-cache bytes per token.
+
+    shape = read_shape("models/Qwen3-8B")   # or shape_from_config(json.load(...))
+    shape.params()                          # 8_190_735_360
+    shape.kv_bytes_per_token("bfloat16")    # 147_456: keys and values of every layer for one token
+
+It reads the keys Qwen3, Qwen2/2.5 and Llama write (`hidden_size`, `intermediate_size`,
+`num_hidden_layers`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`,
+`tie_word_embeddings`, `max_position_embeddings`, and the dtype as `torch_dtype` or, from
+transformers 5, `dtype`). The parameter count is exact for these families: embeddings, per layer
+the q/k/v/o projections (with q/k/v biases where the family has them: Qwen2), Qwen3's per-head
+q/k norms, the SwiGLU MLP (gate, up, down) and two RMSNorms, then the final norm and the output
+head unless it is tied to the embeddings. Imports no torch and nothing of `rollart`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
+"""Bytes per element of the dtypes a checkpoint or an engine names."""
+
+_QKV_BIAS_TYPES = {"qwen2"}
+"""Families whose q/k/v projections have biases (Qwen2 and Qwen2.5 write model_type qwen2)."""
+_QK_NORM_TYPES = {"qwen3"}
+"""Families with an RMSNorm over each head's queries and keys."""
+
+
+class ShapeError(ValueError):
+    """A config.json that does not describe a decoder this module can size; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What sizing needs to know about a decoder-only transformer."""
+
+    name: str
+    """Where the shape came from: a preset's name or the checkpoint folder."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    max_position_embeddings: int
+    dtype: str = "bfloat16"
+    """The checkpoint's own dtype (`torch_dtype` / `dtype` in config.json); float32 when it names none."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's queries and keys (head_dim weights each)."""
+    qkv_bias: bool = False
+    """Qwen2/2.5: biases on the q, k and v projections."""
+
+    def embedding_params(self) -> int:
+        """The input embeddings (and the output head again when it is not tied to them)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def layer_params(self) -> int:
+        """One decoder layer: attention, MLP and the two norms."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * (q + 2 * kv) + q * self.hidden
+        attention += (q + 2 * kv) if self.qkv_bias else 0
+        attention += 2 * self.head_dim if self.qk_norm else 0
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def params(self) -> int:
+        """Every parameter: embeddings, layers, the final norm, the output head unless tied."""
+        return self.embedding_params() + self.layers * self.layer_params() + self.hidden
+
+    def weight_bytes(self, dtype: str | None = None) -> int:
+        """The weights in `dtype` (None: the checkpoint's own)."""
+        return self.params() * dtype_bytes(dtype or self.dtype)
+
+    def kv_bytes_per_token(self, dtype: str | None = None, tensor_parallel: int = 1) -> int:
+        """Keys and values of every layer for one token, on one of `tensor_parallel` GPUs (each holds
+        its share of the KV heads; a head is replicated when there are more GPUs than KV heads)."""
+        heads_per_gpu = -(-self.kv_heads // tensor_parallel)
+        return 2 * self.layers * heads_per_gpu * self.head_dim * dtype_bytes(dtype or self.dtype)
+
+    def describe(self) -> str:
+        """One line for `rollart check`: size, layers, width and dtype."""
+        tied = ", tied embeddings" if self.tied_embeddings else ""
+        return (
+            f"{self.name}: {self.params() / 1e9:.2f}B parameters, {self.layers} layers, hidden {self.hidden}, "
+            f"{self.heads} heads / {self.kv_heads} KV heads x {self.head_dim}, vocabulary {self.vocab}{tied}, "
+            f"{self.max_position_embeddings} positions, {self.dtype}"
+        )
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of `dtype` (float32, bfloat16, float16, or torch's spelling `torch.bfloat16`)."""
+    name = dtype.removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ShapeError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[name]
+
+
+def shape_from_config(config: dict[str, Any], name: str = "config.json") -> ModelShape:
+    """The shape a Hugging Face `config.json` (already parsed) describes; `name` names it in errors."""
+    text = config.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in config:
+        config = {**config, **text}  # multimodal wrappers keep the decoder's keys in text_config
+    missing = [
+        key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if key not in config
+    ]
+    if missing:
+        raise ShapeError(f"{name}: not a decoder config this can size: no {', '.join(missing)}")
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        model_type = str(config.get("model_type", ""))
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+        shape = ModelShape(
+            name=name,
+            layers=int(config["num_hidden_layers"]),
+            hidden=hidden,
+            intermediate=int(config.get("intermediate_size") or 4 * hidden),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+            dtype=dtype,
+            qk_norm=model_type in _QK_NORM_TYPES,
+            qkv_bias=model_type in _QKV_BIAS_TYPES or bool(config.get("attention_bias", False)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"{name}: {exc}") from exc
+    dtype_bytes(shape.dtype)  # an unknown dtype fails here, naming it
+    return shape
+
+
+def read_shape(folder: str | Path) -> ModelShape:
+    """The shape of the checkpoint in `folder`, from its config.json; ShapeError (or OSError) when it
+    cannot be read or sized."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ShapeError(f"{path}: not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ShapeError(f"{path}: expected a JSON object")
+    return shape_from_config(config, str(Path(folder)))
