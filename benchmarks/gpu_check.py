@@ -1,4 +1,5 @@
-"""The trainer's GPU check: GRPO steps of the real training engines on a Qwen3-1.7B-shaped model, bf16.
+"""The GPU check: GRPO steps of the real training engines, HF-engine generation and a weight push into
+it, on a Qwen3-1.7B-shaped model, bf16.
 
 Run it through `bin/gpu-check` (which puts this checkout and the wheels the GPU machine lacks on
 `PYTHONPATH`), from the repository root:
@@ -11,28 +12,39 @@ It builds the model here, with random weights (nothing is downloaded): Qwen3-1.7
 2048, 28 layers, 16 heads of 128, 8 KV heads, MLP 6144, vocabulary 151,936, tied embeddings, about
 1.72 B parameters), saved in Hugging Face format in bf16, with the tiny model's character
 tokenizer (the engine needs only pad and eos; the batch's token ids are random over the whole
-vocabulary). Then each row builds a training engine (`build_training_engine`, as the trainer node
-does), takes `--warmup` steps and `--steps` measured ones on the same kind of batch (`--rows`
-rows of `--tokens` tokens at most, lengths uniform over [tokens/2, tokens], the second half of each
-row the response), takes `export_weights()` once, and closes it. Each row's line is written as soon
-as it is measured, so a run cut short still leaves the rows it finished; a row that fails says why
-and the next one runs.
+vocabulary). Then each training row builds a training engine (`build_training_engine`, as the
+trainer node does), takes `--warmup` steps and `--steps` measured ones on the same kind of batch
+(`--rows` rows of `--tokens` tokens at most, lengths uniform over [tokens/2, tokens], the second
+half of each row the response), takes `export_weights()` once, and closes it. The generation row,
+the weight-push row (one training step, its export pushed over loopback TCP into an `HFEngine`,
+whose greedy output is then checked against a fresh model holding the exported weights) and the
+megatron row (skipped, with the reason, where that backend or `megatron.core` is missing, and on
+CPU) are described in `benchmarks/gpu_check_rows.py`. Each row's line is written as soon as it is
+measured, so a run cut short still leaves the rows it finished; a row that fails says why and the
+next one runs. The rows, in order (`--only N`): fsdp2 fp32 master, torch, generation, weight push,
+megatron, fsdp2 pure bf16, fsdp2 with activation checkpointing.
 
-Time: estimated (not measured: it has not run on a GPU yet) at under a minute to build the model
-and about a minute per row; no row starts after `--budget-s` (300 s), so a run ends within about 7
-minutes, leaving room for the machine's start in an 8-minute slot.
+Time: estimated (not measured: it has not run on a GPU yet) at under a minute to build the model,
+about a minute per training row, half a minute for generation and one to one and a half for the
+push; no row starts after `--budget-s` (300 s), so a run ends within about 7 minutes, leaving room
+for the machine's start in an 8-minute slot (the last rows are the first to be cut).
 
 What the columns mean:
-- step s: the median wall time of `train_step` as the trainer node calls it (one optimizer step);
-- tokens/s: the batch's real (unpadded) tokens over step s;
+- step s: the median wall time of `train_step` as the trainer node calls it (one optimizer step;
+  the push row: its one step);
+- tokens/s: the batch's real (unpadded) tokens over step s; generation: generated tokens over the
+  round's wall time;
 - MFU: 6 x parameters x real tokens / step s / peak (`--peak-tflops`, 989: an H200's dense bf16).
   6 x parameters counts the forward and backward matmuls per token; attention scores and the
   output head's recomputation in the chunked log-probs are not counted, nor padding;
 - peak GiB: the rank's `torch.cuda.max_memory_allocated` over a step (`peak_bytes_r0`);
+  generation: over the measured round; push: from its training step on (trainer, engine, reference);
 - state GiB: parameters, gradients and optimizer state the rank holds (`state_bytes_r0`);
 - export s: one `export_weights()`, the weights by Hugging Face name as the weight push takes them
   (fsdp2: gathered and sent from the rank process in buckets; torch: tensors that alias the live
-  parameters, nothing copied).
+  parameters, nothing copied);
+- push GiB/s: bytes received over the wall time from `publish` to the receiver's acknowledgement;
+- start s: loading the engine(s); notes: what a generation or push row did, and the greedy check.
 """
 
 from __future__ import annotations
@@ -50,9 +62,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from gpu_check_rows import measure_generation, measure_push, megatron_unavailable  # benchmarks/gpu_check_rows.py
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.algorithms.grpo import PackedBatch
@@ -84,22 +97,33 @@ SMOKE = Shape(64, 2, 4, 2, 16, 128, 512)
 class Row:
     name: str
     spec: dict[str, Any]
-    """TrainerSpec fields on top of the common ones."""
+    """TrainerSpec fields on top of the common ones (generate: none)."""
     micro_batch_factor: int = 1
     """micro_batch_tokens: this many times --micro-batch-tokens."""
+    kind: Literal["train", "generate", "push"] = "train"
 
 
 ROWS = [
     Row("fsdp2, 1 rank, fp32 master, bf16 compute", {"backend": "fsdp2", "precision": "bf16"}),
-    Row("fsdp2, 1 rank, pure bf16", {"backend": "fsdp2", "master_dtype": "bf16"}),
     Row("torch, bf16 autocast, fp32 master", {"backend": "torch", "precision": "bf16"}),
+    Row("HF engine generate, bf16, concurrent requests", {}, kind="generate"),
+    Row(
+        "weight push: torch step -> loopback TCP -> HF engine, greedy check",
+        {"backend": "torch", "precision": "bf16"},
+        kind="push",
+    ),
+    Row(
+        "megatron, tp 1, pp 1, fp32 master, bf16 compute",
+        {"backend": "megatron", "precision": "bf16", "tensor_parallel": 1, "pipeline_parallel": 1},
+    ),
+    Row("fsdp2, 1 rank, pure bf16", {"backend": "fsdp2", "master_dtype": "bf16"}),
     Row(
         "fsdp2, 1 rank, fp32 master, bf16 compute, activation checkpointing, 4x micro-batch",
         {"backend": "fsdp2", "precision": "bf16", "activation_checkpointing": True},
         micro_batch_factor=4,
     ),
 ]
-"""The rows, most important first."""
+"""The rows, most important first (what has never run on a GPU before the variants)."""
 
 
 def build_model(folder: Path, shape: Shape, device: str) -> int:
@@ -143,10 +167,22 @@ def random_batch(seed: int, *, rows: int, tokens: int, vocab: int) -> PackedBatc
     return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, advantages, versions)
 
 
-def measure(row: Row, model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Build the row's engine, train, export, close; the row's numbers."""
+def run_row(row: Row, model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The row's numbers, or {"skipped": why} for a row this machine cannot run."""
     spec = {"device": args.device, "lr": 1e-6, "micro_batch_tokens": args.micro_batch_tokens * row.micro_batch_factor}
     spec |= row.spec | ({"threads": 1} if args.device == "cpu" else {})
+    if row.kind == "generate":
+        return measure_generation(model, args)
+    if row.kind == "push":
+        batch = random_batch(0, rows=min(args.rows, 8), tokens=min(args.tokens, 256), vocab=args.vocab)
+        return measure_push(model, TrainerSpec(**spec | {"lr": args.push_lr}), batch, args)
+    if row.spec["backend"] == "megatron" and (why := megatron_unavailable(args.device)):
+        return {"skipped": why}
+    return measure(spec, model, parameters, args)
+
+
+def measure(spec: dict[str, Any], model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Build the row's training engine, train, export, close; the row's numbers."""
     started = time.perf_counter()
     engine = build_training_engine(TrainerSpec(**spec), model, seed=0)
     out: dict[str, Any] = {"start_s": time.perf_counter() - started, "describe": engine.describe()}
@@ -161,9 +197,9 @@ def measure(row: Row, model: Path, parameters: int, args: argparse.Namespace) ->
                 raise RuntimeError(f"step {step}: loss {stats['loss']}")
             if step >= args.warmup:
                 times.append(took)
-                peaks.append(stats["peak_bytes_r0"])
+                peaks.append(stats.get("peak_bytes_r0", math.nan))  # a new backend may not say
                 tokens.append(int(batch.attention_mask.sum()))
-                out["state_bytes"] = stats["state_bytes_r0"]
+                out["state_bytes"] = stats.get("state_bytes_r0", math.nan)
         began = time.perf_counter()
         weights = engine.export_weights()
         out["export_s"] = time.perf_counter() - began
@@ -180,26 +216,61 @@ def measure(row: Row, model: Path, parameters: int, args: argparse.Namespace) ->
     return out
 
 
+COLUMNS = [  # header, key in a row's numbers, format; "-" where a row has no such number
+    ("step s", "step_s", "{:.2f}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("peak GiB", "peak_gib", "{:.1f}"),
+    ("state GiB", "state_gib", "{:.1f}"),
+    ("export s", "export_s", "{:.1f}"),
+    ("push GiB/s", "push_gib_s", "{:.2f}"),
+    ("start s", "start_s", "{:.0f}"),
+]
+
+
+def notes(got: dict[str, Any]) -> str:
+    """What a generation or push row did, in words."""
+    if "generated_tokens" in got:
+        return (
+            f"{got['requests']} requests, {got['prompt_tokens']:,} prompt and {got['generated_tokens']:,} "
+            f"generated tokens in {got['wall_s']:.2f} s, {got['batches']} batch(es)"
+        )
+    if "greedy_match" in got:
+        return (
+            f"{got['push_bytes'] / (1 << 20):,.1f} MiB in {got['push_s']:.2f} s; "
+            f"greedy match: {str(got['greedy_match']).lower()} (output changed by the push: "
+            f"{str(got['changed']).lower()})"
+        )
+    return ""
+
+
+def cell(value: Any, fmt: str) -> str:
+    """A number in the table; "-" for none (a row without that measure, a backend that does not say)."""
+    return fmt.format(value) if isinstance(value, int | float) and math.isfinite(value) else "-"
+
+
 def table(results: list[tuple[Row, dict[str, Any]]]) -> list[str]:
     lines = [
-        "| row | step s | tokens/s | MFU | peak GiB | state GiB | export s | start s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | " + " | ".join(header for header, _, _ in COLUMNS) + " | notes |",
+        "|---|" + "---|" * (len(COLUMNS) + 1),
     ]
+    blank = " |" * len(COLUMNS)
     for row, got in results:
         if "error" in got:
-            lines.append(f"| {row.name} | failed: {got['error']} | | | | | | |")
+            lines.append(f"| {row.name} | failed: {got['error']} |{blank}")
             continue
-        mfu = f"{got['mfu']:.1%}" if "mfu" in got else "-"
-        lines.append(
-            f"| {row.name} | {got['step_s']:.2f} | {got['tokens_per_s']:,.0f} | {mfu} | "
-            f"{got['peak_bytes'] / GIB:.1f} | {got['state_bytes'] / GIB:.1f} | {got['export_s']:.1f} | "
-            f"{got['start_s']:.0f} |"
-        )
+        if "skipped" in got:
+            lines.append(f"| {row.name} | skipped: {got['skipped']} |{blank}")
+            continue
+        numbers = got | {f"{key}_gib": got[f"{key}_bytes"] / GIB for key in ("peak", "state") if f"{key}_bytes" in got}
+        cells = [cell(numbers.get(key), fmt) for _, key, fmt in COLUMNS]
+        lines.append(f"| {row.name} | " + " | ".join(cells) + f" | {notes(got)} |")
     return lines
 
 
 def report(args: argparse.Namespace, header: list[str], results: list[tuple[Row, dict[str, Any]]]) -> str:
-    text = "\n".join([*header, "", *table(results), ""])
+    skipped = [f"- skipped: {row.name}: {got['skipped']}" for row, got in results if "skipped" in got]
+    text = "\n".join([*header, *(skipped or ["- skipped: nothing"]), "", *table(results), ""])
     failures = [(row, got["traceback"]) for row, got in results if "traceback" in got]
     for row, trace in failures:
         text += f"\n### {row.name}: the failure\n\n```\n{trace}```\n"
@@ -219,6 +290,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="run.trainer.micro_batch_tokens")
     parser.add_argument("--warmup", type=int, default=1, help="steps before measuring")
     parser.add_argument("--steps", type=int, default=3, help="steps measured")
+    parser.add_argument("--gen-requests", type=int, default=64, help="generation: concurrent requests")
+    parser.add_argument("--gen-prompt", type=int, default=256, help="generation: the longest prompt's tokens")
+    parser.add_argument("--gen-tokens", type=int, default=256, help="generation: max_tokens per request")
+    parser.add_argument("--push-prompts", type=int, default=4, help="push: prompts decoded greedily")
+    parser.add_argument("--push-prompt", type=int, default=64, help="push: the longest prompt's tokens")
+    parser.add_argument("--push-tokens", type=int, default=32, help="push: greedy tokens per prompt")
+    parser.add_argument("--push-lr", type=float, default=1e-2, help="push: the step's learning rate")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (MFU)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no row after this many seconds")
     parser.add_argument("--only", type=int, action="append", help="run only these rows (1-based; repeatable)")
@@ -230,6 +308,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.cpu_smoke:
         args.device, args.shape, args.peak_tflops = "cpu", SMOKE, 0.0
         args.rows, args.tokens, args.micro_batch_tokens, args.steps = 4, 32, 64, 1
+        args.gen_requests, args.gen_prompt, args.gen_tokens = 8, 16, 8
+        args.push_prompts, args.push_prompt, args.push_tokens = 2, 8, 8
     args.vocab = args.shape.vocab_size
     return args
 
@@ -249,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = f"{props.name}, {props.total_memory / GIB:.0f} GiB, CUDA {torch.version.cuda}"
     rows = [row for i, row in enumerate(ROWS, start=1) if not args.only or i in args.only]
     header = [
-        f"# Trainer GPU check ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
+        f"# GPU check ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
         "",
         f"- device: {gpu}; torch {torch.__version__}, transformers {transformers.__version__}",
         f"- machine: {describe([])}",
@@ -269,14 +349,19 @@ def main(argv: list[str] | None = None) -> int:
             f"- MFU: {mfu}" + (" (H200 dense bf16)" if args.peak_tflops == 989.0 else "")
             if args.peak_tflops > 0
             else "- MFU: not computed (no peak FLOP/s for this device)",
+            f"- generation: HFEngine bf16, {args.gen_requests} concurrent requests of {args.gen_prompt // 2}-"
+            f"{args.gen_prompt} random prompt tokens, up to {args.gen_tokens} tokens each at temperature 1",
+            f"- weight push: one torch step (lr {args.push_lr:g}), export in bf16, WeightPublisher -> loopback TCP -> "
+            f"WeightReceiver -> HFEngine.load_weights in one process; greedy check: {args.push_prompts} prompts x "
+            f"{args.push_tokens} tokens, one at a time, against a fresh model holding the exported weights",
         ]
         for row in rows:
             if time.monotonic() - began > args.budget_s:
-                results.append((row, {"error": f"not run: past the {args.budget_s:.0f} s budget"}))
+                results.append((row, {"skipped": f"past the {args.budget_s:.0f} s budget"}))
                 continue
             print(f"gpu-check: {row.name} ...", file=sys.stderr, flush=True)
             try:
-                results.append((row, measure(row, model, parameters, args)))
+                results.append((row, run_row(row, model, parameters, args)))
             except Exception as exc:  # the next row still runs; the table says what failed
                 error = f"{type(exc).__name__}: {exc}".replace("|", "/").replace("\n", " ")[:200]
                 results.append((row, {"error": error, "traceback": traceback.format_exc()}))
@@ -285,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             report(args, header, results)
     print(report(args, header, results))
-    return 1 if any("traceback" in got for _, got in results) else 0
+    failed = any("traceback" in got or got.get("greedy_match") is False for _, got in results)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
