@@ -315,6 +315,8 @@ class GeneratorNode(NodeDaemon):
             load = self.engine.load()
             engine |= {
                 "backend": self.topology.run.generator.backend,
+                "engines": len(self.engine.engines),
+                "dtype": self.dtype,
                 "start_s": self.engine_start_s,
                 "busy_fraction": round(load.busy_fraction, 4),
                 "generated_tokens": load.generated_tokens,
