@@ -36,6 +36,38 @@ if TYPE_CHECKING:
 Precision = Literal["auto", "fp32", "bf16"]
 
 
+class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """LoRA adapters (`run.trainer.lora`): the base model frozen, only the adapters trained and pushed."""
+
+    rank: int = 8
+    """r: the adapters' inner dimension."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (0: none; the generators never apply it)."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get adapters (PEFT's `target_modules`: the last part of a module's name)."""
+    base_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The frozen base weights' dtype in the trainer (bf16: half the memory; the adapters stay fp32)."""
+
+    @property
+    def scaling(self) -> float:
+        """What the adapter's B @ A is multiplied by before it is added to the base weight."""
+        return self.alpha / self.rank
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.rank < 1:
+            problems.append(("rank", f"must be >= 1, got {self.rank}"))
+        if self.alpha <= 0:
+            problems.append(("alpha", f"must be > 0, got {self.alpha}"))
+        if not 0 <= self.dropout < 1:
+            problems.append(("dropout", f"must be in [0, 1), got {self.dropout}"))
+        if not self.target_modules:
+            problems.append(("target_modules", "expected at least one module name, e.g. q_proj"))
+        return problems
+
+
 class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """How the trainer node trains (`run.trainer` in the topology)."""
 
@@ -84,6 +116,9 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     step, all in the trust region around the weights at the step's start. More than 1 gets more
     out of every trajectory when the trainer is faster than the generators."""
     grpo: GRPOConfig = GRPOConfig()
+    lora: LoraSpec | None = None
+    """Train LoRA adapters on a frozen base instead of every weight (torch and fsdp2 backends); the weight push
+    then carries the adapters alone. None: full fine-tuning."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many steps (and on drain); 0: only on drain."""
     keep_checkpoints: int = 2
@@ -108,6 +143,10 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 
     def validate(self) -> list[tuple[str, str]]:
         problems = [(f"grpo.{key}", problem) for key, problem in self.grpo.validate()]
+        if self.lora is not None:
+            problems += [(f"lora.{key}", problem) for key, problem in self.lora.validate()]
+            if self.backend not in ("torch", "fsdp2"):
+                problems.append(("lora", f"LoRA trains on the torch and fsdp2 backends; backend is {self.backend}"))
         if self.backend not in TRAINING_BACKENDS:
             problems.append(("backend", unknown_backend(self.backend)))
         for key in ("lr", "ranks", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb", "rank_timeout_s"):
