@@ -50,18 +50,12 @@ from rollart.engines.hf import HFEngine
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.memory import peak_bytes, reset_peak
 from rollart.engines.training import TRAINING_BACKENDS, TrainerSpec, build_training_engine
-from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
-from rollart.testkit.ports import free_ports
-from rollart.weights import ApplyWeights, WeightPublisher, WeightReceiver
+from rollart.testkit.push import push_once
+from rollart.weights import ApplyWeights
 
 T = TypeVar("T")
 WIRE_DTYPE = torch.bfloat16
 """What the engines run in and the weights travel as."""
-HOST = "127.0.0.1"
-SECRET = b"gpu-check weight push"
-TRAINER = Identity("trainer", "trainer")
-GENERATOR = Identity("gen-0", "generator")
-CFG = SessionConfig(handshake_timeout_s=10.0, backoff_base_s=0.05, backoff_cap_s=0.5)
 PUSH_TIMEOUT_S = 180.0
 
 
@@ -177,45 +171,14 @@ async def _push_and_decode(
     return before, after, numbers
 
 
-class _NoMessages:
-    """The receiving server's message handler: weight pushes come on bulk connections only."""
-
-    async def on_event(self, session: Session, msg: Any) -> None:
-        raise RuntimeError(f"unexpected event {msg!r}")
-
-    async def on_request(self, session: Session, msg: Any) -> Any:
-        raise RuntimeError(f"unexpected request {msg!r}")
-
-
 async def push(apply: ApplyWeights, weights: Mapping[str, torch.Tensor], *, owned: bool) -> dict[str, Any]:
-    """Publish `weights` as version 1 to a receiver on a loopback port whose `apply` is given; wait for
-    its acknowledgement (after `apply` returned). Returns bytes and seconds."""
-    (port,) = free_ports(1)
-    receiver = WeightReceiver(apply, version=0, dtype=WIRE_DTYPE)
-    server = SessionServer(
-        local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
-    )
-    publisher = WeightPublisher(TRAINER, SECRET, CFG, transport="tcp")
-    async with asyncio.timeout(PUSH_TIMEOUT_S + 30), asyncio.TaskGroup() as tg:
-        tg.create_task(server.serve())
-        await server.listen_tcp(HOST, port)
-        publisher.add_target(GENERATOR.node, HOST, port, dtype=WIRE_DTYPE)
-        tg.create_task(publisher.run())
-        began = time.perf_counter()
-        try:
-            publisher.publish(1, weights, owned=owned)
-            await publisher.wait_delivered(1, timeout=PUSH_TIMEOUT_S)
-            took = time.perf_counter() - began
-        except TimeoutError:
-            error = publisher.stats()[GENERATOR.node].last_error
-            raise RuntimeError(
-                f"the push was not acknowledged in {PUSH_TIMEOUT_S:.0f} s; last error: {error}"
-            ) from None
-        finally:
-            await publisher.close()
-            await receiver.close()
-            await server.close()
-    stats = receiver.stats()
+    """Publish `weights` as version 1 to a receiver on a loopback port whose `apply` is given
+    (`rollart.testkit.push`); wait for its acknowledgement (after `apply` returned). Returns bytes and seconds."""
+    try:
+        pushed = await push_once(apply, 1, weights, dtype=WIRE_DTYPE, owned=owned, timeout=PUSH_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise RuntimeError(f"the push was not acknowledged: {exc}") from None
+    stats, took = pushed.stats, pushed.seconds
     if stats.applied != 1 or stats.checksum_failures or stats.apply_failures:
         raise RuntimeError(f"the receiver applied {stats.applied} versions ({stats})")
     return {

@@ -4,6 +4,7 @@
 - `topology.TopologyBuilder`: a topology built in code (nodes on free ports, `run` overrides) and
   written as YAML, instead of YAML assembled with f-strings;
 - `proxy.PartitionProxy`: a TCP forwarder that cuts the network between roles;
+- `push.push_once`: one weight push over loopback, publisher to receiver, in one process;
 - `harness.ChaosRun`: fault injection into a real training run, and `outcome`'s checks that
   nothing was lost or trained twice.
 
