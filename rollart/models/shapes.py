@@ -86,7 +86,7 @@ class ModelShape:
         """One line for `rollart check`: size, layers, width and dtype."""
         tied = ", tied embeddings" if self.tied_embeddings else ""
         return (
-            f"{self.name}: {self.params() / 1e9:.2f}B parameters, {self.layers} layers, hidden {self.hidden}, "
+            f"{self.name}: {_count(self.params())} parameters, {self.layers} layers, hidden {self.hidden}, "
             f"{self.heads} heads / {self.kv_heads} KV heads x {self.head_dim}, vocabulary {self.vocab}{tied}, "
             f"{self.max_position_embeddings} positions, {self.dtype}"
         )
@@ -147,3 +147,8 @@ def read_shape(folder: str | Path) -> ModelShape:
     if not isinstance(config, dict):
         raise ShapeError(f"{path}: expected a JSON object")
     return shape_from_config(config, str(Path(folder)))
+
+
+def _count(n: int) -> str:
+    """8.19B, 29.3M, 0.62M: a parameter count at the scale it has."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
