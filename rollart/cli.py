@@ -7,8 +7,9 @@
                                           build the tiny default model (Hugging Face format) in DIR, or
                                           qwen3-bpe: a 30 M Qwen3 with a byte-level BPE tokenizer (tests)
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
-    rollart export RUN_DIR OUT [--step N | --checkpoint PATH] [--dtype auto|bf16|fp32] [--force]
-                                          the trained policy as a Hugging Face model folder
+    rollart export RUN_DIR OUT [--step N | --checkpoint PATH] [--dtype auto|bf16|fp32] [--force] [--adapters]
+                                          the trained policy as a Hugging Face model folder (a LoRA
+                                          run's: merged, or with --adapters the PEFT adapter folder)
     rollart slurm TOPOLOGY [--out FILE] [--partition ROLE=NAME] [--time LIMIT]
                                           write an sbatch script: a het job, one component per role
     rollart status|pause|resume|drain --topology FILE [--node NAME]
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="the weights' dtype (auto: the checkpoint's)"
     )
     export.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
+    export.add_argument(
+        "--adapters", action="store_true", help="a LoRA run: the adapter folder alone (PEFT format), not merged"
+    )
     slurm = commands.add_parser("slurm", help="write an sbatch script for the topology (docs/operating.md)")
     slurm.add_argument("topology", help="the topology YAML file, on a disk the cluster's nodes share")
     slurm.add_argument("--out", default=None, help="where to write the script (default: RUN_DIR/job.sbatch)")
@@ -242,11 +246,15 @@ def _export(args: argparse.Namespace) -> int:
             Path(args.out),
             dtype=args.dtype,
             force=args.force,
+            adapters=args.adapters,
             progress=lambda line: _say(f"export: {line}"),
         )
     except (ExportError, RunDirError) as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    if args.adapters:
+        print(f"exported to {args.out}: load it with peft.PeftModel.from_pretrained(base_model, {args.out!r})")
+        return 0
     print(f"exported to {args.out}: load it with transformers.AutoModelForCausalLM.from_pretrained({args.out!r})")
     return 0
 

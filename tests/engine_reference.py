@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,3 +49,18 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int) -> lis
             max_new_tokens=max_tokens,
         )
     return list(out[0, len(prompt) :].tolist())
+
+
+def encoded_prompts(model_dir: Path, texts: list[str] = PROMPTS) -> list[list[int]]:
+    """`texts` as the model's tokenizer encodes them."""
+    _, tokenizer = load_model_and_tokenizer(model_dir)
+    return [tokenizer.encode(text) for text in texts]
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for what another process does (tokens vLLM generates): poll, bounded."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition never held")
+        await asyncio.sleep(0.005)

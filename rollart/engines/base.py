@@ -5,6 +5,8 @@ log-probs under the sampling distribution (the behaviour policy, for off-policy 
 the weight version that produced each token. Many requests may be in flight at once; the engine
 batches them. `abort` frees a request; `load_weights` swaps in a new version without stopping
 the requests in flight (they finish partly under the old weights, and say so in `versions`).
+Under LoRA (`run.trainer.lora`) a version is adapters only, on the base the engine loaded:
+`load_adapter` (the transformers engine merges them in, vLLM serves them as LoRA adapters).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from rollart.errors import RollartError
 
 if TYPE_CHECKING:
     import torch
+
+    from rollart.engines.training import LoraSpec
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -93,6 +97,10 @@ class GenerationEngine(Protocol):
 
     async def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Swap in new weights (HF names) without stopping requests in flight."""
+
+    async def load_adapter(self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Serve `version`: the base model with these LoRA adapters (PEFT's saved names, as the trainer exports
+        them) in place of any earlier version's; requests in flight report the version of every token."""
 
     def load(self) -> EngineLoad: ...
 

@@ -3,7 +3,8 @@
 A generator node on a host of 8 GPUs with `tensor_parallel_size: 2` runs four engines; the node is one daemon
 with one session port, and `EngineSet` spreads its requests over them. A trajectory stays on the engine that
 served its first turn (its prompt's KV cache is there, to be reused by the next turn's prefix); a new one
-goes to the engine with the fewest requests in flight. A weight version is loaded into every engine.
+goes to the engine with the fewest requests in flight. A weight version (or a LoRA adapter version) is loaded into
+every engine.
 
 `slices` cuts the node's devices (its `CUDA_VISIBLE_DEVICES`, or its CPU cores) into one part per engine.
 """
@@ -19,6 +20,8 @@ from rollart.engines.base import EngineLoad, GenerationEngine, GenerationResult,
 
 if TYPE_CHECKING:
     import torch
+
+    from rollart.engines.training import LoraSpec
 
 T = TypeVar("T")
 _STICKY = 65536
@@ -84,6 +87,12 @@ class EngineSet:
         async with asyncio.TaskGroup() as tg:
             for engine in self.engines:
                 tg.create_task(engine.load_weights(version, weights))
+
+    async def load_adapter(self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Load LoRA adapter `version` into every engine (they only read the tensors)."""
+        async with asyncio.TaskGroup() as tg:
+            for engine in self.engines:
+                tg.create_task(engine.load_adapter(version, adapters, spec))
 
     def load(self) -> EngineLoad:
         """All engines together: requests summed, busy averaged, the oldest version any of them holds."""

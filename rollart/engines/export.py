@@ -12,6 +12,12 @@ Two kinds of checkpoint, told apart by what is in the folder:
   tensors of the shape and dtype the checkpoint's metadata records, a few at a time so progress
   can be shown; the optimizer state is never read. Peak memory: one copy of the weights.
 
+A LoRA run's checkpoint (either kind; `engine.json` holds the LoRA settings and the base model's path)
+holds the adapters, not the base: by default the export is the base with the adapters merged into
+its weights (`rollart.engines.lora.merge_adapters`), a plain Hugging Face folder; with `adapters` it
+is the adapter folder alone, in PEFT's format (`peft.PeftModel.from_pretrained(base, out)`, vLLM's
+`LoRARequest`). Both read the base from where the run trained it.
+
 Everything else a Hugging Face folder carries (tokenizer files, chat template, generation config)
 is copied; the training state (`*.pt`, `engine.json`, `dcp/`) is not. The folder is written
 under a staging name beside `out` and renamed into place, so a failed export leaves no half of one.
@@ -25,7 +31,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollart.errors import RollartError
 
@@ -79,13 +85,18 @@ def export_checkpoint(
     *,
     dtype: ExportDtype = "auto",
     force: bool = False,
+    adapters: bool = False,
     progress: Progress = lambda line: None,
 ) -> Path:
     """Write the policy of `checkpoint` (a folder `TrainingEngine.save` wrote) to `out` as a Hugging
-    Face model folder (module docstring); returns `out`. `out` must not exist or be empty, unless
-    `force` (then it is replaced once the new folder is whole)."""
+    Face model folder, or with `adapters` a LoRA checkpoint's adapter folder (module docstring);
+    returns `out`. `out` must not exist or be empty, unless `force` (then it is replaced once the
+    new folder is whole)."""
     checkpoint, out = checkpoint.resolve(), out.resolve()
     kind = checkpoint_kind(checkpoint)
+    lora = lora_settings(checkpoint)
+    if adapters and lora is None:
+        raise ExportError(f"{checkpoint}: --adapters exports LoRA adapters, and this run trained every weight")
     if out == checkpoint or out in checkpoint.parents or checkpoint in out.parents:
         raise ExportError(f"{out}: the export and the checkpoint {checkpoint} must not contain each other")
     if out.exists() and not out.is_dir():
@@ -97,7 +108,9 @@ def export_checkpoint(
     staging.mkdir(parents=True)
     try:
         progress(f"exporting the {kind} checkpoint {checkpoint} to {out} (dtype {dtype})")
-        if kind == "torch" and dtype == "auto":
+        if lora is not None:
+            _export_lora(checkpoint, kind, lora, staging, dtype=dtype, adapters=adapters, progress=progress)
+        elif kind == "torch" and dtype == "auto":
             for weights in _weight_files(checkpoint):
                 progress(f"copying {weights.name} ({weights.stat().st_size / 2**20:.1f} MiB)")
                 shutil.copy2(weights, staging / weights.name)
@@ -107,7 +120,7 @@ def export_checkpoint(
             progress(f"writing safetensors ({_bytes(model.parameters()) / 2**20:.1f} MiB, {model.dtype})")
             model.save_pretrained(staging)
             del model
-        for item in _other_files(checkpoint):
+        for item in [] if adapters else _other_files(checkpoint):
             shutil.copy2(item, staging / item.name)  # the checkpoint's generation config over the rebuilt one's
         if out.exists():
             shutil.rmtree(out)
@@ -120,6 +133,74 @@ def export_checkpoint(
 
 
 # -- the two kinds ------------------------------------------------------------------------------
+
+
+def lora_settings(checkpoint: Path) -> dict[str, Any] | None:
+    """A LoRA checkpoint's `engine.json` (`lora`: the settings, `base_model`: the base's path); None
+    for a checkpoint of every weight."""
+    engine = checkpoint / ENGINE_FILE
+    if not engine.is_file():
+        return None
+    settings: dict[str, Any] = json.loads(engine.read_text())
+    return settings if "lora" in settings else None
+
+
+def _export_lora(
+    checkpoint: Path,
+    kind: str,
+    settings: dict[str, Any],
+    staging: Path,
+    *,
+    dtype: ExportDtype,
+    adapters: bool,
+    progress: Progress,
+) -> None:
+    """The adapter folder, or the base with the adapters merged, into `staging`."""
+    import msgspec
+
+    from rollart.engines.lora import merge_adapters, read_peft_adapter, write_peft_adapter
+    from rollart.engines.training import LoraSpec
+
+    spec = msgspec.convert(settings["lora"], LoraSpec)
+    base = Path(settings["base_model"])
+    tensors = read_peft_adapter(checkpoint) if kind == "torch" else _read_dcp_adapters(checkpoint)
+    if adapters:
+        cast = _torch_dtype(dtype)
+        progress(f"writing {len(tensors)} adapter tensors (rank {spec.rank}, base {base})")
+        write_peft_adapter(staging, {n: t if cast is None else t.to(cast) for n, t in tensors.items()}, spec, base)
+        return
+    if not (base / "config.json").is_file():
+        raise ExportError(
+            f"{checkpoint}: LoRA adapters on the base model {base}, which is not there (--adapters exports them alone)"
+        )
+    progress(f"merging {len(tensors)} adapter tensors (rank {spec.rank}) into the base model {base}")
+    model = _load_hf(base, dtype)
+    model.load_state_dict(merge_adapters(model.state_dict(), tensors, spec), strict=False)
+    model.save_pretrained(staging)
+
+
+def _read_dcp_adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The adapters of an fsdp2 LoRA checkpoint's shards, by PEFT's names (they are small: read at once)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Entry
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    from rollart.engines.lora import is_adapter, peft_name
+
+    shards = str(checkpoint / DCP_FOLDER)
+    entries = FileSystemReader(shards).read_metadata().state_dict_metadata
+    part = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in entries.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, Entry) and is_adapter(key)
+    }
+    if not part:
+        raise ExportError(f"{shards}: no adapter entries, though engine.json says LoRA")
+    with warnings.catch_warnings():  # a single process without a process group is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        load({"model": part}, checkpoint_id=shards, no_dist=True)
+    return {peft_name(name.removeprefix("lm.")): tensor for name, tensor in part.items()}
 
 
 def _torch_dtype(dtype: ExportDtype) -> torch.dtype | None:
@@ -219,7 +300,7 @@ def _weight_files(path: Path) -> list[Path]:
 def _other_files(checkpoint: Path) -> list[Path]:
     """What a Hugging Face folder carries beside config and weights (tokenizer, chat template,
     generation config); not the training state (`*.pt`, `engine.json`) nor any folder (`dcp/`)."""
-    skip = {"config.json", ENGINE_FILE, *(f.name for f in _weight_files(checkpoint))}
+    skip = {"config.json", ENGINE_FILE, "adapter_config.json", *(f.name for f in _weight_files(checkpoint))}
     return sorted(
         f for f in checkpoint.iterdir() if f.is_file() and f.name not in skip and f.suffix != ".pt" and f.name[0] != "."
     )

@@ -11,15 +11,21 @@ Checkpoints are `torch.distributed.checkpoint` shards (`dcp/`), beside the model
 tokenizer: `save` returns as soon as the shards are staged in memory, the write goes on in the
 background, and its future completes when the folder is whole. They load onto any number of ranks;
 `rollart export` turns one into a Hugging Face model folder (`rollart.engines.export`).
+
+With `lora` the ranks train PEFT adapters on a frozen base (`rollart.engines.fsdp_rank`); their
+targets are checked here, against the model built on the meta device, before any rank starts, so a
+bad one fails as a ConfigError rather than as a rank that died.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from rollart.engines.export import DCP_FOLDER
+from rollart.engines.export import DCP_FOLDER, ENGINE_FILE
 from rollart.engines.rank_engine import RankGroupEngine
+from rollart.engines.training import RankLayout, TrainerSpec
 from rollart.errors import RollartError
 
 
@@ -27,6 +33,13 @@ class FSDPTrainer(RankGroupEngine):
     """Drives this node's FSDP2 ranks (module docstring); it owns rank 0, so it is the primary."""
 
     backend = "fsdp2"
+
+    def __init__(self, model_path: str | Path, spec: TrainerSpec, *, seed: int, layout: RankLayout) -> None:
+        if spec.lora is not None:
+            from rollart.engines.lora import check_model_targets
+
+            check_model_targets(model_path, spec.lora)
+        super().__init__(model_path, spec, seed=seed, layout=layout)
 
     def full_state(self) -> dict[str, Any]:
         """Weights and optimizer state, whole, by parameter name (the rank group's `full_state`)."""
@@ -39,5 +52,11 @@ class FSDPTrainer(RankGroupEngine):
                 f"{path} holds no {DCP_FOLDER}/ shards: it was not written by the fsdp2 backend (the torch "
                 "backend writes a Hugging Face folder); resume with the backend that wrote it, or start a "
                 "new run from it with `rollart export` and run.model.path"
+            )
+        lora = "lora" in json.loads((path / ENGINE_FILE).read_text())
+        if lora != (self.spec.lora is not None):
+            held = "LoRA adapters" if lora else "every weight (full fine-tuning)"
+            raise RollartError(
+                f"{path} holds {held}; run.trainer.lora must be {'set' if lora else 'unset'} to resume it"
             )
         self.ranks.call("load", str(path))

@@ -17,6 +17,11 @@ Commands (a tuple: name, call id, arguments), and what rank 0 answers:
   answer under the same id says when the folder is complete (written to a staging name, renamed);
 - `load` (folder): restores weights and optimizer state whatever rank count wrote them;
 - `stop`: every rank leaves the group and exits.
+
+With `lora` every rank puts PEFT's adapters on its model before sharding it (`fully_shard` shards the
+frozen base and the trainable adapters alike), AdamW holds the adapters' state alone, `export` sends the
+adapters alone (PEFT's names), and the checkpoint's shards hold the adapters and their optimizer state,
+not the base (`ignore_frozen_params`): `engine.json` names the base model and the LoRA settings.
 """
 
 from __future__ import annotations
@@ -180,12 +185,19 @@ class Rank(CommandLoop):
         torch.manual_seed(seed)
         self.spec, self.device, self.rank = spec, device, dist.get_rank()
         self.world = World(rank=self.rank, size=world_size, device=device)
+        self.model_path = str(Path(model_path).resolve())
         dtype = torch.bfloat16 if spec.master_dtype == "bf16" else torch.float32
+        if spec.lora is not None:
+            dtype = torch.bfloat16 if spec.lora.base_dtype == "bf16" else torch.float32
         compute = compute_dtype(spec, device)
         mp = (
             MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
         )
         self.lm, self.tokenizer = load_model_and_tokenizer(model_path, dtype=dtype)
+        if spec.lora is not None:
+            from rollart.engines.lora import apply_lora
+
+            apply_lora(self.lm, spec.lora)  # before sharding: the same adapters (same seed) on every rank
         if spec.activation_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # every rank runs the decoder once per micro-batch: its layers' forwards are collectives
@@ -204,7 +216,10 @@ class Rank(CommandLoop):
             )
             shard(ref, ref_lm, mp)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA the adapters alone
+            lr=spec.lr,
+            betas=spec.betas,
+            weight_decay=spec.weight_decay,
         )
         self.runner = StepRunner(
             self.model, self.optimizer, spec, logprobs=policy_logprobs, world=self.world, ref_model=ref
@@ -220,6 +235,7 @@ class Rank(CommandLoop):
     def describe(self) -> dict[str, Any]:
         return {
             "parameters": sum(p.numel() for p in self.lm.parameters()),
+            "trainable_parameters": sum(p.numel() for p in self.lm.parameters() if p.requires_grad),
             "device": str(self.device),
             "world_size": self.world.size,
         }
@@ -249,7 +265,12 @@ class Rank(CommandLoop):
         """Send the weights in buckets (module docstring); returns how many were sent."""
         bucket: dict[str, torch.Tensor] = {}
         size = sent = 0
-        for name, tensor in self.lm.state_dict().items():
+        weights = self.lm.state_dict()
+        if self.spec.lora is not None:
+            from rollart.engines.lora import adapter_state
+
+            weights = adapter_state(self.lm)
+        for name, tensor in weights.items():
             whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.rank != 0:
                 continue
@@ -277,7 +298,14 @@ class Rank(CommandLoop):
     # -- checkpoints ------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        model, optim = get_state_dict(self.model, self.optimizer)
+        """The checkpoint's state: with LoRA the adapters and their optimizer state, not the frozen base
+        (`ignore_frozen_params` alone would keep a tied output head, a second name of the frozen embedding)."""
+        lora = self.spec.lora is not None
+        model, optim = get_state_dict(self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=lora))
+        if lora:
+            from rollart.engines.lora import is_adapter
+
+            model = {name: tensor for name, tensor in model.items() if is_adapter(name)}
         return {"model": model, "optim": optim}
 
     def do_save(self, call: int, folder: str) -> str:
@@ -291,7 +319,12 @@ class Rank(CommandLoop):
             if self.lm.generation_config is not None:  # what `rollart export` gives the exported model
                 self.lm.generation_config.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
-            (staging / ENGINE_FILE).write_text(json.dumps({"steps": self.steps, "world_size": self.world.size}))
+            engine: dict[str, Any] = {"steps": self.steps, "world_size": self.world.size}
+            if self.spec.lora is not None:
+                from rollart.engines.lora import spec_dict
+
+                engine |= {"lora": spec_dict(self.spec.lora), "base_model": self.model_path}
+            (staging / ENGINE_FILE).write_text(json.dumps(engine))
         dist.barrier()
         future: Future[Any] = async_save(  # type: ignore[assignment]
             self._state(), checkpoint_id=str(staging / DCP_FOLDER), process_group=self.checkpoint_group
@@ -319,6 +352,14 @@ class Rank(CommandLoop):
         path = Path(folder)
         state = self._state()
         dcp_load(state, checkpoint_id=str(path / DCP_FOLDER))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # with LoRA the state holds the adapters (dcp_load fails on any it lacks); the base stays as loaded
+        lora = self.spec.lora is not None
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=lora, strict=not lora),
+        )
         self.steps = int(json.loads((path / ENGINE_FILE).read_text())["steps"])
         return self.steps

@@ -24,6 +24,11 @@ it, so a long request ends partly under each version and a swap waits for one de
 Aborting a queued request (a continuation included) answers it with what it has; aborting a running one marks its
 row, which stops at the next decode step (and the whole batch stops when every row is aborted).
 
+Under LoRA (`load_adapter`) a version is adapters for the base the engine loaded: the engine keeps a copy of the
+base weights they target (taken from the model as loaded, the first time a module is targeted) and stages
+`merge_adapters(base, adapters)` as a partial update through the same swap; the modules an earlier version adapted
+and this one does not go back to their base, so each version replaces the last instead of adding to it.
+
 This module is the engine's event-loop side (queue, scheduler, weight staging); one batch in the worker thread is
 `rollart.engines.hf_batch`, and the request and weight checks it shares with the vLLM engine are
 `rollart.engines.checks`.
@@ -35,18 +40,27 @@ import asyncio
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import GenerationConfig
 
-from rollart.engines.base import EngineClosed, EngineLoad, GenerationResult, InvalidRequest, SamplingParams
-from rollart.engines.checks import LoadMeter, check_newer, check_request, check_weights
+from rollart.engines.base import (
+    EngineClosed,
+    EngineLoad,
+    GenerationResult,
+    InvalidRequest,
+    SamplingParams,
+    WeightsMismatch,
+)
+from rollart.engines.checks import LoadMeter, check_newer, check_request, check_weights, describe
 from rollart.engines.hf_batch import Request, Row, generate_batch
 from rollart.engines.loading import load_model_and_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rollart.engines.training import LoraSpec
 
 
 class HFEngine:
@@ -80,6 +94,11 @@ class HFEngine:
         self._waiting: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._pending_weights: tuple[int, Mapping[str, torch.Tensor]] | None = None
+        self._serving: Literal["weights", "adapters"] | None = None
+        """What the versions loaded so far were: whole weights or LoRA adapters (an engine takes one kind)."""
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """Copies of the base weights that LoRA adapters have targeted, as loaded: what each version merges into."""
+        self._adapter_lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -226,12 +245,55 @@ class HFEngine:
         requests submitted from now on. The tensors are read when applied, so the caller must not change them
         meanwhile. A tied name (`lm_head.weight` when tied to the embeddings) may be left out."""
         self._check_open()
+        self._check_serving("weights")
         check_newer(version, self._newest_version())
         # In a thread: comparing a tied pair reads both tensors.
         await asyncio.to_thread(check_weights, version, weights, self._shapes, self._aliases, equal=torch.equal)
         check_newer(version, self._newest_version())  # another update may have been staged meanwhile
+        self._serving = "weights"
         self._pending_weights = (version, weights)
         self._wakeup.set()
+
+    async def load_adapter(self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Stage `version`: the base model with `adapters` (PEFT's saved names) merged in, replacing any earlier
+        adapter version; applied between two decode steps like `load_weights`. `WeightsMismatch` when the adapters
+        target weights the model lacks or do not fit them."""
+        self._check_open()
+        self._check_serving("adapters")
+        check_newer(version, self._newest_version())
+        async with self._adapter_lock:
+            merged = await asyncio.to_thread(self._merge_adapters, version, adapters, spec)
+            check_newer(version, self._newest_version())  # another update may have been staged meanwhile
+            self._serving = "adapters"
+            self._pending_weights = (version, merged)
+            self._wakeup.set()
+
+    def _merge_adapters(
+        self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec
+    ) -> dict[str, torch.Tensor]:
+        """In a thread: every base weight any adapter version has targeted, with this version's merged in."""
+        from rollart.engines.lora import adapter_base_names, merge_adapters
+
+        try:
+            names = adapter_base_names(adapters)
+        except ValueError as error:
+            raise WeightsMismatch(f"adapters for version {version}: {error}") from error
+        if unknown := [name for name in names if name not in self._shapes or name in self._aliases]:
+            raise WeightsMismatch(f"adapters for version {version} target weights the model lacks: {describe(unknown)}")
+        with torch.no_grad():
+            # Only a staged update writes the model, and none has written these names yet: they are the base.
+            for name in names:
+                if name not in self._lora_base:
+                    self._lora_base[name] = self._targets[name].detach().clone()
+            try:
+                merged = merge_adapters(self._lora_base, adapters, spec)
+            except ValueError as error:
+                raise WeightsMismatch(f"adapters for version {version}: {error}") from error
+        return self._lora_base | merged
+
+    def _check_serving(self, kind: Literal["weights", "adapters"]) -> None:
+        if self._serving not in (None, kind):
+            raise InvalidRequest(f"this engine serves {self._serving}: it cannot also load {kind}")
 
     def _newest_version(self) -> int:
         return self._pending_weights[0] if self._pending_weights is not None else self._version

@@ -22,7 +22,9 @@ the step's statistics are summed over ranks (`World.all_reduce`).
 pi_prox, the policy the importance ratio of every pass after the first is taken against, is the
 weights at the start of the step. The first mini-batch's is the first pass's own forward, kept
 (detached) as it runs, before any optimizer step; only later mini-batches need a forward of their
-own before the first update (`time_recompute_s`). The step's time goes into its statistics, split
+own before the first update (`time_recompute_s`). These forwards run in eval mode: pi_prox is the
+policy without dropout. A model that drops anything in training (LoRA dropout) recomputes the first
+mini-batch's too, since its first pass is noisy. The step's time goes into its statistics, split
 (`StepTimes`).
 """
 
@@ -175,6 +177,22 @@ def empty_micro_batch(batch: PackedBatch) -> PackedBatch:
     return batch.select([0], width=1)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether `model` drops anything while training (a dropout layer with p > 0)."""
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode (no dropout) for the block, back in its mode afterwards."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 @dataclasses.dataclass
 class StepRunner:
     """Runs `train_step` for one rank: a model (plain or FSDP2-sharded), its optimizer and its world."""
@@ -202,10 +220,12 @@ class StepRunner:
         spec = self.spec
         plans = plan_step(batch, spec, self.world)
         times = StepTimes(device=self.world.device)
-        # pi_prox: the weights at the start of the step. Mini-batch 0's comes from its first pass.
+        # pi_prox: the weights at the start of the step, without dropout. Mini-batch 0's comes from its
+        # first pass, unless dropout makes that pass's log-probs noisy (LoRA dropout): then it is recomputed too.
+        noisy = has_dropout(self.model)
         prox_at_start: dict[int, list[torch.Tensor]] = {0: []}
-        with torch.no_grad():
-            for i in range(1, len(plans)):
+        with torch.no_grad(), evaluating(self.model):
+            for i in range(0 if noisy else 1, len(plans)):
                 prox_at_start[i] = [self._forward(self.model, mb) for mb, _ in self._micro(plans[i], batch)]
         times.lap("recompute_s")
         total: LossStats | None = None
@@ -214,7 +234,7 @@ class StepRunner:
             self.optimizer.zero_grad(set_to_none=True)
             for k, (mb, real) in enumerate(self._micro(plan, batch)):
                 new = self._forward(self.model, mb)
-                if epoch == index == 0:
+                if epoch == index == 0 and not noisy:
                     prox = new.detach()
                     prox_at_start[0].append(prox)
                 else:

@@ -147,6 +147,8 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
             problems += [(f"lora.{key}", problem) for key, problem in self.lora.validate()]
             if self.backend not in ("torch", "fsdp2"):
                 problems.append(("lora", f"LoRA trains on the torch and fsdp2 backends; backend is {self.backend}"))
+            if self.master_dtype != "fp32":
+                problems.append(("master_dtype", "with lora the base is in lora.base_dtype: keep master_dtype fp32"))
         if self.backend not in TRAINING_BACKENDS:
             problems.append(("backend", unknown_backend(self.backend)))
         for key in ("lr", "ranks", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb", "rank_timeout_s"):

@@ -49,6 +49,12 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     cuda_devices: str | None = None
+    max_lora_rank: int | None = None
+    """None: no LoRA; else vLLM serves LoRA adapters up to this rank (one of vLLM's allowed ranks)."""
+    max_loras: int = 1
+    """LoRA adapters one batch may mix."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters vLLM keeps loaded (None: `max_loras`)."""
 
 
 def create_engine(settings: EngineSettings, created: list[Any]) -> None:
@@ -73,6 +79,14 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     enforce_eager = on_cpu if settings.enforce_eager is None else settings.enforce_eager
     kv_cache_bytes = None if kv_cache_gb is None else int(kv_cache_gb * 2**30)
+    lora: dict[str, Any] = {}
+    if settings.max_lora_rank is not None:  # pushed versions are LoRA adapters (rollart.engines.vllm_lora)
+        lora = {
+            "enable_lora": True,
+            "max_lora_rank": settings.max_lora_rank,
+            "max_loras": settings.max_loras,
+            "max_cpu_loras": settings.max_cpu_loras,
+        }
     args = AsyncEngineArgs(
         model=str(settings.model_path),
         dtype=settings.dtype,  # type: ignore[arg-type,unused-ignore]
@@ -88,6 +102,7 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
         disable_log_stats=True,
         # New weights arrive through a method of ours in vLLM's worker (rollart.engines.vllm_worker).
         worker_extension_cls=WORKER_EXTENSION,
+        **lora,
     )
     with _environ(env):
         created.append(AsyncLLM.from_engine_args(args))

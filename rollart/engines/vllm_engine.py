@@ -25,6 +25,10 @@ with tied embeddings `lm_head.weight` is loaded too (vLLM keeps its old lm_head 
 is reset (which vLLM refuses while requests hold cache blocks, so requests are also salted with the weight
 version: a prefix cached under old weights never serves a request of a newer one).
 
+Under LoRA (`lora=` the run's `LoraSpec`) vLLM starts with LoRA enabled, the base never changes, and each
+version is adapters that vLLM serves natively (`load_adapter`): a request runs on the newest adapter when it
+starts and keeps it to its end, so every token carries that adapter's version (`rollart.engines.vllm_lora`).
+
 This module is the engine's life cycle, request streams and swap sequence; what it asks of vLLM and reads back is
 `rollart.engines.vllm_args`, the checking and sending of new weights `rollart.engines.vllm_weights`, their
 loading inside vLLM's worker `rollart.engines.vllm_worker`, and the checks it shares with the transformers engine
@@ -56,6 +60,7 @@ from rollart.engines.vllm_args import (
     span_versions,
     vllm_sampling_params,
 )
+from rollart.engines.vllm_lora import MAX_CPU_LORAS, MAX_LORAS, AdapterVersions, vllm_lora_rank
 from rollart.engines.vllm_weights import (
     VLLMWeightsFailed,
     WeightOffer,
@@ -67,6 +72,8 @@ from rollart.engines.vllm_worker import LOAD_METHOD
 
 if TYPE_CHECKING:
     import torch
+
+    from rollart.engines.training import LoraSpec
 
 log = structlog.get_logger("rollart.engines.vllm")
 
@@ -99,6 +106,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         cuda_devices: str | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         """`kv_cache_gb`: memory for the KV cache (None: 1 GiB on CPU; on GPU vLLM sizes it from
         `gpu_memory_utilization`, the fraction of each GPU the engine may use). `cpu_threads_bind`: CPU cores for
@@ -106,7 +114,8 @@ class VLLMEngine:
         `enforce_eager`: skip graph compilation (None: eager on CPU, where compiling costs more start-up than it
         saves, compiled on GPU). `seed`: for requests without their own. `tensor_parallel_size`: GPUs the model is
         sharded over. `max_model_len`: longest prompt plus completion (None: the model's own). `cuda_devices`: the
-        GPUs this engine uses (`CUDA_VISIBLE_DEVICES` of its processes; None: the process's own)."""
+        GPUs this engine uses (`CUDA_VISIBLE_DEVICES` of its processes; None: the process's own). `lora`: serve
+        versions as LoRA adapters of this rank or less (`load_adapter`) instead of whole weights."""
         if max_batch_size < 1:
             raise InvalidRequest(f"max_batch_size must be at least 1, got {max_batch_size}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -123,9 +132,13 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
             cuda_devices=cuda_devices,
+            max_lora_rank=None if lora is None else vllm_lora_rank(lora.rank),
+            max_loras=MAX_LORAS,
+            max_cpu_loras=MAX_CPU_LORAS,
         )
         self._model_path = self._settings.model_path
         self._version = version
+        self._lora = None if lora is None else AdapterVersions(self._model_path, vllm_lora_rank(lora.rank))
         self._engine: Any = None
         """vllm's AsyncLLM once started (typed Any: vLLM is an optional dependency)."""
         self._vocab_size = 0
@@ -201,6 +214,8 @@ class VLLMEngine:
             # its module globals already gone, and prints a TypeError. Collect it now, while they exist.
             del engine
             gc.collect()
+        if self._lora is not None:
+            await asyncio.to_thread(self._lora.close)
 
     def _running_engine(self) -> Any:
         if self._engine is None or self._closing:
@@ -213,6 +228,15 @@ class VLLMEngine:
     def version(self) -> int:
         """The policy version of the weights in use."""
         return self._version
+
+    @property
+    def adapters(self) -> AdapterVersions | None:
+        """Under LoRA: the adapter versions the engine holds and their folders (None: no LoRA)."""
+        return self._lora
+
+    async def registered_adapters(self) -> set[int]:
+        """The LoRA adapter ids (version + 1) vLLM itself holds now."""
+        return set(await self._running_engine().list_loras())
 
     # ---------------------------------------------------------------- requests
 
@@ -227,6 +251,10 @@ class VLLMEngine:
         self._validate(prompt_ids, params)
         # The salt keeps prefixes cached under older weights from serving this request (see the module docstring).
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"rollart-v{self._version}")
+        # Under LoRA: the adapter the request runs on to its end (None: the base, before the first version).
+        lora = self._lora
+        adapter = lora.acquire() if lora is not None else None
+        started_on = adapter[0] if adapter is not None else self._version
         flight = self._flights[request_id] = _Flight()
         self._meter.busy()
         self._drained.clear()
@@ -236,7 +264,8 @@ class VLLMEngine:
         finish: str | None = None
         spans: Any = None
         try:
-            stream = engine.generate(prompt, vllm_sampling_params(params), request_id)
+            lora_request = None if adapter is None else adapter[1]
+            stream = engine.generate(prompt, vllm_sampling_params(params), request_id, lora_request=lora_request)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     completion = out.outputs[0]
@@ -259,16 +288,28 @@ class VLLMEngine:
             if not self._flights:
                 self._meter.idle()
                 self._drained.set()
+            if adapter is not None:
+                await self._adapter_released(engine, adapter[0])
         reason = FINISH_REASONS.get(str(finish)) if finish is not None else "abort"
         if reason is None:
             raise VLLMRequestFailed(f"vLLM ended request {request_id!r} with finish_reason {finish!r}")
         return GenerationResult(
             token_ids=tokens,
             logprobs=logprobs,
-            versions=span_versions(spans, len(tokens)) or arrival_versions,
+            # Under LoRA one adapter generated every token (the steps' labels would be the base's).
+            versions=[started_on] * len(tokens)
+            if lora is not None
+            else span_versions(spans, len(tokens)) or arrival_versions,
             finish_reason=reason,
             prompt_tokens=len(prompt_ids),
         )
+
+    async def _adapter_released(self, engine: Any, version: int) -> None:
+        """A request on adapter `version` has ended: remove the adapters nothing uses any more."""
+        assert self._lora is not None
+        self._lora.release(version)
+        if not self._closing:  # close() removes every adapter with the engine
+            await self._unless_closed(asyncio.ensure_future(self._lora.retire(engine)), "removing LoRA adapters")
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         context = (self._max_model_len, f"the engine's max_model_len {self._max_model_len}")
@@ -291,6 +332,8 @@ class VLLMEngine:
         Requests in flight keep going: the steps after the swap run the new weights and their tokens say so.
         With tied embeddings `lm_head.weight` may be left out. The tensors are read during the call only: vLLM's
         worker copies their bytes, and no reference is kept once it returns."""
+        if self._lora is not None:
+            raise InvalidRequest("this engine serves LoRA adapters (load_adapter): its base weights never change")
         async with self._weights_lock:
             engine = self._running_engine()
             check_newer(version, self._version)
@@ -333,6 +376,20 @@ class VLLMEngine:
                 reload_s=round(float(report.get("reload_s", 0.0)), 3),
                 prefix_cache_reset=bool(reset),
             )
+
+    async def load_adapter(self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
+        """Serve LoRA `adapters` (PEFT's names) as `version` to every request started from now on; requests in
+        flight finish on the adapter they started with, and older adapters are removed once none uses them."""
+        if self._lora is None:
+            raise InvalidRequest("this engine was started without LoRA (run.trainer.lora): it loads whole weights")
+        async with self._weights_lock:
+            engine = self._running_engine()
+            check_newer(version, self._version)
+            started = time.monotonic()
+            adding = self._lora.add(engine, version, adapters, spec, self._checkpoint_shapes)
+            await self._unless_closed(asyncio.ensure_future(adding), f"adding the adapter of version {version}")
+            self._version = version
+            log.info("vllm adapter loaded", version=version, seconds=round(time.monotonic() - started, 3))
 
     async def _unless_closed(self, calls: asyncio.Future[Any], what: str) -> Any:
         """`calls`' result; `EngineClosed` as soon as `close()` starts instead. An engine core that shuts

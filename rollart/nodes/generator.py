@@ -9,6 +9,10 @@ Weights arrive from the trainer on bulk connections (TCP to the session port, or
 port `WeightsHere` names) into a `WeightReceiver`, which hands each complete version to the
 engine's `load_weights`: requests in flight keep going and finish under the new version. A
 request whose `min_version` is newer than the weights held waits for the push.
+
+Under LoRA (`run.trainer.lora`) the base model never changes: every engine loads it from `run.model.path`
+at start (a generator that joins late or restarts too), and a pushed version holds the adapters only, which
+go to the engine's `load_adapter` (vLLM serves them as LoRA adapters; the transformers engine merges them).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ def build_engines(run: RunSpec, hardware: str, *, dtype: str, on_gpu: bool) -> E
                     gpu_memory_utilization=spec.gpu_memory_utilization,
                     max_model_len=spec.max_model_len,
                     cuda_devices=",".join(gpu_slice) if gpu_slice else None,
+                    lora=run.trainer.lora,
                 )
                 for gpu_slice, core_slice in zip(gpu_slices, core_slices, strict=True)
             ]
@@ -152,8 +157,12 @@ class GeneratorNode(NodeDaemon):
     async def _load_weights(self, version: int, weights: dict[str, Any]) -> None:
         await self.ready.wait()
         assert self.engine is not None
-        await self.engine.load_weights(version, weights)
-        log.info("generator.weights", version=version)
+        lora = self.topology.run.trainer.lora
+        if lora is not None:
+            await self.engine.load_adapter(version, weights, lora)  # the push holds the adapters only
+        else:
+            await self.engine.load_weights(version, weights)
+        log.info("generator.weights", version=version, lora=lora is not None)
 
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
         await self.receiver.on_bulk(conn, peer)
@@ -310,7 +319,12 @@ class GeneratorNode(NodeDaemon):
 
     def status(self) -> dict[str, Any]:
         status = super().status()
-        engine: dict[str, Any] = {"ready": self.ready.is_set(), "served": self.served, "aborted": self.aborted}
+        engine: dict[str, Any] = {
+            "ready": self.ready.is_set(),
+            "served": self.served,
+            "aborted": self.aborted,
+            "lora": self.topology.run.trainer.lora is not None,  # versions are adapters on the base
+        }
         if self.engine is not None:
             load = self.engine.load()
             engine |= {

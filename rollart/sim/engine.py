@@ -31,7 +31,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart.clock import SimClock
 from rollart.engines.base import (
@@ -44,6 +44,9 @@ from rollart.engines.base import (
 )
 from rollart.sim.config import SimSpec
 from rollart.sim.hardware import CostModel
+
+if TYPE_CHECKING:
+    from rollart.engines.training import LoraSpec
 
 
 @dataclass(eq=False)
@@ -211,6 +214,11 @@ class SimEngine:
         return False
 
     async def load_weights(self, version: int, weights: Mapping[str, Any]) -> None:
+        self.version = version
+
+    async def load_adapter(self, version: int, adapters: Mapping[str, Any], spec: LoraSpec) -> None:
+        """LoRA adapters, like weights, only change the version later tokens report (simulation mode's pushes
+        are `SimWeights`, so a run under `run.trainer.lora` never calls this)."""
         self.version = version
 
     def pause(self, seconds: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import torch
 from rollart.engines.base import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.engines.loading import load_model_and_tokenizer
 from rollart.engines.vllm_engine import VLLMEngine
-from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
+from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights, until
 from tests.slow.vllm_marks import vllm_engine_marks
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
@@ -76,15 +76,6 @@ def nucleus_logp(logits_TV: torch.Tensor, tokens: list[int], temperature: float,
         keep_TV = torch.zeros_like(logp_TV, dtype=torch.bool).scatter(-1, order_TV, mass_before_TV < top_p)
         logp_TV = torch.log_softmax(logp_TV.masked_fill(~keep_TV, float("-inf")), dim=-1)
     return list(logp_TV.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist())
-
-
-async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Wait for what another process does (tokens vLLM generates): poll, bounded."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition never held")
-        await asyncio.sleep(0.005)
 
 
 async def test_greedy_matches_hf_generate(

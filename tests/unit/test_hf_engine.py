@@ -13,7 +13,7 @@ import torch
 from rollart.engines.base import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.engines.hf import HFEngine
 from rollart.engines.loading import load_model_and_tokenizer
-from tests.engine_reference import EOS, PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
+from tests.engine_reference import EOS, build_engine_test_model, encoded_prompts, hf_greedy, noisy_weights
 
 torch.set_num_threads(1)
 
@@ -32,8 +32,7 @@ def reference(model_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    _, tokenizer = load_model_and_tokenizer(model_dir)
-    return [tokenizer.encode(text) for text in PROMPTS]
+    return encoded_prompts(model_dir)
 
 
 @pytest.fixture
