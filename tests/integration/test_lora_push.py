@@ -53,3 +53,43 @@ async def test_lora_push_carries_only_the_adapters_and_the_engine_then_decodes_a
     assert [out.token_ids for out in outputs] == [hf_greedy(merged, p, 16) for p in prompts]
     assert all(out.versions == [1] * len(out.token_ids) for out in outputs)
     print(f"\nLoRA push: {sent:,} adapter bytes received ({len(adapters)} tensors); the whole model is {whole:,} bytes")
+
+
+@pytest.mark.timeout(120)
+async def test_lora_the_trainers_adapters_pushed_decode_as_the_trainers_exported_merged_model(tmp_path: Path) -> None:
+    """End to end: the torch trainer trains adapters, its `export_weights` is pushed into the engine, and the
+    engine's greedy output equals that of the merged model `rollart export` writes from the trainer's checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from rollart.engines.export import export_checkpoint
+    from rollart.engines.torch_train import TorchTrainer
+    from rollart.engines.training import TrainerSpec
+    from tests.batches import random_batch
+
+    model_dir = build_engine_test_model(tmp_path / "model")
+    spec = TrainerSpec(device="cpu", lr=5e-2, micro_batch_size=4, threads=1, lora=SPEC)
+    trainer = TorchTrainer(model_dir, spec, seed=0)
+    for version in (1, 2):
+        trainer.train_step(random_batch(version, rows=8), version=version)
+    trainer.save(tmp_path / "step-2").result()
+    export_checkpoint(tmp_path / "step-2", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True).eval()
+    _, tokenizer = load_model_and_tokenizer(model_dir)
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    base_outputs = [hf_greedy(load_model_and_tokenizer(model_dir)[0], p, 16) for p in prompts]
+    engine = HFEngine(model_dir)
+    await engine.start()
+    try:
+
+        async def apply(version: int, pushed: dict[str, torch.Tensor]) -> None:
+            await engine.load_adapter(version, pushed, SPEC)
+
+        stats = await push_over_tcp(apply, 2, trainer.export_weights())
+        greedy = SamplingParams(max_tokens=16, temperature=0)
+        outputs = [(await engine.generate(f"r{i}", p, greedy)).token_ids for i, p in enumerate(prompts)]
+    finally:
+        await engine.close()
+        trainer.close()
+    assert stats.bytes_received == adapter_bytes(trainer.export_weights())
+    assert outputs == [hf_greedy(merged, p, 16) for p in prompts]
+    assert outputs != base_outputs  # the adapters changed what the model says
