@@ -29,6 +29,10 @@ Under LoRA (`lora=` the run's `LoraSpec`) vLLM starts with LoRA enabled, the bas
 version is adapters that vLLM serves natively (`load_adapter`): a request runs on the newest adapter when it
 starts and keeps it to its end, so every token carries that adapter's version (`rollart.engines.vllm_lora`).
 
+One piece, past the 400 lines of docs/architecture.md: one class whose life cycle, requests and two ways of taking
+a new version share the same state (the flights in progress, the weights lock, closing); the parts that need none
+of it are beside it (`vllm_args`, `vllm_weights`, `vllm_worker`, `vllm_lora`).
+
 This module is the engine's life cycle, request streams and swap sequence; what it asks of vLLM and reads back is
 `rollart.engines.vllm_args`, the checking and sending of new weights `rollart.engines.vllm_weights`, their
 loading inside vLLM's worker `rollart.engines.vllm_worker`, and the checks it shares with the transformers engine
@@ -233,10 +237,6 @@ class VLLMEngine:
     def adapters(self) -> AdapterVersions | None:
         """Under LoRA: the adapter versions the engine holds and their folders (None: no LoRA)."""
         return self._lora
-
-    async def registered_adapters(self) -> set[int]:
-        """The LoRA adapter ids (version + 1) vLLM itself holds now."""
-        return set(await self._running_engine().list_loras())
 
     # ---------------------------------------------------------------- requests
 
