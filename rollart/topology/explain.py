@@ -20,6 +20,8 @@ _MSGSPEC_ERROR = re.compile(
     r"^(?P<msg>.*?)(?: - at `(?P<key>key)` in `\$(?P<kpath>[^`]*)`| - at `\$(?P<path>[^`]*)`)?$"
 )
 _YAML_KINDS = {"object": "mapping", "array": "list"}
+RENAMED = {"max_batch_size": "max_num_seqs"}
+"""Keys an earlier RollArt had under another name: an old file's key is named with its new one."""
 
 
 def explain(message: str, data: Any, root: type[msgspec.Struct]) -> tuple[str, str]:
@@ -33,6 +35,8 @@ def explain(message: str, data: Any, root: type[msgspec.Struct]) -> tuple[str, s
     if (quoted := re.match(r"Object contains unknown field `(.*)`$", msg)) is not None:
         key, problem = quoted[1], f"unknown key {quoted[1]!r}"
         fields = [f.encode_name for f in msgspec.structs.fields(target) if f.name != "source"]
+        if RENAMED.get(key) in fields:
+            return path, problem + f"; it is called {RENAMED[key]!r} now"
         hint = difflib.get_close_matches(key, fields, n=1)
         return path, problem + (f"; did you mean {hint[0]!r}?" if hint else "")
     if (quoted := re.match(r"Object missing required field `(.*)`$", msg)) is not None:

@@ -192,6 +192,11 @@ def test_secret_file_empty_or_absent(tmp_path: pathlib.Path) -> None:
             id="unknown-key-without-hint",
         ),
         pytest.param(
+            "run:\n  generator: {max_batch_size: 8}\nnodes: []\n",
+            "run.generator: unknown key 'max_batch_size'; it is called 'max_num_seqs' now",
+            id="renamed-key",
+        ),
+        pytest.param(
             "nods: []\n",
             "unknown key 'nods'; did you mean 'nodes'?",
             id="unknown-top-level-key",
