@@ -5,7 +5,7 @@
     rollart check TOPOLOGY                validate a topology, and size every node against its declared GPUs
     rollart build-model DIR [--seed N] [--preset tiny|qwen3-bpe]
                                           build the tiny default model (Hugging Face format) in DIR, or
-                                          qwen3-bpe: a 30 M Qwen3 with a byte-level BPE tokenizer (tests)
+                                          qwen3-bpe: a 29 M Qwen3 with a byte-level BPE tokenizer (tests)
     rollart report RUN_DIR [--out DIR]    plots and a summary of a training run (default DIR: RUN_DIR/report)
     rollart export RUN_DIR OUT [--step N | --checkpoint PATH] [--dtype auto|bf16|fp32] [--force] [--adapters]
                                           the trained policy as a Hugging Face model folder (a LoRA
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate", help="run a simulation topology in-process, on a virtual clock (docs/simulation.md)"
     )
     simulate.add_argument("topology", help="a topology with generator.backend: sim, e.g. configs/sim-paper.yaml")
-    check = commands.add_parser("check", help="validate a topology file")
+    check = commands.add_parser("check", help="validate a topology and size every node against its GPUs")
     check.add_argument("topology")
     build = commands.add_parser("build-model", help="build the tiny default model (or a test preset) in a folder")
     build.add_argument("out", help="folder to write the model to (config, safetensors, tokenizer)")
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=["tiny", "qwen3-bpe"],
         default="tiny",
-        help="tiny: the default 1 M char-level model; qwen3-bpe: a 30 M Qwen3 with a byte-level BPE tokenizer",
+        help="tiny: the default 0.6 M char-level model; qwen3-bpe: a 29 M Qwen3 with a byte-level BPE tokenizer",
     )
     report = commands.add_parser("report", help="plots and a summary table of a training run")
     report.add_argument(
