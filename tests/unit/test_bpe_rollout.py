@@ -96,8 +96,16 @@ def lake(**changes: object) -> TaskSpec:
     )
 
 
-@pytest.mark.parametrize("thinking", [True, False])
-@pytest.mark.parametrize("context", ["full", "template"])
+# Two of the four run by default (each way of showing history, each thinking setting once); all four with --all.
+@pytest.mark.parametrize(
+    ("context", "thinking"),
+    [
+        ("full", True),
+        ("template", False),
+        pytest.param("full", False, marks=pytest.mark.slow),
+        pytest.param("template", True, marks=pytest.mark.slow),
+    ],
+)
 def test_thinking_on_and_off_multi_turn_through_the_hf_engine_and_the_trainer(
     qwen3_bpe_dir: Path, thinking: bool, context: str
 ) -> None:
@@ -155,7 +163,7 @@ def small_checkpoint(folder: Path, family: str, tokenizer_from: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_thinking_free_checkpoints_of_other_families_run_and_train(
     qwen3_bpe_dir: Path, tmp_path: Path, family: str
 ) -> None:
