@@ -1,13 +1,17 @@
 """The handshake: protocol version, identities, and mutual HMAC challenge-response.
 
     client                                  server
-      Hello(version, node, role, nonce_c, session_id, recv_seq)  ->
+      Hello(version, node, role, nonce_c, session_id, purpose, recv_seq)  ->
                                            <-  Challenge(nonce_s, node, role)   | Refuse
-      Proof(HMAC(secret, client|nonce_c|nonce_s|ids))  ->
-                                           <-  Welcome(HMAC(secret, server|...), epoch, ...) | Refuse
+      Proof(HMAC(secret, client|Hello|Challenge))  ->
+                                 <-  Welcome(HMAC(secret, server|Hello|Challenge|Welcome), epoch, ...) | Refuse
 
 Both nonces are fresh per connection, so a recorded proof is useless on another connection (no
-replay). The server proves it knows the secret too, so a client never talks to an impostor.
+replay). The server proves it knows the secret too, so a client never talks to an impostor. Each
+proof covers the whole handshake so far, every field of every frame (the Welcome's own fields too,
+its MAC left blank), as msgspec encodes them, which is canonical: the side that checks re-encodes
+what it decoded, so a field changed on the way (a Hello's `recv_seq`, a Welcome's `epoch`) fails
+the proof.
 A refusal is sent as a `Refuse` frame, logged on both sides, and the connection is closed.
 """
 
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
 import structlog
 
 from rollart.errors import RollartError
@@ -43,10 +48,13 @@ class Identity:
     role: str
 
 
-def _mac(secret: bytes, side: bytes, hello: Hello, challenge: Challenge) -> bytes:
-    ids = "\x00".join([hello.session_id, hello.purpose, hello.node, hello.role, challenge.node, challenge.role])
-    message = b"rollart|" + side + b"|" + hello.nonce + challenge.nonce + ids.encode()
-    return hmac.new(secret, message, hashlib.sha256).digest()
+def _mac(secret: bytes, side: bytes, hello: Hello, challenge: Challenge, welcome: Welcome | None = None) -> bytes:
+    """HMAC over the handshake's transcript: the Hello and the Challenge as encoded (msgpack frames delimit
+    themselves, so the concatenation is unambiguous), and for the server's proof the Welcome with its MAC blank."""
+    transcript = HANDSHAKE.encode(hello) + HANDSHAKE.encode(challenge)
+    if welcome is not None:
+        transcript += HANDSHAKE.encode(msgspec.structs.replace(welcome, mac=b""))
+    return hmac.new(secret, b"rollart|" + side + b"|" + transcript, hashlib.sha256).digest()
 
 
 M = TypeVar("M", Hello, Challenge, Proof, Welcome)
@@ -85,7 +93,7 @@ async def client_handshake(
         challenge = await _recv(conn, Challenge)
         conn.send(HANDSHAKE.encode(Proof(_mac(secret, b"client", hello, challenge))))
         welcome = await _recv(conn, Welcome)
-    if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge)):
+    if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge, welcome)):
         log.error("handshake.server_unproven", peer=conn.peer, server=challenge.node)
         raise ProtocolError(f"server {challenge.node} at {conn.peer} failed to prove it knows the shared secret")
     return welcome, Identity(challenge.node, challenge.role)
@@ -139,5 +147,7 @@ async def server_handshake(
     if not hmac.compare_digest(proof.mac, _mac(secret, b"client", hello, challenge)):
         raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret")
     epoch, resumed, recv_seq = lookup(hello)
-    conn.send(HANDSHAKE.encode(Welcome(_mac(secret, b"server", hello, challenge), epoch, resumed, recv_seq)))
+    welcome = Welcome(b"", epoch, resumed, recv_seq)
+    welcome = msgspec.structs.replace(welcome, mac=_mac(secret, b"server", hello, challenge, welcome))
+    conn.send(HANDSHAKE.encode(welcome))
     return hello

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
-"""Bumped on any change to the handshake or session frames that an older peer cannot read."""
+PROTOCOL_VERSION = 2
+"""Bumped on any change to the handshake or session frames that an older peer cannot read. 2: the handshake's
+proofs cover every field of every handshake frame (1 covered the nonces and identities alone)."""
 
 
 class SessionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

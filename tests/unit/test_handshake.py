@@ -183,7 +183,7 @@ async def test_fuzz_server_handshake_accepts_only_an_unaltered_proof(data: st.Da
         accepted = True
     try:
         seen = HANDSHAKE.decode(hello_frame)
-        hello_unaltered = isinstance(seen, Hello) and seen.version == hello.version and signed(seen) == signed(hello)
+        hello_unaltered = isinstance(seen, Hello) and signed(seen) == signed(hello)
     except ProtocolError:
         hello_unaltered = False
     proof_unaltered = len(proofs) == 1 and decodes_to(*proofs[0])
@@ -191,10 +191,9 @@ async def test_fuzz_server_handshake_accepts_only_an_unaltered_proof(data: st.Da
 
 
 def signed(hello: Hello) -> tuple[object, ...]:
-    """What the client's MAC covers: the nonce and the identities. Not `version` (another one is
-    refused anyway) nor `recv_seq`: a Hello with either altered is accepted (found by this fuzz),
-    which matters to no one who cannot also alter the session's frames, which nothing signs."""
-    return hello.nonce, hello.session_id, hello.purpose, hello.node, hello.role
+    """What the client's MAC covers: every field of the Hello (version 1 of the protocol left out `version` and
+    `recv_seq`, which this fuzz found accepted when altered)."""
+    return tuple(msgspec.structs.astuple(hello))
 
 
 # -- the client's end ---------------------------------------------------------------------------
@@ -232,7 +231,9 @@ async def test_fuzz_client_handshake_accepts_only_an_unaltered_server_proof(data
         assert isinstance(seen, Challenge)
         assert HANDSHAKE.decode(sent[1]) == Proof(_mac(SECRET, b"client", said["hello"], seen))
         # ... and the honest server proves itself over the challenge it sent.
-        welcome = Welcome(_mac(SECRET, b"server", said["hello"], challenge), "epoch", False, 0)
+        welcome = Welcome(b"", "epoch", False, 0)
+        welcome = msgspec.structs.replace(welcome, mac=_mac(SECRET, b"server", said["hello"], challenge, welcome))
+        said["sent"] = welcome
         frame = HANDSHAKE.encode(welcome)
         if altered == "welcome":
             frame = data.draw(mutations(frame), label="altered welcome")
@@ -249,14 +250,9 @@ async def test_fuzz_client_handshake_accepts_only_an_unaltered_server_proof(data
         event("accepted")
         assert server == SERVER
         accepted = True
-    # The server's MAC covers the nonces and identities, not the Welcome's other fields (epoch,
-    # resumed, recv_seq): those are as trustworthy as the session's frames, which nothing signs.
-    try:
-        received = HANDSHAKE.decode(said.get("welcome", b""))
-        mac_unaltered = isinstance(received, Welcome) and received.mac == said["mac"]
-    except ProtocolError:
-        mac_unaltered = False
-    assert accepted == (decodes_to(said["challenge"], challenge) and mac_unaltered)
+    # The server's MAC covers the whole handshake, the Welcome's own fields (epoch, resumed, recv_seq) too.
+    welcome_unaltered = "welcome" in said and decodes_to(said["welcome"], said["sent"])
+    assert accepted == (decodes_to(said["challenge"], challenge) and welcome_unaltered)
     if accepted:
         assert welcome.mac == said["mac"]
 
@@ -327,3 +323,46 @@ async def test_a_strangers_first_bytes_are_held_to_the_handshake_frame_limit_bef
         refusal = HANDSHAKE.decode(bytes(transport.written[4:]))
         assert isinstance(refusal, Refuse) and refusal.code == "bad-handshake" and "exceeds the limit" in refusal.reason
         await server.close()
+
+
+# -- fields changed on the way: every one is under the proofs --------------------------------------
+
+
+async def test_tampered_hello_recv_seq_is_refused_by_the_server() -> None:
+    """An on-path relay that raises the Hello's `recv_seq` (making the server drop messages it never sent) fails
+    the client's proof: the client signed the Hello it sent, the server checks the one it got."""
+    sent = Hello(PROTOCOL_VERSION, CLIENT.node, CLIENT.role, b"n" * NONCE_BYTES, "s", "session", 3)
+    tampered = msgspec.structs.replace(sent, recv_seq=1_000)
+
+    def prove(frames: list[bytes]) -> bytes:
+        challenge = HANDSHAKE.decode(frames[0])
+        assert isinstance(challenge, Challenge)
+        return HANDSHAKE.encode(Proof(_mac(SECRET, b"client", sent, challenge)))
+
+    sessions = Sessions()
+    with pytest.raises(HandshakeRefused) as refused:
+        await server_handshake(
+            ScriptedPeer([HANDSHAKE.encode(tampered), prove]),
+            identity=SERVER,
+            secret=SECRET,
+            lookup=sessions,
+            timeout=5,
+        )
+    assert refused.value.code == "auth" and sessions.looked_up == []
+
+
+async def test_tampered_welcome_epoch_is_refused_by_the_client() -> None:
+    """A relay that changes the Welcome's `epoch` (so the client would take a new server's session for the old
+    one, or the reverse) fails the server's proof."""
+    challenge = Challenge(b"c" * NONCE_BYTES, SERVER.node, SERVER.role)
+
+    def welcome(frames: list[bytes]) -> bytes:
+        hello = HANDSHAKE.decode(frames[0])
+        assert isinstance(hello, Hello)
+        honest = Welcome(b"", "epoch-1", True, 5)
+        honest = msgspec.structs.replace(honest, mac=_mac(SECRET, b"server", hello, challenge, honest))
+        return HANDSHAKE.encode(msgspec.structs.replace(honest, epoch="epoch-2"))
+
+    conn = ScriptedPeer([HANDSHAKE.encode(challenge), welcome])
+    with pytest.raises(ProtocolError, match="failed to prove it knows the shared secret"):
+        await client_handshake(conn, identity=CLIENT, secret=SECRET, session_id="s", timeout=5)
