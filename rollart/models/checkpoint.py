@@ -34,10 +34,15 @@ def saved_dtype(model_dir: str | Path) -> str | None:
     config = Path(model_dir) / "config.json"
     if not config.exists():
         return None
-    data = read_json(config)
-    name = data.get("torch_dtype") or data.get("dtype")
-    name = str(name).removeprefix("torch.") if name is not None else None
+    name = config_dtype(read_json(config))
     return name if name in FLOAT_DTYPES else None
+
+
+def config_dtype(config: dict[str, Any]) -> str | None:
+    """The dtype a config.json's contents name (`torch_dtype`, or `dtype` as transformers 5 writes it), without
+    torch's `torch.` prefix; None when it names none."""
+    name = config.get("torch_dtype") or config.get("dtype")
+    return str(name).removeprefix("torch.") if name is not None else None
 
 
 def engine_dtype(wanted: str, model_dir: str | Path, *, on_gpu: bool) -> str:

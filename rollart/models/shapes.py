@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rollart.models.checkpoint import config_dtype
+
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 """Bytes per element of the dtypes a checkpoint or an engine names."""
 
@@ -114,7 +116,7 @@ def shape_from_config(config: dict[str, Any], name: str = "config.json") -> Mode
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         model_type = str(config.get("model_type", ""))
-        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+        dtype = config_dtype(config) or "float32"
         shape = ModelShape(
             name=name,
             layers=int(config["num_hidden_layers"]),

@@ -122,7 +122,7 @@ class ChatRenderer:
         turn, and the next generation prompt. `as_template`: the template's own rendering of the whole
         conversation, a fresh prompt when it is not the previous prompt plus the reply (`context: template`);
         otherwise always the continuation (`context: full`). `messages` is extended."""
-        before = self.render(messages, generation_prompt=True, options=options)
+        before = self.render(messages, generation_prompt=True, options=options) if as_template else ""
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": observation}]
         if as_template:
             after = self.render(messages, generation_prompt=True, options=options)
