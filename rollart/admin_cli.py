@@ -19,6 +19,7 @@ not reachable), the table says which; 2 bad topology, unknown node or no admin t
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import aiohttp
 from rollart.errors import ConfigError
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, Topology
+from rollart.topology.exposure import admin_client
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 ACTIONS = ("status", "pause", "resume", "drain")
@@ -46,25 +48,34 @@ class Answer:
     error: str | None = None
 
 
-def admin_url(node: NodeSpec, path: str) -> str:
+def admin_url(node: NodeSpec, path: str, scheme: str = "http") -> str:
     """A node's admin endpoint; one bound to every interface is reached at the node's own host."""
     host = node.host if node.admin_host in _WILDCARD else node.admin_host
     if ":" in host:  # an IPv6 literal
         host = f"[{host}]"
-    return f"http://{host}:{node.admin_port}{path}"
+    return f"{scheme}://{host}:{node.admin_port}{path}"
 
 
 async def ask(
-    nodes: list[NodeSpec], action: str, *, token: str | None = None, timeout_s: float = TIMEOUT_S
+    nodes: list[NodeSpec],
+    action: str,
+    *,
+    token: str | None = None,
+    timeout_s: float = TIMEOUT_S,
+    tls: tuple[str, ssl.SSLContext | None] = ("http", None),
 ) -> list[Answer]:
-    """`action` on every node at once: GET /status, or POST /pause, /resume, /drain with the token."""
+    """`action` on every node at once: GET /status, or POST /pause, /resume, /drain with the token;
+    `tls`: the scheme and context of `exposure.admin_client`."""
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers) as http:
+    scheme, context = tls
+    connector = aiohttp.TCPConnector(ssl=context) if context is not None else None
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http:
 
         async def one(node: NodeSpec) -> Answer:
             method = "GET" if action == "status" else "POST"
             try:
-                async with http.request(method, admin_url(node, f"/{action}")) as response:
+                async with http.request(method, admin_url(node, f"/{action}", scheme)) as response:
                     body = await response.json(content_type=None)
                     return Answer(node, response.status, body if isinstance(body, dict) else {"body": body})
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -140,10 +151,11 @@ def run(topology: Topology, action: str, node: str | None, *, timeout_s: float =
     try:
         nodes = [topology.node(node)] if node is not None else list(topology.nodes)
         token = None if action == "status" else admin_token(topology)
+        tls = admin_client(topology)
     except ConfigError as exc:
         print(f"rollart {action}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    answers = asyncio.run(ask(nodes, action, token=token, timeout_s=timeout_s))
+    answers = asyncio.run(ask(nodes, action, token=token, timeout_s=timeout_s, tls=tls))
     print(status_table(answers) if action == "status" else action_table(action, answers))
     code = exit_code(answers)
     if code == EXIT_REFUSED:

@@ -12,6 +12,8 @@
                                           run's: merged, or with --adapters the PEFT adapter folder)
     rollart slurm TOPOLOGY [--out FILE] [--partition ROLE=NAME] [--time LIMIT]
                                           write an sbatch script: a het job, one component per role
+    rollart certs DIR --topology FILE [--days N] [--renew]
+                                          a CA (unless DIR has one) and a TLS certificate per node (run.tls)
     rollart status|pause|resume|drain --topology FILE [--node NAME]
                                           every node's admin API, as a table (rollart/admin_cli.py)
 
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--partition", action="append", default=[], metavar="ROLE=NAME", help="a role group's partition (repeatable)"
     )
     slurm.add_argument("--time", default=None, help="the job's time limit (sbatch --time)")
+    certs = commands.add_parser("certs", help="make a CA and one TLS certificate per node (docs/security.md)")
+    certs.add_argument("dir", help="the folder for ca.pem, ca.key and NODE.pem / NODE.key (run.tls.dir)")
+    certs.add_argument("--topology", required=True, help="the topology whose nodes get certificates")
+    certs.add_argument("--days", type=int, default=365, help="how long each node's certificate is valid")
+    certs.add_argument("--renew", action="store_true", help="issue every node's certificate again (same CA)")
     slurm_run = commands.add_parser("slurm-run", help="inside the job: the supervisor (reads the script's table)")
     slurm_run.add_argument("--topology", required=True)
     for action, what in (
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "slurm":
         return _slurm(topology, Path(args.topology), args.out, args.partition, args.time)
+    if args.command == "certs":
+        return _certs(topology, Path(args.dir), days=args.days, renew=args.renew)
     if args.command == "slurm-run":
         from rollart.launch.slurm import run_job
 
@@ -165,6 +174,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _certs(topology: Topology, folder: Path, *, days: int, renew: bool) -> int:
+    """`rollart certs`: the CA and every node's certificate, the node's addresses in it."""
+    from rollart.protocol.certs import NodeName, issue_for_nodes
+
+    wildcard = ("0.0.0.0", "::", "")
+    nodes = [NodeName(n.name, tuple(h for h in (n.host, n.admin_host) if h not in wildcard)) for n in topology.nodes]
+    try:
+        written = issue_for_nodes(folder, nodes, days=days, renew=renew)
+    except (OSError, ValueError) as exc:
+        print(f"rollart certs: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    for path in written:
+        print(path)
+    kept = len(nodes) - sum(1 for p in written if p.suffix == ".pem" and p.name != "ca.pem")
+    print(f"{folder}: {len(written)} files written; {kept} node certificates kept (--renew to issue them again)")
+    return 0
 
 
 def _simulate(topology: Topology) -> int:

@@ -40,6 +40,7 @@ from rollart.launch.terminal import Terminal, describe_exit
 from rollart.node import read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, RestartPolicy, Topology
+from rollart.topology.exposure import admin_client
 
 EXIT_OK, EXIT_NODE_FAILED, EXIT_CONFIG = 0, 1, 2
 POLL_S = 0.5
@@ -152,6 +153,7 @@ class Launcher:
         self.env = dict(os.environ)
         self.cpus = plan_cpus(topology, sorted(os.sched_getaffinity(0)))
         self.gpus = place_gpus(topology)
+        self._admin_scheme = "http"
         self.stop_reason: str | None = None
         self.failure: str | None = None
         self._stop = asyncio.Event()
@@ -244,7 +246,10 @@ class Launcher:
             loop.add_signal_handler(sig, self.stop, f"{signal.Signals(sig).name} received")
         self.say(f"rollart run {self.topology.run.name}: {len(self.nodes)} nodes, logs in {RunDir(self.run_dir).logs}")
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            scheme, context = admin_client(self.topology)
+            self._admin_scheme = scheme
+            connector = aiohttp.TCPConnector(ssl=context) if context is not None else None
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0), connector=connector) as http:
                 for node in self.nodes:
                     await self._spawn(node)
                 async with asyncio.TaskGroup() as tg:
@@ -365,7 +370,7 @@ class Launcher:
     async def _poll_node(self, http: aiohttp.ClientSession, node: NodeProcess) -> None:
         if node.proc is None or node.proc.returncode is not None:
             return
-        url = f"http://{_connectable(node.spec.admin_host)}:{node.spec.admin_port}/status"
+        url = f"{self._admin_scheme}://{_connectable(node.spec.admin_host)}:{node.spec.admin_port}/status"
         try:
             async with http.get(url) as response:
                 node.status = await response.json()

@@ -9,7 +9,7 @@
 
 Mutations without the right token get 401; when the node has no admin token configured they
 are disabled (403) rather than open. The listener binds to the topology's `admin_host`, which
-defaults to 127.0.0.1.
+defaults to 127.0.0.1; with `run.tls` (and its `admin`) it serves HTTPS with the node's certificate.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ class AdminServer:
         spec = self.daemon.spec
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, spec.admin_host, spec.admin_port, reuse_address=True).start()
+        tls, spec_tls = self.daemon.tls, self.daemon.topology.run.tls
+        ssl_context = tls.admin_server if tls is not None and spec_tls is not None and spec_tls.admin else None
+        site = web.TCPSite(self._runner, spec.admin_host, spec.admin_port, reuse_address=True, ssl_context=ssl_context)
+        await site.start()
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -86,8 +86,16 @@ class NodeDaemon:
         self.unpaused.set()
         self.last_error: str | None = None
         self.peer_status: dict[str, NodeStatus] = {}
+        # In-process nodes talk over memory: nothing to encrypt.
+        self.tls = topology.node_tls(spec.name) if network is None else None
         self.server = SessionServer(
-            local=self.identity, secret=secret, channel=APP, handler=self, cfg=self.cfg, on_bulk=self.on_bulk
+            local=self.identity,
+            secret=secret,
+            channel=APP,
+            handler=self,
+            cfg=self.cfg,
+            on_bulk=self.on_bulk,
+            tls=self.tls,
         )
         self.network = network
         self.clients: dict[str, ClientSession] = {}
@@ -96,7 +104,7 @@ class NodeDaemon:
         for peer in topology.nodes:
             if peer.role in connects_to and peer.name != spec.name and peer.primary is None:
                 connector: Callable[[], Awaitable[Connection]] = (
-                    functools.partial(tcp_connector, peer.host, peer.port, self.cfg)
+                    functools.partial(tcp_connector, peer.host, peer.port, self.cfg, self.tls)
                     if network is None
                     else functools.partial(network.connect, peer.name, spec.name)
                 )

@@ -129,7 +129,7 @@ class GeneratorNode(NodeDaemon):
         self.receiver = WeightReceiver(
             self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weight_delta
         )
-        self.receiver.relay_as(self.identity, self.secret, self.cfg)  # relay chains pass through generators
+        self.receiver.relay_as(self.identity, self.secret, self.cfg, self.tls)  # relay chains pass through generators
         self.ucx_port = 0
 
     @property
@@ -176,7 +176,9 @@ class GeneratorNode(NodeDaemon):
             tg.create_task(self.receiver.serve())
             transport = run.trainer.weight_transport
             # A simulated engine gets no real weights (`SimWeights` stands for the push).
-            if transport != "tcp" and run.generator.backend != "sim" and ucx_unavailable() is None:
+            # UCX does not encrypt: with TLS, weights come over the session port's TLS.
+            plain = transport == "tcp" or self.tls is not None
+            if not plain and run.generator.backend != "sim" and ucx_unavailable() is None:
                 self.ucx_port = await self.receiver.listen_ucx(
                     local=self.identity, secret=self.secret, cfg=self.cfg, port=0
                 )

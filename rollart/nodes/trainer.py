@@ -127,6 +127,7 @@ class TrainerNode(NodeDaemon):
                     fanout=spec.weight_fanout,
                     push_timeout_s=spec.push_timeout_s,
                     delta=spec.weight_delta,
+                    tls=self.tls,
                 ),
                 build_engine=functools.partial(
                     build_training_engine,

@@ -48,13 +48,26 @@ class Identity:
     role: str
 
 
-def _mac(secret: bytes, side: bytes, hello: Hello, challenge: Challenge, welcome: Welcome | None = None) -> bytes:
-    """HMAC over the handshake's transcript: the Hello and the Challenge as encoded (msgpack frames delimit
-    themselves, so the concatenation is unambiguous), and for the server's proof the Welcome with its MAC blank."""
-    transcript = HANDSHAKE.encode(hello) + HANDSHAKE.encode(challenge)
+def _mac(
+    secret: bytes,
+    side: bytes,
+    hello: Hello,
+    challenge: Challenge,
+    welcome: Welcome | None = None,
+    *,
+    binding: bytes = b"",
+) -> bytes:
+    """HMAC over the handshake's transcript: the TLS channel binding (`TlsPeer.binding`: 64 bytes, or
+    none without TLS), the Hello and the Challenge as encoded (msgpack frames delimit themselves, so the
+    concatenation is unambiguous), and for the server's proof the Welcome with its MAC blank."""
+    transcript = binding + HANDSHAKE.encode(hello) + HANDSHAKE.encode(challenge)
     if welcome is not None:
         transcript += HANDSHAKE.encode(msgspec.structs.replace(welcome, mac=b""))
     return hmac.new(secret, b"rollart|" + side + b"|" + transcript, hashlib.sha256).digest()
+
+
+def _binding(conn: Connection) -> bytes:
+    return conn.tls.binding if conn.tls is not None else b""
 
 
 M = TypeVar("M", Hello, Challenge, Proof, Welcome)
@@ -91,11 +104,18 @@ async def client_handshake(
     async with asyncio.timeout(timeout):
         conn.send(HANDSHAKE.encode(hello))
         challenge = await _recv(conn, Challenge)
-        conn.send(HANDSHAKE.encode(Proof(_mac(secret, b"client", hello, challenge))))
+        conn.send(HANDSHAKE.encode(Proof(_mac(secret, b"client", hello, challenge, binding=_binding(conn)))))
         welcome = await _recv(conn, Welcome)
-    if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge, welcome)):
+    if not hmac.compare_digest(welcome.mac, _mac(secret, b"server", hello, challenge, welcome, binding=_binding(conn))):
         log.error("handshake.server_unproven", peer=conn.peer, server=challenge.node)
-        raise ProtocolError(f"server {challenge.node} at {conn.peer} failed to prove it knows the shared secret")
+        relayed = " (or the handshake was relayed: the TLS certificates differ)" if conn.tls else ""
+        raise ProtocolError(
+            f"server {challenge.node} at {conn.peer} failed to prove it knows the shared secret{relayed}"
+        )
+    if conn.tls is not None and conn.tls.name != challenge.node:
+        raise ProtocolError(
+            f"server at {conn.peer} says it is node {challenge.node!r}; its certificate is {conn.tls.name!r}'s"
+        )
     return welcome, Identity(challenge.node, challenge.role)
 
 
@@ -144,10 +164,15 @@ async def server_handshake(
         raise refuse("bad-handshake", f"expected a handshake frame: {exc}") from None
     except ProtocolError as exc:  # includes FrameTooLarge
         raise refuse("bad-handshake", str(exc)) from None
-    if not hmac.compare_digest(proof.mac, _mac(secret, b"client", hello, challenge)):
-        raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret")
+    if not hmac.compare_digest(proof.mac, _mac(secret, b"client", hello, challenge, binding=_binding(conn))):
+        relayed = ", or the handshake was relayed (the TLS certificates differ)" if conn.tls else ""
+        raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret{relayed}")
+    if conn.tls is not None and conn.tls.name != hello.node:
+        raise refuse("identity", f"node {hello.node!r} presented the certificate of node {conn.tls.name!r}")
     epoch, resumed, recv_seq = lookup(hello)
     welcome = Welcome(b"", epoch, resumed, recv_seq)
-    welcome = msgspec.structs.replace(welcome, mac=_mac(secret, b"server", hello, challenge, welcome))
+    welcome = msgspec.structs.replace(
+        welcome, mac=_mac(secret, b"server", hello, challenge, welcome, binding=_binding(conn))
+    )
     conn.send(HANDSHAKE.encode(welcome))
     return hello

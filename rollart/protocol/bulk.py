@@ -18,16 +18,20 @@ from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection, open_tcp
 from rollart.protocol.messages import BLOB, BlobHeader
+from rollart.protocol.tls import NodeTls
 
 
-async def open_bulk(host: str, port: int, *, local: Identity, secret: bytes, cfg: SessionConfig) -> TcpConnection:
-    """Open and authenticate a bulk connection to a node's session port."""
+async def open_bulk(
+    host: str, port: int, *, local: Identity, secret: bytes, cfg: SessionConfig, tls: NodeTls | None = None
+) -> TcpConnection:
+    """Open and authenticate a bulk connection to a node's session port (over TLS when `tls` is given)."""
     conn = await open_tcp(
         host,
         port,
         max_frame_bytes=cfg.max_frame_bytes,
         max_bulk_bytes=cfg.max_bulk_bytes,
         timeout=cfg.handshake_timeout_s,
+        tls=tls,
     )
     try:
         await client_handshake(

@@ -23,6 +23,7 @@ from rollart.protocol.framing import Connection, open_tcp
 from rollart.protocol.messages import Channel
 from rollart.protocol.retry import Backoff
 from rollart.protocol.session import Handler, Session, State
+from rollart.protocol.tls import NodeTls
 
 log = structlog.get_logger("rollart.protocol.client")
 
@@ -127,12 +128,14 @@ class ClientSession(Session):
             await asyncio.wait_for(self._finished.wait(), max(0.0, delay))
 
 
-async def tcp_connector(host: str, port: int, cfg: SessionConfig) -> Connection:
-    """Open a TCP connection with the session's frame limits (for `ClientSession(connect=...)`)."""
+async def tcp_connector(host: str, port: int, cfg: SessionConfig, tls: NodeTls | None = None) -> Connection:
+    """Open a TCP connection with the session's frame limits, over TLS when `tls` is given (for
+    `ClientSession(connect=...)`)."""
     return await open_tcp(
         host,
         port,
         max_frame_bytes=cfg.max_frame_bytes,
         max_bulk_bytes=cfg.max_bulk_bytes,
         timeout=cfg.handshake_timeout_s,
+        tls=tls,
     )

@@ -24,6 +24,7 @@ from typing import Protocol, cast
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
 from rollart.protocol.frames import Bulk as _Bulk
 from rollart.protocol.frames import FrameReceiver
+from rollart.protocol.tls import NodeTls, TlsPeer, TlsRefused, refusal
 
 _LEN = struct.Struct(">I")
 _BULK_LEN = struct.Struct(">Q")
@@ -36,6 +37,9 @@ INITIAL_RECV_BUFFER = 4 * 1024
 fills: a connection that never gets past the handshake (a stranger, a scanner, a thousand dropped
 connects) costs 4 KiB, not 256."""
 _BULK_CHUNK = 1024 * 1024
+_TLS_RECORDS = (0x15, 0x16)
+"""First bytes of a TLS alert and handshake record (their second is 3, the major version): what a TLS
+peer's first bytes look like to a node without TLS, whose 4-byte length they would be."""
 _MAX_QUEUED_FRAMES = 4096  # stop reading from the socket past this many undelivered frames
 # Write coalesced frames at once past this many bytes: a sender that queues thousands of frames
 # without yielding would otherwise leave the receiver idle until it yields (measured: session
@@ -66,6 +70,10 @@ class Connection(Protocol):
 
     max_frame_bytes: int
     """Frames above this size are refused (received) or raise (sent)."""
+
+    @property
+    def tls(self) -> TlsPeer | None:
+        """What TLS established about the peer; None on a connection without TLS."""
 
     def send(self, frame: bytes) -> None:
         """Queue one message frame; it is written without waiting."""
@@ -119,7 +127,15 @@ BulkSink = Callable[[int], memoryview]
 class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
     """`Connection` over an asyncio transport (works with uvloop and the default loop)."""
 
-    def __init__(self, max_frame_bytes: int, max_bulk_bytes: int, bulk_sink: BulkSink | None = None) -> None:
+    def __init__(
+        self,
+        max_frame_bytes: int,
+        max_bulk_bytes: int,
+        bulk_sink: BulkSink | None = None,
+        *,
+        secure_first: bool = False,
+    ) -> None:
+        """`secure_first`: TLS comes first (`NodeTls.secure`); nothing is read until it is set up."""
         self.max_frame_bytes = max_frame_bytes
         self.max_bulk_bytes = max_bulk_bytes
         self.bulk_sink = bulk_sink
@@ -142,6 +158,9 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._closed = self._loop.create_future()
+        self._secure_first = secure_first
+        self._tls: TlsPeer | None = None
+        self._frames_seen = False
         self.on_made: Callable[[TcpConnection], None] | None = None
 
     # -- asyncio protocol callbacks --
@@ -152,12 +171,34 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         self._peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         self._transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
+        if self._secure_first:
+            self._transport.pause_reading()  # TLS's handshake reads first (`NodeTls.secure`)
         if self.on_made is not None:
             self.on_made(self)
 
+    @property
+    def transport(self) -> asyncio.Transport:
+        """The transport under this connection (TLS's, once `secured`)."""
+        if self._transport is None:
+            raise ConnectionClosed(f"connection to {self._peer} is not connected")
+        return self._transport
+
+    def secured(self, transport: asyncio.Transport, peer: TlsPeer) -> None:
+        """Carry on over `transport`, TLS's, set up with `peer` (`NodeTls.secure` calls it)."""
+        self._transport = transport
+        self._tls = peer
+        transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
+
+    @property
+    def tls(self) -> TlsPeer | None:
+        return self._tls
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._error is None:
-            self._error = ConnectionClosed(f"connection to {self._peer} closed" + (f": {exc}" if exc else ""))
+            refused = refusal(exc) if exc is not None else None
+            self._error = refused or ConnectionClosed(
+                f"connection to {self._peer} closed" + (f": {exc}" if exc else "")
+            )
         self._wake()
         self._can_write.set()
         if not self._closed.done():
@@ -227,6 +268,9 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
                 if self._bulk is not None:
                     return  # the rest of this bulk frame is written straight into its buffer
                 continue
+            if not self._frames_seen and view[self._start] in _TLS_RECORDS and view[self._start + 1] == 3:
+                # A first frame is a handshake frame, far shorter than the 350 MB these bytes would announce.
+                raise TlsRefused(f"{self._peer} speaks TLS and this node does not: set run.tls in its topology too")
             if length > self.max_frame_bytes:
                 raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes}")
             if avail < 4 + length:
@@ -235,6 +279,7 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
                 break
             start = self._start + 4
             self._start = start + length
+            self._frames_seen = True
             self._deliver(bytes(view[start : self._start]))
         if self._start == self._end:
             self._start = self._end = 0
@@ -377,11 +422,23 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         await asyncio.shield(self._closed)
 
 
-async def open_tcp(host: str, port: int, *, max_frame_bytes: int, max_bulk_bytes: int, timeout: float) -> TcpConnection:
-    """Connect to `host:port`; raises `OSError` or `TimeoutError` when it cannot."""
+async def open_tcp(
+    host: str, port: int, *, max_frame_bytes: int, max_bulk_bytes: int, timeout: float, tls: NodeTls | None = None
+) -> TcpConnection:
+    """Connect to `host:port`, over TLS when `tls` is given; raises `OSError` or `TimeoutError` when it
+    cannot, `TlsRefused` when TLS cannot be set up."""
     loop = asyncio.get_running_loop()
+    secure = tls is not None
     async with asyncio.timeout(timeout):
-        _, conn = await loop.create_connection(lambda: TcpConnection(max_frame_bytes, max_bulk_bytes), host, port)
+        _, conn = await loop.create_connection(
+            lambda: TcpConnection(max_frame_bytes, max_bulk_bytes, secure_first=secure), host, port
+        )
+        if tls is not None:
+            try:
+                await tls.secure(conn, server_side=False, timeout=timeout)
+            except BaseException:
+                conn.abort()
+                raise
     return conn
 
 
@@ -392,12 +449,14 @@ async def serve_tcp(
     *,
     max_frame_bytes: int,
     max_bulk_bytes: int,
+    secure_first: bool = False,
 ) -> asyncio.Server:
-    """Listen on `host:port` and call `on_connection(conn)` for every accepted connection."""
+    """Listen on `host:port` and call `on_connection(conn)` for every accepted connection (with
+    `secure_first`, before TLS is set up on it: the callee runs `NodeTls.secure`)."""
     loop = asyncio.get_running_loop()
 
     def factory() -> TcpConnection:
-        conn = TcpConnection(max_frame_bytes, max_bulk_bytes)
+        conn = TcpConnection(max_frame_bytes, max_bulk_bytes, secure_first=secure_first)
         conn.on_made = on_connection  # type: ignore[assignment]
         return conn
 

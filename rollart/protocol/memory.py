@@ -40,6 +40,11 @@ class MemoryConnection(FrameReceiver):
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    @property
+    def tls(self) -> None:
+        """In memory there is no TLS (and no network to protect)."""
+        return None
+
     def _check_open(self) -> MemoryConnection:
         if self._closed.is_set() or self.other is None:
             raise self._error or ConnectionClosed(f"connection to {self.peer} closed")

@@ -9,18 +9,21 @@ come back within `linger_s` is forgotten. A connection opened for bulk payloads 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
+from rollart.errors import RollartError
 from rollart.protocol.auth import Identity, server_handshake
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError, SessionLost
-from rollart.protocol.framing import Connection, serve_tcp
-from rollart.protocol.messages import Channel, Hello
+from rollart.protocol.framing import Connection, TcpConnection, serve_tcp
+from rollart.protocol.messages import HANDSHAKE, Channel, Hello, Refuse
 from rollart.protocol.session import Handler, Session, State
+from rollart.protocol.tls import NodeTls, PlaintextPeer, TlsRefused
 
 log = structlog.get_logger("rollart.protocol.server")
 
@@ -43,8 +46,11 @@ class SessionServer:
         handler: Handler,
         cfg: SessionConfig,
         on_bulk: BulkHandler | None = None,
+        tls: NodeTls | None = None,
     ) -> None:
+        """`tls`: every TCP connection is TLS (mutual certificates) before its handshake."""
         self.local = local
+        self.tls = tls
         self.channel = channel
         self.handler = handler
         self.cfg = cfg
@@ -77,7 +83,12 @@ class SessionServer:
         """Accept TCP connections on `host:port` (call after `serve()` has started)."""
         await self._started.wait()
         server = await serve_tcp(
-            host, port, self.accept, max_frame_bytes=self.cfg.max_frame_bytes, max_bulk_bytes=self.cfg.max_bulk_bytes
+            host,
+            port,
+            self.accept,
+            max_frame_bytes=self.cfg.max_frame_bytes,
+            max_bulk_bytes=self.cfg.max_bulk_bytes,
+            secure_first=self.tls is not None,
         )
         self._listeners.append(server)
         return server
@@ -113,7 +124,25 @@ class SessionServer:
         return self.epoch, False, 0
 
     async def _handle(self, conn: Connection, limit: int) -> None:
-        """Authenticate `conn`, then serve it with its frame limit back at `limit`."""
+        """Authenticate `conn` (TLS first where the node has it), then serve it with its frame limit back at `limit`."""
+        if self.tls is not None and isinstance(conn, TcpConnection):
+            try:
+                await self.tls.secure(conn, server_side=True, timeout=self.cfg.handshake_timeout_s)
+            except TlsRefused as exc:
+                self.refusals += 1
+                log.warning("server.tls_refused", peer=conn.peer, reason=str(exc))
+                if isinstance(exc, PlaintextPeer):  # it can read a refusal in plaintext: say why
+                    with contextlib.suppress(RollartError):
+                        reason = (
+                            f"node {self.local.node} accepts TLS connections only: set run.tls in this node's topology"
+                        )
+                        conn.send(HANDSHAKE.encode(Refuse("tls-required", reason)))
+                conn.close()
+                return
+            except (OSError, TimeoutError, ConnectionClosed) as exc:
+                log.debug("server.tls_broke_off", peer=conn.peer, error=str(exc))
+                conn.close()
+                return
         try:
             hello = await server_handshake(
                 conn,

@@ -37,6 +37,7 @@ import itertools
 import os
 import random
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -46,10 +47,13 @@ from typing import Any
 
 import aiohttp
 
+from rollart.protocol.certs import NodeName, issue_for_nodes
 from rollart.rundir import RunDir
 from rollart.testkit.outcome import Injection, Outcome, Sample, Scenario, check_run, write_outcome
 from rollart.testkit.proxy import PartitionProxy
 from rollart.testkit.topology import TopologyBuilder
+from rollart.topology import load_topology
+from rollart.topology.exposure import admin_client
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: the run's working directory, on the nodes' PYTHONPATH (for `PLUGINS`)."""
@@ -77,6 +81,8 @@ HEARTBEAT_DEADLINE_S = 3.0
 PARTITION_S = 10.0
 RECOVERY_TIMEOUT_S = 240.0
 ENV_FAIL, ENV_HANG, REWARD_CRASH = 0.2, 0.02, 0.1
+CHAOS_ENV = ["ROLLART_CHAOS_LOG", "ROLLART_CHAOS_REWARD_CRASH", "ROLLART_CHAOS_REWARD_DELAY_S"]
+"""The variables `PLUGINS`' reward function reads in the reward workers (`run.reward_pool.pass_env`)."""
 
 
 TASKS = (  # tests/integration/cluster.py's two tasks: (name, env, env kwargs, profile, turns, tokens per turn)
@@ -132,6 +138,8 @@ class ChaosRun:
         self.env_failures: dict[tuple[str, int], int] = {}
         """Each env-host process's latest count of env calls that failed or timed out."""
         self.outcome = Outcome(scenario, None, [], Counter(), folder=folder)
+        self.admin_ssl: ssl.SSLContext | None = None
+        """Set once the certificates are made (`Scenario.tls`): the admin endpoints speak HTTPS."""
         candidates = {"kill-generator": GENERATORS, "kill-env-host": ENV_HOSTS, "kill-reward": ("reward",)}
         candidates |= {"kill-trainer": ("trainer",), "kill-rank": ("trainer",), "hang": tuple(ROLES)}
         self.targets = {kind: itertools.cycle(self.rng.sample(nodes, len(nodes))) for kind, nodes in candidates.items()}
@@ -157,7 +165,7 @@ class ChaosRun:
             reward_modules=[PLUGINS],
             model={"path": self.model},
             generator={"backend": s.backend},
-            reward_pool={"min_workers": 1, "max_workers": 2, "idle_timeout_s": 30},
+            reward_pool={"min_workers": 1, "max_workers": 2, "idle_timeout_s": 30, "pass_env": CHAOS_ENV},
             trainer={
                 "lr": 0.002,
                 "micro_batch_size": 16,
@@ -185,6 +193,10 @@ class ChaosRun:
                 "seed": s.seed,
             },
         )
+        if s.tls:
+            certs = self.folder / "certs"
+            issue_for_nodes(certs, [NodeName(name) for name in ROLES])
+            builder.run_section(tls={"dir": str(certs)})
         for name, role in ROLES.items():
             hardware = {"gen-compute": "compute", "gen-bandwidth": "bandwidth"}.get(name, "cpu")
             # peers dial the proxy; the generator listens behind it
@@ -193,7 +205,10 @@ class ChaosRun:
             self.ports[name] = (given.port, given.admin_port)
             if given.listen_port is not None:
                 self.proxies[name] = PartitionProxy(given.port, given.listen_port)
-        return builder.write(self.folder / "topology.yaml")
+        path = builder.write(self.folder / "topology.yaml")
+        if s.tls:
+            self.admin_ssl = admin_client(load_topology(path))[1]
+        return path
 
     def environment(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "ROLLART_CHAOS_LOG": str(self.fault_log)}
@@ -222,7 +237,8 @@ class ChaosRun:
                 *command, cwd=ROOT, env=self.environment(), stdout=out, stderr=subprocess.STDOUT
             )
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            connector = aiohttp.TCPConnector(ssl=self.admin_ssl) if self.admin_ssl is not None else None
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0), connector=connector) as http:
                 watcher = asyncio.ensure_future(self._watch(http))
                 injector = asyncio.ensure_future(self._inject_all(launcher))
                 self.outcome.exit_code = await launcher.wait()
@@ -279,7 +295,8 @@ class ChaosRun:
 
     async def _status(self, http: aiohttp.ClientSession, name: str) -> dict[str, Any] | None:
         try:
-            async with http.get(f"http://127.0.0.1:{self.ports[name][1]}/status") as response:
+            scheme = "https" if self.admin_ssl is not None else "http"
+            async with http.get(f"{scheme}://127.0.0.1:{self.ports[name][1]}/status") as response:
                 return await response.json() if response.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None

@@ -51,6 +51,9 @@ class Scenario:
     weight_transport: str = "tcp"
     """`run.trainer.weight_transport`: "auto" pushes weights over UCX where ucxx imports (the default
     run's choice), "tcp" over the generators' session ports."""
+    tls: bool = False
+    """Every session, bulk connection and admin endpoint over TLS (`run.tls`, certificates made for the
+    run); the partition fault needs plaintext (its proxy reads the role from the session's Hello)."""
     quiet_steps: int = 10
     """No fault is injected in the run's last this many steps: each one must be recovered from while
     the run still trains (a vLLM generator takes 30-50 s to start again here, the run a step a second)."""
@@ -60,6 +63,8 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.steps is None and self.duration_s is None and self.injections is None:
             raise ValueError(f"scenario {self.name}: give steps, duration_s or injections, or it never ends")
+        if self.tls and "partition" in self.faults:
+            raise ValueError(f"scenario {self.name}: the partition proxy cannot read roles through TLS")
         if self.fsdp_ranks < 1 and set(NEEDS_RANKS) & set(self.faults):
             raise ValueError(f"scenario {self.name}: {', '.join(NEEDS_RANKS)} needs a trainer with fsdp_ranks")
 

@@ -17,7 +17,7 @@ import struct
 
 import msgspec
 
-from rollart.protocol.messages import Hello
+from rollart.protocol.messages import DECODE_ERRORS, Hello
 
 _LEN = struct.Struct(">I")
 
@@ -59,12 +59,13 @@ class PartitionProxy:
         try:
             header = await client_r.readexactly(_LEN.size)
             (length,) = _LEN.unpack(header)
-            body = await client_r.readexactly(min(length, 64 * 1024))
+            # TLS's first record (a ClientHello: 0x16 0x03 ...) hides the Hello: forward it unread, roleless.
+            body = b"" if header[:2] == b"\x16\x03" else await client_r.readexactly(min(length, 64 * 1024))
         except (asyncio.IncompleteReadError, ConnectionError):
             client_w.close()
             return
         role = ""
-        with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+        with contextlib.suppress(msgspec.ValidationError, *DECODE_ERRORS):
             role = msgspec.msgpack.decode(body, type=Hello).role
         try:
             server_r, server_w = await asyncio.open_connection(self.host, self.target_port)

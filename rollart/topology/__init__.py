@@ -26,10 +26,11 @@ from rollart.envs.registry import unknown_env
 from rollart.errors import ConfigError
 from rollart.models.presets import preset, unknown_preset
 from rollart.protocol.config import SessionConfig
+from rollart.protocol.tls import NodeTls, TlsSpec
 from rollart.rewards.config import RewardPoolSpec
 from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
-from rollart.topology import gpus, trainers
+from rollart.topology import exposure, gpus, trainers
 from rollart.topology.explain import explain
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -144,6 +145,12 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """Environment variable holding the admin token when admin_token_file is not set."""
     session: SessionConfig = SessionConfig()
     """Framing limits and session timing shared by every node."""
+    tls: TlsSpec | None = None
+    """TLS 1.3 with mutual certificates on every session and bulk connection (and HTTPS on the admin
+    endpoints); None: none, which a node listening beyond loopback refuses unless `insecure` says so."""
+    insecure: bool = False
+    """Let nodes listen beyond loopback without TLS: sessions, weights and admin tokens then cross the
+    network in the clear (a network you trust end to end, nothing else; docs/security.md)."""
     restart: RestartPolicy = RestartPolicy()
     """Restart policy of every node that does not set its own."""
     drain_timeout_s: float = 30.0
@@ -207,6 +214,10 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     def run_dir(self) -> pathlib.Path:
         """Return run.run_dir with `{name}` filled in."""
         return pathlib.Path(self.run.run_dir.format(name=self.run.name))
+
+    def node_tls(self, name: str) -> NodeTls | None:
+        """Node `name`'s TLS (its files read and checked now), or None without `run.tls`."""
+        return exposure.node_tls(self, name)
 
     def read_secret(self) -> bytes:
         """Return the session secret, from run.secret_file if set, else from $run.secret_env."""
@@ -303,6 +314,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
                 problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
     pool = run.reward_pool
     problems += _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
+    problems += [(f"run.reward_pool.limits.{field}", problem) for field, problem in pool.limits.validate()]
     if pool.min_workers > pool.max_workers:
         problems.append(("run.reward_pool.min_workers", f"expected at most max_workers ({pool.max_workers})"))
     if not topology.nodes:
@@ -331,6 +343,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb"), ("gpus",))
         if node.restart is not None:
             problems += _check_restart(f"{at}.restart", node.restart)
+    problems += exposure.check_exposure(topology)
     return problems + trainers.check_trainer_groups(topology) + gpus.check_gpus(topology)
 
 

@@ -51,6 +51,7 @@ from rollart.protocol.bulk import open_bulk
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
+from rollart.protocol.tls import NodeTls
 from rollart.weights import ucx
 from rollart.weights.buckets import DEFAULT_BUCKET_BYTES
 from rollart.weights.snapshot import Snapshot, SnapshotStore
@@ -83,7 +84,13 @@ class WeightPublisher:
         fanout: Fanout = "star",
         push_timeout_s: float | None = None,
         delta: bool = False,
+        tls: NodeTls | None = None,
     ) -> None:
+        """`tls`: connections to generators are TLS (UCX, which does not encrypt, is then refused)."""
+        if tls is not None and transport == "ucx":
+            raise ValueError("weights: UCX does not encrypt; with TLS use transport 'tcp' or 'auto'")
+        if tls is not None:
+            transport = "tcp"
         if transport == "ucx":
             ucx.import_ucxx()  # TransportUnavailable now, rather than at the first push
         self.local, self.cfg, self.bucket_bytes, self.transport = local, cfg, bucket_bytes, transport
@@ -101,6 +108,7 @@ class WeightPublisher:
         self._rate = float(_FIRST_RATE)
         self._rate_measured: float | None = None
         self._secret = secret
+        self._tls = tls
         self._targets: dict[str, Target] = {}
         self._store = SnapshotStore(bucket_bytes, delta=delta)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -318,7 +326,7 @@ class WeightPublisher:
             assert t.ucx_port is not None
             conn = await ucx.open_ucx(t.host, t.ucx_port, local=self.local, secret=self._secret, cfg=cfg)
         else:
-            conn = await open_bulk(t.host, t.port, local=self.local, secret=self._secret, cfg=cfg)
+            conn = await open_bulk(t.host, t.port, local=self.local, secret=self._secret, cfg=cfg, tls=self._tls)
         try:
             async with asyncio.timeout(cfg.handshake_timeout_s):
                 holding = await _recv(conn, Holding)

@@ -41,6 +41,7 @@ from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
 from rollart.protocol.messages import Hello
+from rollart.protocol.tls import NodeTls
 from rollart.weights import delta as deltas
 from rollart.weights import ucx
 from rollart.weights.buckets import VersionAssembly, unpack_bucket
@@ -192,6 +193,7 @@ class WeightReceiver:
         self._keep_base = keep_base
         self._base: _Base | None = None
         self._relay_as: tuple[Identity, bytes, SessionConfig] | None = None
+        self._relay_tls: NodeTls | None = None
         self._apply_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._stats = ReceiverStats(version)
@@ -223,9 +225,11 @@ class WeightReceiver:
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: self._stats.version >= version)
 
-    def relay_as(self, local: Identity, secret: bytes, cfg: SessionConfig) -> None:
-        """Pass versions on when a push says so (`Push.relay`), connecting to the next hop as `local`."""
+    def relay_as(self, local: Identity, secret: bytes, cfg: SessionConfig, tls: NodeTls | None = None) -> None:
+        """Pass versions on when a push says so (`Push.relay`), connecting to the next hop as `local`
+        (over TLS when `tls` is given)."""
         self._relay_as = (local, secret, cfg)
+        self._relay_tls = tls
 
     async def _dial(self, hop: Hop) -> Connection:
         if self._relay_as is None:
@@ -233,7 +237,7 @@ class WeightReceiver:
         local, secret, cfg = self._relay_as
         if hop.ucx_port and self._ucx_held:
             return await ucx.open_ucx(hop.host, hop.ucx_port, local=local, secret=secret, cfg=cfg)
-        return await open_bulk(hop.host, hop.port, local=local, secret=secret, cfg=cfg)
+        return await open_bulk(hop.host, hop.port, local=local, secret=secret, cfg=cfg, tls=self._relay_tls)
 
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
         """Serve one authenticated bulk connection until it closes (`SessionServer(on_bulk=...)`)."""

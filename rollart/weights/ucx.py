@@ -189,6 +189,11 @@ class UcxConnection(FrameReceiver):
     def closed(self) -> bool:
         return self._closing or self._error is not None
 
+    @property
+    def tls(self) -> None:
+        """UCX does not encrypt: a topology with `run.tls` sends weights over TLS on TCP instead."""
+        return None
+
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             self._error = exc

@@ -20,7 +20,8 @@ from rollart.launch.gpus import ENV, HostGpus, host_gpus, place_gpus
 from rollart.topology import Topology, parse_topology
 from rollart.topology.gpus import plan_gpus
 
-RUN = "run:\n  trainer: {backend: fsdp2, ranks: 2}\n  generator: {backend: hf}\n"
+# insecure: the nodes on other hosts are about GPU pools, not networks
+RUN = "run:\n  insecure: true\n  trainer: {backend: fsdp2, ranks: 2}\n  generator: {backend: hf}\n"
 
 
 def _topology(nodes: str, run: str = RUN) -> Topology:

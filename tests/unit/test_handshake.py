@@ -58,6 +58,10 @@ class ScriptedPeer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def tls(self) -> None:
+        return None
+
     def send(self, frame: bytes) -> None:
         if len(frame) > self.max_frame_bytes:
             raise FrameTooLarge(f"refusing to send a {len(frame)}-byte frame")

@@ -4,6 +4,7 @@ message, mutated encodings, msgpack of any shape, random bytes) with nothing els
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -210,3 +211,30 @@ def test_nesting_deeper_than_the_recursion_limit_is_a_decode_error(channel: Chan
         channel.decode_native(data)
     assert isinstance(info.value, DECODE_ERRORS)  # what they catch
     assert str(channel.explain(info.value)) == f"{channel.name} channel: malformed msgpack: nested too deeply"
+
+
+def invalid_utf8(encoded: bytes, text: str) -> bytes:
+    """`encoded` with the string `text` in it made invalid UTF-8 (its first byte a lone continuation byte)."""
+    assert encoded.count(text.encode()) == 1
+    return encoded.replace(text.encode(), b"\x80" + text.encode()[1:])
+
+
+@pytest.mark.parametrize(
+    ("channel", "data"),
+    [
+        (HANDSHAKE, invalid_utf8(HANDSHAKE.encode(Proof(b"mac")), "proof")),  # a tag
+        (SESSION, invalid_utf8(SESSION.encode(Bye("why")), "why")),  # a field
+        (APP, invalid_utf8(APP.encode(Scored(1.0, {"key": 1})), "key")),  # a dict key
+        (REMOTE_FAILURE, invalid_utf8(REMOTE_FAILURE.encode(RemoteFailure("code", "message")), "message")),
+        (BLOB, invalid_utf8(BLOB.encode(BlobHeader("w", 1, {"k": "value"})), "value")),  # a value of any type
+    ],
+    ids=["handshake-tag", "session-field", "app-dict-key", "remote-failure-field", "blob-any"],
+)
+def test_invalid_utf8_in_any_string_is_a_decode_error(channel: Channel[Any], data: bytes) -> None:
+    # Found by fuzzing under msgspec 0.19, which raises UnicodeDecodeError (0.23: a DecodeError).
+    expected = f"^{channel.name} channel: malformed msgpack: Invalid UTF-8"
+    with pytest.raises(MessageDecodeError, match=expected):
+        channel.decode(data)
+    with pytest.raises(DECODE_ERRORS) as info:  # the hot paths' native decode, then `explain`
+        channel.decode_native(data)
+    assert re.match(expected, str(channel.explain(info.value)))

@@ -222,7 +222,7 @@ def test_secret_file_empty_or_absent(tmp_path: pathlib.Path) -> None:
             id="port-clash",
         ),
         pytest.param(
-            _yaml(_nodes(_node("gen-1", "generator", 7200, 7202, host="0.0.0.0"))),
+            _yaml(_nodes(_node("gen-1", "generator", 7200, 7202, host="0.0.0.0")), run={"insecure": True}),
             "nodes[2].port: port 7200 on 0.0.0.0 is already used by nodes[0].admin_port",
             id="port-clash-with-wildcard",
         ),
@@ -313,7 +313,8 @@ def test_semantic_problems_are_reported_together() -> None:
 
 
 def test_distinct_hosts_may_share_a_port() -> None:
-    text = _yaml([_node("a", "trainer", 7100, 7200, host="10.0.0.1"), _node("b", "generator", 7100, 7201)])
+    nodes = [_node("a", "trainer", 7100, 7200, host="10.0.0.1"), _node("b", "generator", 7100, 7201)]
+    text = _yaml(nodes, run={"insecure": True})
     assert [n.port for n in parse_topology(text).nodes] == [7100, 7100]
 
 

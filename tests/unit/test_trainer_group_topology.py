@@ -19,7 +19,7 @@ from rollart.nodes.env_host import EnvHostNode
 from rollart.testkit.topology import TopologyBuilder
 from rollart.topology import Topology, parse_topology
 
-FSDP = {"trainer": {"backend": "fsdp2", "ranks": 2}}
+FSDP = {"insecure": True, "trainer": {"backend": "fsdp2", "ranks": 2}}  # insecure: hosts beyond loopback, no TLS
 NOT_PRIMARY = "only a primary trainer serves a rendezvous (the trainer that names no primary)"
 
 
@@ -84,7 +84,7 @@ def test_trainer_group_mistakes_are_named_by_yaml_path() -> None:
 
 
 def test_trainer_group_needs_fsdp2_and_a_rendezvous_port() -> None:
-    text = group(run={"trainer": {"backend": "torch"}}).replace("rendezvous_port: 7500", "host: 10.0.0.1")
+    text = group(run={"insecure": True, "trainer": {"backend": "torch"}}).replace("rendezvous_port: 7500", "host: 10.0.0.1")
     assert errors(text) == [
         "t.yaml: nodes[1].rendezvous_port: missing: the ranks of its members (trainer-b) rendezvous there",
         "t.yaml: run.trainer.backend: a group of trainer nodes (trainer, trainer-b) needs fsdp2; got 'torch'",

@@ -68,11 +68,16 @@ def _flatten(declared: Any) -> tuple[type, ...]:
     return (declared,)
 
 
-DECODE_ERRORS = (msgspec.DecodeError, RecursionError)
-"""What `Channel.decode_native` raises on bad input. msgspec recurses once per level of msgpack
-nesting, even to skip an element no field takes, and raises `RecursionError` past Python's limit:
-a 2 KiB frame of nested arrays would otherwise escape every handler that catches decode errors
-(one such frame from a stranger, in its handshake, would stop a node)."""
+DECODE_ERRORS = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+"""What `Channel.decode_native` raises on bad input, with every msgspec the project allows
+(`msgspec>=0.19`): besides its own `DecodeError`,
+- `RecursionError`: msgspec recurses once per level of msgpack nesting, even to skip an element
+  no field takes, and raises it past Python's limit: a 2 KiB frame of nested arrays would otherwise
+  escape every handler that catches decode errors (one such frame from a stranger, in its
+  handshake, would stop a node);
+- `UnicodeDecodeError`: msgspec 0.19-0.22 raise it for invalid UTF-8 in any string (a tag, a field,
+  a dict key); 0.23 raises `DecodeError("Invalid UTF-8 encoded string")`. `explain` words both
+  alike. bin/test runs the fuzz tests under the lowest declared msgspec for this (gem-llm pins 0.19)."""
 
 
 class Channel(Generic[T]):
@@ -98,10 +103,12 @@ class Channel(Generic[T]):
         except DECODE_ERRORS as exc:
             raise self.explain(exc) from None
 
-    def explain(self, exc: msgspec.DecodeError | RecursionError) -> MessageDecodeError:
+    def explain(self, exc: msgspec.DecodeError | RecursionError | UnicodeDecodeError) -> MessageDecodeError:
         """The error to raise for `exc` (one of `DECODE_ERRORS`): it names the channel and what was wrong."""
         if isinstance(exc, RecursionError):
             return MessageDecodeError(f"{self.name} channel: malformed msgpack: nested too deeply")
+        if isinstance(exc, UnicodeDecodeError):  # msgspec < 0.23; the same words as 0.23's DecodeError
+            return MessageDecodeError(f"{self.name} channel: malformed msgpack: Invalid UTF-8 encoded string")
         text = str(exc)
         if not isinstance(exc, msgspec.ValidationError):
             return MessageDecodeError(f"{self.name} channel: malformed msgpack: {text}")
