@@ -19,6 +19,9 @@ Every message is the CONTROL channel's `Echo(n, data=<32 bytes>)`. What is measu
   one-way events (`await session.send(Echo(...))`, then one request whose answer is the count
   the server's handler saw), and request/response round trips, (c1) one at a time and
   (c2) 64 in flight.
+- (c.tls), (d.tls): (c) and (d) with TLS 1.3 and mutual certificates under the session (`run.tls`:
+  certificates made by `rollart.protocol.certs` for the run, ECDSA P-256, the cipher OpenSSL picks:
+  AES-256-GCM here), interleaved with their plaintext rows; their ratios are the summary line.
 - (d) one 64 MiB payload: `open_bulk` + `send_blob` to the session server, whose `on_bulk` does
   `recv_blob` and answers with a small frame; (d0) the same over asyncio streams
   (`writer.write` of the whole payload + `drain`; the receiver `readexactly(64 MiB)` and answers
@@ -47,6 +50,7 @@ import shlex
 import statistics
 import struct
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection as Pipe
@@ -72,9 +76,11 @@ from rollart.protocol import (
     send_blob,
     tcp_connector,
 )
+from rollart.protocol.certs import NodeName, issue_for_nodes
 from rollart.protocol.errors import ConnectionClosed
 from rollart.protocol.framing import serve_tcp
 from rollart.protocol.messages import SESSION, Echo, Kind, Msg
+from rollart.protocol.tls import NodeTls
 
 HOST = "127.0.0.1"
 DATA = bytes(range(32))  # the Echo payload
@@ -268,7 +274,12 @@ class _Stop(Exception):
     """Raised in a receiver's task group to cancel every task in it."""
 
 
-async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> None:
+def node_tls(certs: str, name: str) -> NodeTls:
+    folder = Path(certs)
+    return NodeTls(folder / "ca.pem", folder / f"{name}.pem", folder / f"{name}.key")
+
+
+async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event, certs: str) -> None:
     async with asyncio.TaskGroup() as tg:
         server: asyncio.Server
         if kind == "streams":
@@ -284,7 +295,7 @@ async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> No
             server = await serve_tcp(
                 HOST, 0, on_connection, max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes
             )
-        elif kind == "session":
+        elif kind in ("session", "session-tls"):
             session_server = SessionServer(
                 local=Identity("bench-server", "bench"),
                 secret=secret,
@@ -292,6 +303,7 @@ async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> No
                 handler=CountingHandler(),
                 cfg=SessionConfig(),
                 on_bulk=bulk_receiver,
+                tls=node_tls(certs, "bench-server") if kind == "session-tls" else None,
             )
             tg.create_task(session_server.serve())
             server = await session_server.listen_tcp(HOST, 0)
@@ -303,31 +315,31 @@ async def serve(kind: str, pipe: Pipe, secret: bytes, stop: asyncio.Event) -> No
         raise _Stop  # cancels the connection and session tasks
 
 
-async def receiver_main(kind: str, pipe: Pipe, secret: bytes) -> None:
+async def receiver_main(kind: str, pipe: Pipe, secret: bytes, certs: str) -> None:
     """Listen on a free port, send it to the parent, serve until the parent closes the pipe."""
     loop = asyncio.get_running_loop()
     parent_gone = asyncio.Event()
     # The parent never writes again: the pipe turns readable only at EOF (parent closed it or died).
     loop.add_reader(pipe.fileno(), parent_gone.set)
     try:
-        await serve(kind, pipe, secret, parent_gone)
+        await serve(kind, pipe, secret, parent_gone, certs)
     except* _Stop:
         pass
     loop.remove_reader(pipe.fileno())
 
 
-def child_main(kind: str, pipe: Pipe, secret: bytes) -> None:
+def child_main(kind: str, pipe: Pipe, secret: bytes, certs: str) -> None:
     quiet_logs()
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C reaches the whole process group
-        uvloop.run(receiver_main(kind, pipe, secret))
+        uvloop.run(receiver_main(kind, pipe, secret, certs))
 
 
 @contextlib.contextmanager
-def receiver(kind: str, secret: bytes = b"") -> Iterator[int]:
+def receiver(kind: str, secret: bytes = b"", certs: str = "") -> Iterator[int]:
     """Start a receiver process and yield its port; stop it on the way out, whatever happened."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=child_main, args=(kind, theirs, secret), name=f"bench-{kind}", daemon=True)
+    proc = ctx.Process(target=child_main, args=(kind, theirs, secret, certs), name=f"bench-{kind}", daemon=True)
     proc.start()
     theirs.close()
     try:
@@ -415,12 +427,18 @@ async def framing_rtt(port: int, sizes: Sizes, stack: contextlib.AsyncExitStack)
 
 
 async def session_benches(
-    port: int, secret: bytes, sizes: Sizes, tg: asyncio.TaskGroup, stack: contextlib.AsyncExitStack
+    port: int,
+    secret: bytes,
+    sizes: Sizes,
+    tg: asyncio.TaskGroup,
+    stack: contextlib.AsyncExitStack,
+    *,
+    tls: NodeTls | None = None,
 ) -> list[Bench]:
-    """(c), (c1), (c2) over one session."""
+    """(c), (c1), (c2) over one session; with `tls`, (c.tls) alone."""
     cfg = SessionConfig()
     client = ClientSession(
-        lambda: tcp_connector(HOST, port, cfg),
+        lambda: tcp_connector(HOST, port, cfg, tls),
         secret=secret,
         local=Identity("bench-client", "bench"),
         channel=CONTROL,
@@ -460,6 +478,8 @@ async def session_benches(
         return time.perf_counter() - t0
 
     n1, n2, n3 = sizes.session_oneway, sizes.rtt_sequential, sizes.rtt_pipelined
+    if tls is not None:
+        return [Bench(Result("c.tls", "session one-way events, TLS 1.3", "msg/s", n1), oneway_round, n1 // 10)]
     return [
         Bench(Result("c", "session one-way events", "msg/s", n1), oneway_round, n1 // 10),
         Bench(Result("c1", "session request/response, sequential", "rt/s", n2), sequential_round, n2 // 10),
@@ -467,9 +487,12 @@ async def session_benches(
     ]
 
 
-async def bulk(port: int, secret: bytes, payload: bytes, stack: contextlib.AsyncExitStack) -> Bench:
-    """(d)"""
-    conn = await open_bulk(HOST, port, local=Identity("bench-client", "bench"), secret=secret, cfg=SessionConfig())
+async def bulk(
+    port: int, secret: bytes, payload: bytes, stack: contextlib.AsyncExitStack, tls: NodeTls | None = None
+) -> Bench:
+    """(d); with `tls`, (d.tls)"""
+    client = Identity("bench-client", "bench")
+    conn = await open_bulk(HOST, port, local=client, secret=secret, cfg=SessionConfig(), tls=tls)
     stack.callback(conn.close)
 
     async def run_round(_n: int) -> float:
@@ -478,8 +501,8 @@ async def bulk(port: int, secret: bytes, payload: bytes, stack: contextlib.Async
         await conn.recv()
         return time.perf_counter() - t0
 
-    what = f"bulk {len(payload) // 1024**2} MiB, open_bulk + send_blob"
-    return Bench(Result("d", what, "GiB/s", len(payload)), run_round, 1)
+    what = f"bulk {len(payload) // 1024**2} MiB, open_bulk + send_blob" + (", TLS 1.3" if tls else "")
+    return Bench(Result("d.tls" if tls else "d", what, "GiB/s", len(payload)), run_round, 1)
 
 
 async def streams_bulk(port: int, payload: bytes, stack: contextlib.AsyncExitStack) -> Bench:
@@ -499,17 +522,20 @@ async def streams_bulk(port: int, payload: bytes, stack: contextlib.AsyncExitSta
     return Bench(Result("d0", what, "GiB/s", len(payload)), run_round, 1)
 
 
-async def run_network(ports: dict[str, int], secret: bytes, sizes: Sizes) -> list[Result]:
+async def run_network(ports: dict[str, int], secret: bytes, sizes: Sizes, certs: str) -> list[Result]:
     payload = os.urandom(sizes.bulk_bytes)
+    tls = node_tls(certs, "bench-client")
     async with asyncio.TaskGroup() as tg, contextlib.AsyncExitStack() as stack:
         messages = [
             await streams_oneway(ports["streams"], sizes, stack),
             await framing_oneway(ports["framing"], sizes, stack),
             await framing_rtt(ports["framing"], sizes, stack),
             *await session_benches(ports["session"], secret, sizes, tg, stack),
+            *await session_benches(ports["session-tls"], secret, sizes, tg, stack, tls=tls),
         ]
         payloads = [
             await bulk(ports["session"], secret, payload, stack),
+            await bulk(ports["session-tls"], secret, payload, stack, tls),
             await streams_bulk(ports["streams-bulk"], payload, stack),
         ]
         await run_interleaved(messages, sizes.rounds)
@@ -549,8 +575,19 @@ def ratios(by_key: dict[str, Result]) -> list[str]:
         f"- session one-way (c) / msgspec encode + decode in one process (a): {ratio('c', 'a'):.2f}",
         f"- session sequential request/response (c1) / plain framed request/response (b3): {ratio('c1', 'b3'):.2f}",
         f"- bulk (d) / plain TCP (d0): {ratio('d', 'd0'):.2f}",
+        f"- session one-way over TLS (c.tls) / without (c): {ratio('c.tls', 'c'):.2f}",
+        f"- bulk over TLS (d.tls) / without (d): {ratio('d.tls', 'd'):.2f} -> "
+        + ("PASS" if ratio("d.tls", "d") >= 0.7 else "FAIL")
+        + " against the target >= 0.7",
     ]
     return lines
+
+
+def summary(by_key: dict[str, Result]) -> str:
+    """The last line of the report, for scripts: TLS next to plaintext, bulk and messages."""
+    bulk = by_key["d.tls"].median / by_key["d"].median
+    msgs = by_key["c.tls"].median / by_key["c"].median
+    return f"summary: tls_bulk_over_plain={bulk:.2f} tls_msgs_over_plain={msgs:.2f}"
 
 
 def machine() -> str:
@@ -573,6 +610,8 @@ def report(results: list[Result], started: datetime.datetime, host: str, seconds
             "",
             *ratios({r.key: r for r in results}),
             "",
+            summary({r.key: r for r in results}),
+            "",
         ]
     )
 
@@ -591,9 +630,12 @@ def main() -> None:
 
     results = bench_codec(sizes)
     with contextlib.ExitStack() as stack:
-        ports = {kind: stack.enter_context(receiver(kind, secret)) for kind in ("streams", "framing", "session")}
+        certs = stack.enter_context(tempfile.TemporaryDirectory(prefix="rollart-bench-certs-"))
+        issue_for_nodes(Path(certs), [NodeName("bench-server"), NodeName("bench-client")])
+        kinds = ("streams", "framing", "session", "session-tls")
+        ports = {kind: stack.enter_context(receiver(kind, secret, certs)) for kind in kinds}
         ports["streams-bulk"] = stack.enter_context(receiver("streams-bulk"))
-        results += uvloop.run(run_network(ports, secret, sizes))
+        results += uvloop.run(run_network(ports, secret, sizes, certs))
 
     text = report(results, started, host, time.perf_counter() - t0)
     print(text)

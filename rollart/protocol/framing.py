@@ -132,10 +132,7 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         max_frame_bytes: int,
         max_bulk_bytes: int,
         bulk_sink: BulkSink | None = None,
-        *,
-        secure_first: bool = False,
     ) -> None:
-        """`secure_first`: TLS comes first (`NodeTls.secure`); nothing is read until it is set up."""
         self.max_frame_bytes = max_frame_bytes
         self.max_bulk_bytes = max_bulk_bytes
         self.bulk_sink = bulk_sink
@@ -158,7 +155,6 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._closed = self._loop.create_future()
-        self._secure_first = secure_first
         self._tls: TlsPeer | None = None
         self._frames_seen = False
         self.on_made: Callable[[TcpConnection], None] | None = None
@@ -171,23 +167,19 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         peername = transport.get_extra_info("peername")
         self._peer = f"{peername[0]}:{peername[1]}" if peername else "?"
         self._transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
-        if self._secure_first:
-            self._transport.pause_reading()  # TLS's handshake reads first (`NodeTls.secure`)
         if self.on_made is not None:
             self.on_made(self)
 
     @property
     def transport(self) -> asyncio.Transport:
-        """The transport under this connection (TLS's, once `secured`)."""
+        """The transport under this connection."""
         if self._transport is None:
             raise ConnectionClosed(f"connection to {self._peer} is not connected")
         return self._transport
 
-    def secured(self, transport: asyncio.Transport, peer: TlsPeer) -> None:
-        """Carry on over `transport`, TLS's, set up with `peer` (`NodeTls.secure` calls it)."""
-        self._transport = transport
+    def secured(self, peer: TlsPeer) -> None:
+        """Record what the TLS under this connection established (`NodeTls` calls it)."""
         self._tls = peer
-        transport.set_write_buffer_limits(high=4 * _BULK_CHUNK)
 
     @property
     def tls(self) -> TlsPeer | None:
@@ -428,17 +420,12 @@ async def open_tcp(
     """Connect to `host:port`, over TLS when `tls` is given; raises `OSError` or `TimeoutError` when it
     cannot, `TlsRefused` when TLS cannot be set up."""
     loop = asyncio.get_running_loop()
-    secure = tls is not None
     async with asyncio.timeout(timeout):
-        _, conn = await loop.create_connection(
-            lambda: TcpConnection(max_frame_bytes, max_bulk_bytes, secure_first=secure), host, port
-        )
         if tls is not None:
-            try:
-                await tls.secure(conn, server_side=False, timeout=timeout)
-            except BaseException:
-                conn.abort()
-                raise
+            return await tls.connect(
+                lambda: TcpConnection(max_frame_bytes, max_bulk_bytes), host, port, timeout=timeout
+            )
+        _, conn = await loop.create_connection(lambda: TcpConnection(max_frame_bytes, max_bulk_bytes), host, port)
     return conn
 
 
@@ -449,14 +436,13 @@ async def serve_tcp(
     *,
     max_frame_bytes: int,
     max_bulk_bytes: int,
-    secure_first: bool = False,
 ) -> asyncio.Server:
-    """Listen on `host:port` and call `on_connection(conn)` for every accepted connection (with
-    `secure_first`, before TLS is set up on it: the callee runs `NodeTls.secure`)."""
+    """Listen on `host:port` and call `on_connection(conn)` for every accepted connection (for TLS:
+    `NodeTls.serve`)."""
     loop = asyncio.get_running_loop()
 
     def factory() -> TcpConnection:
-        conn = TcpConnection(max_frame_bytes, max_bulk_bytes, secure_first=secure_first)
+        conn = TcpConnection(max_frame_bytes, max_bulk_bytes)
         conn.on_made = on_connection  # type: ignore[assignment]
         return conn
 

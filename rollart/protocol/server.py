@@ -23,7 +23,7 @@ from rollart.protocol.errors import ConnectionClosed, HandshakeRefused, Protocol
 from rollart.protocol.framing import Connection, TcpConnection, serve_tcp
 from rollart.protocol.messages import HANDSHAKE, Channel, Hello, Refuse
 from rollart.protocol.session import Handler, Session, State
-from rollart.protocol.tls import NodeTls, PlaintextPeer, TlsRefused
+from rollart.protocol.tls import NodeTls, PlaintextPeer, TlsListener, TlsRefused
 
 log = structlog.get_logger("rollart.protocol.server")
 
@@ -63,7 +63,7 @@ class SessionServer:
         self._started = asyncio.Event()
         self._stopping = asyncio.Event()
         self._closing = False  # set when close() begins: no new connection or session after that
-        self._listeners: list[asyncio.Server] = []
+        self._listeners: list[asyncio.Server | TlsListener] = []
 
     async def serve(self) -> None:
         """Run until `close()`: owns every connection and session task."""
@@ -79,19 +79,43 @@ class SessionServer:
                 self._stop_accepting()
             reaper.cancel()
 
-    async def listen_tcp(self, host: str, port: int) -> asyncio.Server:
-        """Accept TCP connections on `host:port` (call after `serve()` has started)."""
+    async def listen_tcp(self, host: str, port: int) -> asyncio.Server | TlsListener:
+        """Accept TCP connections on `host:port`, TLS first where the node has it (call after `serve()`
+        has started)."""
         await self._started.wait()
-        server = await serve_tcp(
-            host,
-            port,
-            self.accept,
-            max_frame_bytes=self.cfg.max_frame_bytes,
-            max_bulk_bytes=self.cfg.max_bulk_bytes,
-            secure_first=self.tls is not None,
-        )
+        cfg = self.cfg
+        server: asyncio.Server | TlsListener
+        if self.tls is not None:
+            server = await self.tls.serve(
+                host,
+                port,
+                # The handshake's frame limit from the first byte: bytes may arrive before `accept` runs.
+                lambda: TcpConnection(HANDSHAKE_MAX_FRAME_BYTES, cfg.max_bulk_bytes),
+                on_connection=self._accept_tls,
+                on_refused=self._tls_refused,
+                timeout=cfg.handshake_timeout_s,
+            )
+        else:
+            server = await serve_tcp(
+                host, port, self.accept, max_frame_bytes=cfg.max_frame_bytes, max_bulk_bytes=cfg.max_bulk_bytes
+            )
         self._listeners.append(server)
         return server
+
+    def _accept_tls(self, conn: TcpConnection) -> None:
+        conn.max_frame_bytes = self.cfg.max_frame_bytes  # the limit after the handshake; `accept` lowers it again
+        self.accept(conn)
+
+    def _tls_refused(self, peer: str, why: TlsRefused, conn: TcpConnection | None) -> None:
+        self.refusals += 1
+        log.warning("server.tls_refused", peer=peer, reason=str(why))
+        if conn is None:
+            return
+        if isinstance(why, PlaintextPeer):  # it can read a refusal in plaintext: say why
+            reason = f"node {self.local.node} accepts TLS connections only: set run.tls in this node's topology"
+            with contextlib.suppress(RollartError):
+                conn.send(HANDSHAKE.encode(Refuse("tls-required", reason)))
+        conn.close()
 
     def accept(self, conn: Connection) -> None:
         """Take over a new connection (the listener's callback)."""
@@ -124,25 +148,7 @@ class SessionServer:
         return self.epoch, False, 0
 
     async def _handle(self, conn: Connection, limit: int) -> None:
-        """Authenticate `conn` (TLS first where the node has it), then serve it with its frame limit back at `limit`."""
-        if self.tls is not None and isinstance(conn, TcpConnection):
-            try:
-                await self.tls.secure(conn, server_side=True, timeout=self.cfg.handshake_timeout_s)
-            except TlsRefused as exc:
-                self.refusals += 1
-                log.warning("server.tls_refused", peer=conn.peer, reason=str(exc))
-                if isinstance(exc, PlaintextPeer):  # it can read a refusal in plaintext: say why
-                    with contextlib.suppress(RollartError):
-                        reason = (
-                            f"node {self.local.node} accepts TLS connections only: set run.tls in this node's topology"
-                        )
-                        conn.send(HANDSHAKE.encode(Refuse("tls-required", reason)))
-                conn.close()
-                return
-            except (OSError, TimeoutError, ConnectionClosed) as exc:
-                log.debug("server.tls_broke_off", peer=conn.peer, error=str(exc))
-                conn.close()
-                return
+        """Authenticate `conn`, then serve it with its frame limit back at `limit`."""
         try:
             hello = await server_handshake(
                 conn,

@@ -13,9 +13,12 @@ proves the shared secret as before, with two additions:
 After the handshake TLS protects every frame: a changed byte fails the record's AEAD tag, and the
 connection is dropped (the session resumes on a new one; nothing of the bad record is delivered).
 
-The upgrade is `loop.start_tls` on a connected `TcpConnection`, so both ends can tell what went wrong:
-an untrusted or expired certificate, a peer that does not speak TLS. Those end in `TlsRefused`, a
-`ProtocolError`: a session gives up on it at once instead of retrying what cannot work.
+A client connects with `loop.create_connection(ssl=...)` and then waits for the server's verdict on its
+certificate (`NodeTls.connect`); a node accepts with its own `TlsListener`, which peeks at each
+connection's first byte, so a peer without TLS is told so in plaintext, and sees every failed
+handshake. Both ends can tell what went wrong: an untrusted or expired certificate, a peer that does
+not speak TLS. Those end in `TlsRefused`, a `ProtocolError`: a session gives up on it at once instead
+of retrying what cannot work.
 """
 
 from __future__ import annotations
@@ -23,20 +26,23 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
-import os
 import socket
 import ssl
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
 from rollart.errors import ConfigError
 from rollart.protocol.errors import ConnectionClosed, ProtocolError
 
 if TYPE_CHECKING:
     from rollart.protocol.framing import TcpConnection
+
+log = structlog.get_logger("rollart.protocol.tls")
 
 
 class TlsSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -157,60 +163,174 @@ class NodeTls:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         return ctx
 
-    async def secure(self, conn: TcpConnection, *, server_side: bool, timeout: float) -> None:
-        """Run TLS's handshake on `conn` (connected, reading paused) and carry on over TLS; raises
-        `TlsRefused` for a certificate or protocol failure, `OSError`/`TimeoutError` for the network's."""
+    def peer(self, conn: TcpConnection, *, server_side: bool) -> TlsPeer:
+        """What the TLS under `conn` established: the peer's name and the channel binding."""
+        obj = conn.transport.get_extra_info("ssl_object")
+        der = obj.getpeercert(binary_form=True)
+        peer_fp = _fingerprint(der)
+        binding = peer_fp + self.fingerprint if server_side else self.fingerprint + peer_fp
+        return TlsPeer(_common_name(obj.getpeercert()), binding)
+
+    async def connect(
+        self, factory: Callable[[], TcpConnection], host: str, port: int, *, timeout: float
+    ) -> TcpConnection:
+        """Open a TLS connection to `host:port` and wait for the server to accept this node's certificate;
+        raises `TlsRefused` for a certificate or protocol failure, `OSError`/`TimeoutError` for the network's."""
         loop = asyncio.get_running_loop()
-        raw = conn.transport
-        if server_side:
-            async with asyncio.timeout(timeout):
-                first = await _peek(raw)
-            if first != _CLIENT_HELLO:
-                raise PlaintextPeer(f"{conn.peer} does not speak TLS (is run.tls set in its topology too?)")
         try:
-            transport = await loop.start_tls(
-                raw,
-                conn,
-                self.server if server_side else self.client,
-                server_side=server_side,
-                ssl_handshake_timeout=timeout,
-            )
+            _, conn = await loop.create_connection(factory, host, port, ssl=self.client, ssl_handshake_timeout=timeout)
         except ssl.SSLError as exc:
-            raise refusal(exc) or ConnectionResetError(f"TLS handshake with {conn.peer} broke off: {exc}") from exc
-        if transport is None:  # the connection closed during the handshake
-            raise ConnectionResetError(f"connection to {conn.peer} closed during the TLS handshake")
-        obj = transport.get_extra_info("ssl_object")
-        if not server_side:
+            raise refusal(exc) or ConnectionResetError(f"TLS handshake with {host}:{port} broke off: {exc}") from exc
+        try:
             # In TLS 1.3 the client's handshake ends before the server has checked the client's certificate.
             # Wait for the server's verdict (its session tickets, sent once it accepted us, or its alert)
             # before sending anything: a refusing server that still had our first frame unread would
             # reset the connection, and the alert saying why would be lost with it.
-            conn.secured(transport, TlsPeer("", b""))
+            obj = conn.transport.get_extra_info("ssl_object")
             async with asyncio.timeout(timeout):
                 while not (obj.session is not None and obj.session.has_ticket):
                     if conn.closed:
                         await _verdict(conn)
                     await asyncio.sleep(0.002)  # TLS says nothing when tickets arrive
-        der = obj.getpeercert(binary_form=True)
-        peer_fp = _fingerprint(der)
-        binding = peer_fp + self.fingerprint if server_side else self.fingerprint + peer_fp
-        conn.secured(transport, TlsPeer(_common_name(obj.getpeercert()), binding))
+            conn.secured(self.peer(conn, server_side=False))
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        factory: Callable[[], TcpConnection],
+        *,
+        on_connection: Callable[[TcpConnection], None],
+        on_refused: Callable[[str, TlsRefused, TcpConnection | None], None],
+        timeout: float,
+    ) -> TlsListener:
+        """Listen on `host:port`; each connection that completes TLS goes to `on_connection`, each one
+        refused (an untrusted certificate, no TLS at all) to `on_refused(peer, why, conn)`, where `conn`
+        is the plaintext connection of a peer without TLS (to answer it in words), else None."""
+        listener = TlsListener(self, factory, on_connection, on_refused, timeout)
+        await listener.start(host, port)
+        return listener
+
+
+class TlsListener:
+    """A listening socket whose connections are set up here, not by `loop.create_server`: each accepted
+    socket's first byte is peeked first, so that a peer without TLS can be told so in plaintext, and every
+    failed handshake is seen and logged (asyncio drops those silently)."""
+
+    def __init__(
+        self,
+        tls: NodeTls,
+        factory: Callable[[], TcpConnection],
+        on_connection: Callable[[TcpConnection], None],
+        on_refused: Callable[[str, TlsRefused, TcpConnection | None], None],
+        timeout: float,
+    ) -> None:
+        self._tls, self._factory, self._timeout = tls, factory, timeout
+        self._on_connection, self._on_refused = on_connection, on_refused
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.sockets: list[socket.socket] = []
+
+    async def start(self, host: str, port: int) -> None:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sockets.append(sock)
+        self._spawn(self._accept(sock))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, say: the next accept may well work
+                log.warning("tls.accept_failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            self._spawn(self._admit(sock))
+
+    async def _admit(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        peer = _address(sock)
+        made: list[TcpConnection] = []
+
+        def factory() -> TcpConnection:  # uvloop returns its SSL protocol, not ours: keep ours here
+            made.append(self._factory())
+            return made[-1]
+
+        try:
+            async with asyncio.timeout(self._timeout):
+                first = await _peek(sock)
+            if not first:
+                sock.close()
+                return
+            if first != _CLIENT_HELLO:
+                await loop.connect_accepted_socket(factory, sock)
+                plaintext = PlaintextPeer("it does not speak TLS (is run.tls set in its topology too?)")
+                self._on_refused(peer, plaintext, made[0])
+                return
+            await loop.connect_accepted_socket(factory, sock, ssl=self._tls.server, ssl_handshake_timeout=self._timeout)
+            conn = made[0]
+        except ssl.SSLError as exc:
+            why = refusal(exc)
+            if why is None:
+                log.debug("tls.broke_off", peer=peer, error=str(exc))
+            else:
+                self._on_refused(peer, why, None)
+            return
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            log.debug("tls.broke_off", peer=peer, error=str(exc) or type(exc).__name__)
+            return
+        conn.secured(self._tls.peer(conn, server_side=True))
+        self._on_connection(conn)
+
+    def close(self) -> None:
+        """Stop accepting; connections being set up are dropped (those set up are their owner's)."""
+        for task in self._tasks:
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
 
 
 _CLIENT_HELLO = b"\x16"
 """The first byte of every TLS connection: a handshake record (its ClientHello)."""
 
 
-async def _peek(transport: asyncio.BaseTransport) -> bytes:
-    """The first byte waiting on `transport`'s socket (reading paused), left there for TLS to read; b""
-    when the peer closed. Through a duplicate of the socket: asyncio has no peek, and the transport's own
-    descriptor is the loop's."""
-    fd = transport.get_extra_info("socket").fileno()
+def _address(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+async def _peek(sock: socket.socket) -> bytes:
+    """The first byte waiting on `sock` (accepted, not yet any transport's), left there for TLS to read;
+    b"" when the peer closed."""
     loop = asyncio.get_running_loop()
-    with socket.socket(fileno=os.dup(fd)) as sock:
+    while True:
         readable: asyncio.Future[None] = loop.create_future()
 
-        def wake() -> None:
+        def wake(readable: asyncio.Future[None] = readable) -> None:
             if not readable.done():
                 readable.set_result(None)
 
@@ -219,7 +339,10 @@ async def _peek(transport: asyncio.BaseTransport) -> bytes:
             await readable
         finally:
             loop.remove_reader(sock.fileno())
-        return sock.recv(1, socket.MSG_PEEK)
+        try:
+            return sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:  # woken before the bytes were there
+            continue
 
 
 async def _verdict(conn: TcpConnection) -> None:

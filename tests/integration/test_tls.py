@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 from structlog.testing import capture_logs
 
 from rollart.errors import ConfigError
@@ -32,7 +33,7 @@ from rollart.protocol.certs import NodeName, issue, issue_for_nodes, make_ca, wr
 from rollart.protocol.client import ClientSession, tcp_connector
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import HandshakeRefused, SessionLost
-from rollart.protocol.framing import Connection, TcpConnection, open_tcp, serve_tcp
+from rollart.protocol.framing import Connection, TcpConnection, open_tcp
 from rollart.protocol.messages import CONTROL, BlobHeader, Echo
 from rollart.protocol.server import SessionServer
 from rollart.protocol.session import Session
@@ -229,7 +230,6 @@ class Relay:
         task.add_done_callback(self._tasks.discard)
 
     async def _relay(self, down: TcpConnection) -> None:
-        await self.as_server.secure(down, server_side=True, timeout=5)
         up = await open_tcp(
             "127.0.0.1", self.target, max_frame_bytes=2**20, max_bulk_bytes=2**20, timeout=5, tls=self.as_client
         )
@@ -246,8 +246,13 @@ class Relay:
 async def test_tls_relayed_handshake_is_refused(certs: Path, free_port: int) -> None:
     node_port, relay_port = free_port, free_ports(1)[0]
     relay = Relay(certs, node_port)
-    listener = await serve_tcp(
-        "127.0.0.1", relay_port, relay.accept, max_frame_bytes=2**20, max_bulk_bytes=2**20, secure_first=True
+    listener = await relay.as_server.serve(
+        "127.0.0.1",
+        relay_port,
+        lambda: TcpConnection(2**20, 2**20),
+        on_connection=relay.accept,
+        on_refused=lambda peer, why, conn: None,
+        timeout=5,
     )
     async with tls_server(node_port, node_tls(certs, "trainer-0")) as server:
         conn = await open_tcp(
@@ -340,3 +345,16 @@ def test_tls_certs_makes_a_ca_once_and_keys_owner_only(tmp_path: Path) -> None:
 
 def _fields(cfg: SessionConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in cfg.__struct_fields__}
+
+
+@pytest.mark.timeout(60)
+def test_tls_under_uvloop(certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests above run on asyncio's loop; nodes run uvloop, whose TLS is its own (a port of asyncio's)."""
+    uvloop.run(test_tls_session_and_bulk(certs, free_ports(1)[0]))
+    uvloop.run(test_tls_tamper_one_byte_drops_the_connection_and_the_session_resumes(certs, free_ports(1)[0]))
+    uvloop.run(test_tls_relayed_handshake_is_refused(certs, free_ports(1)[0]))
+    uvloop.run(test_tls_plaintext_client_against_a_tls_node_is_refused(certs, free_ports(1)[0]))
+    uvloop.run(test_tls_client_against_a_plaintext_node_is_refused(certs, free_ports(1)[0]))
+    for which in ("other-ca", "expired", "someone-elses"):
+        uvloop.run(test_tls_wrong_certificates_are_refused(which, certs, free_ports(1)[0], monkeypatch))
+        monkeypatch.undo()  # "expired" stands in for a node that skipped its own date check
