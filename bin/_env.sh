@@ -35,6 +35,21 @@ ensure_venv() {
     fi
     echo "[setup] installing rollart${extra:+[$extra]} into $ROLLART_VENV (first run only)" >&2
     "$ROLLART_PY" -m pip install -qq --disable-pip-version-check -e "$ROLLART_ROOT${extra:+[$extra]}" >&2
+    ensure_bwrap
     echo "$want" >"$stamp"
     exec 9>&-
+}
+
+# Worker sandboxes use bubblewrap where it is installed (rollart/workers/sandbox.py); best effort, as
+# root with apt-get only, and never a failed set-up: without it they use unshare, or run unsandboxed.
+ensure_bwrap() {
+    command -v bwrap >/dev/null && return 0
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null && {
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap ||
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }
+    } >/dev/null 2>&1; then
+        echo "[setup] installed bubblewrap for the worker sandboxes" >&2
+    else
+        echo "[setup] bubblewrap not installed (needs root and apt-get): worker sandboxes use unshare, or none" >&2
+    fi
 }

@@ -1,7 +1,8 @@
 """`EnvWorkersSpec`: the topology's `run.rollout.env_workers`, where env code runs and under what limits.
 
 Beside what it configures (`EnvOpener`, `EnvWorkerPool`); part of `RolloutSpec`, checked where the
-topology is loaded. Imports msgspec alone, so the topology loads without the execution subsystem.
+topology is loaded. Imports msgspec and the sandbox's spec alone, so the topology loads without the
+execution subsystem.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+
+from rollart.workers.sandbox import SandboxSpec
 
 Isolation = Literal["auto", "process", "thread"]
 """Where blocking envs run; see `EnvWorkersSpec.isolation` and `rollart.envexec.opener`."""
@@ -33,12 +36,20 @@ class EnvWorkersSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     pass_env: list[str] = []
     """Environment variables passed to workers although their names look like credentials (an env's
     own API key); never run.secret_env or run.admin_token_env."""
+    sandbox: SandboxSpec = SandboxSpec()
+    """The workers' sandbox (`rollart.workers.sandbox`): namespaces of their own, no network unless it
+    says so, a read-only root and a private scratch directory."""
+    python: str | None = None
+    """Another Python for the workers (a virtual environment's `bin/python`), so an env package's pins
+    (gem-llm's msgspec==0.19) stay out of the node's; it needs msgspec and structlog, and gets the
+    project's import paths ahead of its own. None: the node's."""
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
         lows = (("processes", 1), ("cpu_time_s", 1), ("memory_mb", 128), ("open_files", 16))
-        return [
+        problems = [
             (key, f"expected an integer >= {low}; got {getattr(self, key)}")
             for key, low in lows
             if getattr(self, key) < low
         ]
+        return problems + [(f"sandbox.{key}", problem) for key, problem in self.sandbox.validate()]

@@ -1,22 +1,18 @@
-"""The pool's side of one env worker: its process, its socket, its envs and its calls in flight.
+"""The pool's side of one env worker: its process (`rollart.workers.spawn`), its envs and its calls in flight.
 
-Small and synchronous on purpose: `EnvWorkerPool` decides; these keep state and do the socket
-calls, which never block the loop (writes the socket cannot take now wait in `outbox` until the
-loop says it is writable) and may fail at any moment (a dying worker breaks its socket).
+Small and synchronous on purpose: `EnvWorkerPool` decides; these keep state, start the worker and
+read its replies. The socket calls (`WorkerProcess`) never block the loop and may fail at any
+moment (a dying worker breaks its socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import os
-import socket
-import subprocess
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from rollart.envexec.wire import (
     MAX_REPLY_BYTES,
@@ -32,9 +28,11 @@ from rollart.envexec.wire import (
     reply_decoder,
     tag_of,
 )
-from rollart.protocol.framing import HEADER_BYTES, frame_length
+from rollart.envexec.worker import WorkerConfig
+from rollart.workers.framing import decode_stream
+from rollart.workers.limits import WorkerLimits
+from rollart.workers.spawn import NO_SANDBOX, Launch, WorkerProcess, spawn
 
-RECV_BYTES = 1 << 18
 SHOWN_CHARS = 200
 """How much of a wrong reply an error message shows."""
 
@@ -98,8 +96,7 @@ class EnvWorker:
     """One worker process as the pool sees it."""
 
     wid: int
-    proc: subprocess.Popen[bytes]
-    sock: socket.socket
+    process: WorkerProcess
     ready: asyncio.Future[Ready]
     exited: asyncio.Future[None]
     started_at: float = field(default_factory=time.monotonic)
@@ -114,13 +111,37 @@ class EnvWorker:
     death: str | None = None
     """How it ended, once it did."""
     start_error: str = ""
-    pidfd: int | None = None
-    inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)
+
+    @classmethod
+    def start(
+        cls,
+        wid: int,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        env_modules: list[str],
+        limits: WorkerLimits,
+        environ: Mapping[str, str],
+        on_readable: Callable[[EnvWorker], None],
+        on_exit: Callable[[EnvWorker], None],
+        launch: Launch = NO_SANDBOX,
+    ) -> EnvWorker:
+        """Start worker `wid` (`OSError` if the OS refuses); `on_readable(worker)` runs when its socket
+        has bytes (or EOF), `on_exit(worker)` once its process has exited. Call from the loop's thread."""
+        process = spawn(
+            "rollart.envexec.worker",
+            lambda fd, parent: WorkerConfig(fd=fd, parent_pid=parent, limits=limits, env_modules=env_modules),
+            environ=environ,
+            max_frame_bytes=MAX_REPLY_BYTES,
+            launch=launch,
+        )
+        worker = cls(wid, process, loop.create_future(), loop.create_future())
+        worker.ready.add_done_callback(consume)
+        process.watch(loop, lambda: on_readable(worker), lambda: on_exit(worker))
+        return worker
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.process.pid
 
     @property
     def ended(self) -> str | None:
@@ -135,62 +156,15 @@ class EnvWorker:
         return f"env worker {self.wid} (pid {self.pid})"
 
     def send(self, data: bytes, loop: asyncio.AbstractEventLoop) -> None:
-        """Write `data` without blocking; what the socket does not take now is sent when it is writable.
-        A broken socket is ignored: the worker is gone, and its exit is reported by its process."""
-        if self.kill_cause is not None or self.state is WorkerState.DEAD:
-            return
-        if not self.outbox:
-            try:
-                sent = self.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                return
-            if sent == len(data):
-                return
-            data = data[sent:]
-            loop.add_writer(self.sock.fileno(), self.on_writable, loop)
-        self.outbox += data
-
-    def on_writable(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            sent = self.sock.send(self.outbox)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            sent = len(self.outbox)
-        del self.outbox[:sent]
-        if not self.outbox:
-            loop.remove_writer(self.sock.fileno())
-
-    def receive(self) -> bytes | None:
-        """What the socket holds now: bytes, b"" at EOF, None when there is nothing yet."""
-        try:
-            return self.sock.recv(RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            return b""
+        """Write `data` without blocking (`WorkerProcess.send`). A broken socket is ignored: the worker
+        is gone, and its exit is reported by its process."""
+        if self.kill_cause is None and self.state is not WorkerState.DEAD:
+            self.process.send(data, loop)
 
     def feed(self, data: bytes) -> tuple[list[Reply], str | None]:
         """The whole replies in what arrived so far, and what is wrong with the stream if something is
         (a frame over `MAX_REPLY_BYTES`, bytes that are not a reply): a worker that sends that is broken."""
-        inbox = self.inbox
-        inbox += data
-        replies: list[Reply] = []
-        while len(inbox) >= HEADER_BYTES:
-            size = frame_length(inbox)
-            if size > MAX_REPLY_BYTES:
-                return replies, f"it sent a {size}-byte reply (at most {MAX_REPLY_BYTES})"
-            if len(inbox) < HEADER_BYTES + size:
-                break
-            payload = bytes(inbox[HEADER_BYTES : HEADER_BYTES + size])
-            del inbox[: HEADER_BYTES + size]
-            try:
-                replies.append(reply_decoder.decode(payload))
-            except msgspec.DecodeError as exc:
-                return replies, f"it sent a reply that is not valid: {exc}"
-        return replies, None
+        return decode_stream(self.process.reader, data, reply_decoder)
 
     def settle(self, reply: CallReply) -> PendingCall | None:
         """Complete the call `reply` answers: its result, or `WorkerReplyError` for a reply of another
@@ -212,14 +186,3 @@ class EnvWorker:
             else:
                 call.future.set_exception(call.wrong_reply(reply))
         return call
-
-    def release(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Stop watching its socket and process, and close them (after it exited)."""
-        if self.pidfd is not None:
-            loop.remove_reader(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd = None
-        if self.sock.fileno() >= 0:
-            loop.remove_reader(self.sock.fileno())
-            loop.remove_writer(self.sock.fileno())
-            self.sock.close()

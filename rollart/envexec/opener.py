@@ -10,7 +10,8 @@ Three places (`Placement`):
 The isolation setting (`run.rollout.env_workers.isolation`) picks:
 - `auto` (the default): `process` for code that is not RollArt's: envs registered by
   `run.env_modules` (or built-ins they replaced) and the `gem:` / `gym:` families, which run
-  third-party packages; RollArt's own built-ins stay in the env-host, where a call (one
+  third-party packages, and the built-ins that run the model's programs (`code`); RollArt's other
+  built-ins stay in the env-host, where a call (one
   trajectory at a time) costs about two thirds of the CPU it does through a worker
   (`benchmarks/results/envs.md`), and the local run steps them by the thousand.
 - `process`: every blocking env in a worker process, the built-ins too.
@@ -53,10 +54,14 @@ class EnvTraits:
     max_turns: int
 
 
+RUNS_MODEL_CODE = frozenset({"code"})
+"""Built-ins that run what the model wrote (`code`): in worker processes, in their sandbox, under `auto`."""
+
+
 def is_builtin(name: str, kwargs: Mapping[str, Any], user_envs: frozenset[str] = frozenset()) -> bool:
     """Whether `make_env(name, **kwargs)` runs RollArt's own code only: a name RollArt registered,
     not replaced by an env module (`user_envs`), and wrapping (`inner=`) only such envs."""
-    if ":" in name or name in user_envs:  # families run third-party packages
+    if ":" in name or name in user_envs or name in RUNS_MODEL_CODE:  # families run third-party packages
         return False
     factory = registered_factories().get(name)
     if factory is None or not getattr(factory, "__module__", "").startswith("rollart."):

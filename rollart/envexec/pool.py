@@ -25,7 +25,7 @@ env-host and every other worker go on. The pool starts a replacement at once. Mo
 mean fewer bystanders per failure and more memory. A raising env (MemoryError included) and a
 reply of the wrong kind for its call (`WorkerReplyError`) fail that call alone and kill nobody.
 
-Limits are per worker, as the kernel keeps them (`rollart.envexec.isolation`). So that the CPU
+Limits are per worker, as the kernel keeps them (`rollart.workers.limits`). So that the CPU
 limit stops runaway envs and not merely old workers, a worker that has used `RETIRE_AT` of it
 takes no new envs, a fresh worker takes its place, and it is stopped once its last env is closed.
 
@@ -46,12 +46,12 @@ import structlog
 from rollart.clock import SimClock
 from rollart.envexec import wire
 from rollart.envexec.handles import EnvWorker, PendingCall, WorkerState, consume
-from rollart.envexec.isolation import WorkerLimits, child_environ, exit_cause
 from rollart.envexec.process_runner import EnvSlot, WorkerEnvRunner
-from rollart.envexec.spawn import start_worker
 from rollart.envs.base import EnvFailure
 from rollart.errors import ConfigError
-from rollart.protocol.framing import message_frame
+from rollart.workers.framing import frame
+from rollart.workers.limits import WorkerLimits, child_environ, exit_cause
+from rollart.workers.spawn import NO_SANDBOX, Launch
 
 log = structlog.get_logger("rollart.envexec.pool")
 
@@ -76,8 +76,10 @@ class EnvWorkerPool:
         limits: WorkerLimits | None = None,
         environ: Mapping[str, str] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        launch: Launch = NO_SANDBOX,
     ) -> None:
-        """`environ`: the workers' environment (default: `child_environ(os.environ)`)."""
+        """`environ`: the workers' environment (default: `child_environ(os.environ)`); `launch`: their
+        interpreter and sandbox (`rollart.workers.sandbox.worker_launch`; default: the node's, none)."""
         if processes < 1:
             raise ConfigError(f"env worker pool: processes must be >= 1, got {processes}")
         self.processes = processes
@@ -85,6 +87,7 @@ class EnvWorkerPool:
         self.limits = limits or WorkerLimits()
         self.environ = dict(child_environ(os.environ) if environ is None else environ)
         self.start_timeout_s = start_timeout_s
+        self.launch = launch
         self.user_envs: frozenset[str] = frozenset()
         """Env names and family prefixes (`p:`) that the env modules registered or replaced (known after `start`)."""
         self.counts = {"started": 0, "died": 0, "timeouts": 0, "retired": 0}
@@ -212,7 +215,7 @@ class EnvWorkerPool:
             return future
         worker.calls[call.call_id] = call
         call.timer = self._loop.call_later(timeout_s, self._on_deadline, call)
-        worker.send(message_frame(wire.request_encoder.encode(request(call.call_id))), self._loop)
+        worker.send(frame(wire.request_encoder.encode(request(call.call_id))), self._loop)
         return future
 
     def forget(self, worker: EnvWorker, env_id: int) -> None:
@@ -246,7 +249,7 @@ class EnvWorkerPool:
     def _spawn(self) -> EnvWorker:
         """Start one worker (`OSError` if the OS refuses); its socket and its exit are watched from here on."""
         assert self._loop is not None
-        worker = start_worker(
+        worker = EnvWorker.start(
             next(self._wids),
             self._loop,
             env_modules=self.env_modules,
@@ -254,6 +257,7 @@ class EnvWorkerPool:
             environ=self.environ,
             on_readable=self._on_readable,
             on_exit=self._on_exit,
+            launch=self.launch,
         )
         self._workers.append(worker)
         self.counts["started"] += 1
@@ -276,7 +280,7 @@ class EnvWorkerPool:
         if worker.state is WorkerState.DEAD or worker.kill_cause is not None:
             return
         worker.kill_cause = cause
-        worker.proc.kill()
+        worker.process.proc.kill()
         assert self._loop is not None
         self._loop.call_later(KILL_GRACE_S, self._bury, worker, exit_cause(None, self.limits))
 
@@ -321,11 +325,11 @@ class EnvWorkerPool:
 
     def _on_readable(self, worker: EnvWorker) -> None:
         assert self._loop is not None
-        data = worker.receive()
+        data = worker.process.receive()
         if data is None:
             return
         if not data:  # EOF: the worker is exiting, and its process watch says how
-            self._loop.remove_reader(worker.sock.fileno())
+            worker.process.stop_reading(self._loop)
             return
         self._take(worker, data)
 
@@ -365,10 +369,10 @@ class EnvWorkerPool:
 
     def _on_exit(self, worker: EnvWorker) -> None:
         assert self._loop is not None
-        code = worker.proc.wait()  # at once: the process has exited
-        while worker.kill_cause is None and (data := worker.receive()):  # replies sent just before it died count
+        code = worker.process.proc.wait()  # at once: the process has exited
+        while worker.kill_cause is None and (data := worker.process.receive()):  # replies sent just before it died
             self._take(worker, data)
-        worker.release(self._loop)
+        worker.process.release(self._loop)
         self._bury(worker, exit_cause(code, self.limits))
         worker.exited.set_result(None)
 

@@ -1,8 +1,8 @@
 """What an env-host and its env worker processes say to each other (`rollart.envexec.pool`, `.worker`).
 
-One socket pair per worker; each message is a message frame of `rollart.protocol.framing` (a
-4-byte big-endian length, then the payload), its payload a msgpack-encoded struct of the tagged
-unions below (array-like: a list, its tag first); bulk frames are not used. Every call carries a
+One socket pair per worker; each message is a frame of `rollart.workers.framing` (a 4-byte
+big-endian length, then the payload, as the protocol's message frames), its payload a
+msgpack-encoded struct of the tagged unions below (array-like: a list, its tag first). Every call carries a
 call id, unique in the pool, that its reply repeats; `env` is the id the pool gave the env.
 
     pool -> worker   Make(call, env, name, kwargs)          build `make_env(name, **kwargs)` there

@@ -1,12 +1,12 @@
 """The env worker process: builds envs by name and runs their calls, under resource limits.
 
-`EnvWorkerPool` starts it as a fresh interpreter with an environment the pool built (without the
-node's secrets), the parent's `sys.path`, and one end of a socket pair:
+`EnvWorkerPool` starts it as a fresh interpreter (`rollart.workers.spawn`) with an environment the
+pool built (without the node's secrets), the parent's `sys.path`, and one end of a socket pair:
 
     python -c BOOTSTRAP '<sys.path as JSON>' '<WorkerConfig as JSON>'
 
 At start it ties its life to the env-host's (`PR_SET_PDEATHSIG` on Linux; everywhere, the end of
-its socket), sets its limits (`resource.setrlimit`: CPU seconds, address space, open files, no
+its socket), sets its limits (`rollart.workers.limits`: CPU seconds, address space, open files, no
 core files), imports `run.env_modules` (limits apply to the imports too), says `Ready` with the
 env names those modules registered or replaced, and then serves calls until the socket closes.
 
@@ -19,17 +19,13 @@ is open: only the kernel (a limit, a crash) or the pool (a call past its deadlin
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import resource
-import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import msgspec
 
@@ -53,61 +49,18 @@ from rollart.envexec.wire import (
 from rollart.envs.base import Env
 from rollart.envs.registry import import_env_modules, make_env, registered_factories
 from rollart.errors import ConfigError
-from rollart.protocol.framing import HEADER_BYTES, frame_length, message_frame
-
-BOOTSTRAP = "\n".join(
-    [
-        "import json, sys",
-        "sys.path[:] = json.loads(sys.argv[1])",
-        "from rollart.envexec.worker import main",
-        "main(sys.argv[2])",
-    ]
-)
-"""The `python -c` program of a worker: the parent's import path first, then `main`."""
+from rollart.workers.framing import frame, recv_frame
+from rollart.workers.spawn import WorkerStart, enter_worker
 
 THREAD_STACK_BYTES = 4 * 2**20
 """Stack of each env's thread. The address-space limit counts every thread's whole stack, and
 the default (the stack rlimit, often 8 MiB) would spend it on stacks."""
 
-CPU_HARD_EXTRA_S = 5
-"""The hard CPU limit (SIGKILL) lies this far past the soft one (SIGXCPU), for code that catches SIGXCPU."""
 
+class WorkerConfig(WorkerStart, frozen=True, kw_only=True):
+    """What an env worker is told on its command line: `WorkerStart` and the modules to import."""
 
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What a worker is told on its command line."""
-
-    fd: int
-    """Its end of the socket pair."""
-    parent_pid: int
-    env_modules: list[str] = []
-    cpu_time_s: int = 60
-    memory_mb: int = 4096
-    open_files: int = 1024
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Get SIGKILL when the env-host dies, even by SIGKILL (Linux); elsewhere the socket's EOF ends us."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os._exit(0)
-
-
-def set_limits(config: WorkerConfig) -> None:
-    """The worker's resource limits, soft and hard, so that env code cannot raise them again."""
-
-    def limit(which: int, soft: int, hard: int) -> None:
-        current_hard = resource.getrlimit(which)[1]
-        if current_hard != resource.RLIM_INFINITY:  # never above what the env-host itself may use
-            soft, hard = min(soft, current_hard), min(hard, current_hard)
-        resource.setrlimit(which, (soft, hard))
-
-    limit(resource.RLIMIT_CORE, 0, 0)
-    limit(resource.RLIMIT_CPU, config.cpu_time_s, config.cpu_time_s + CPU_HARD_EXTRA_S)
-    limit(resource.RLIMIT_AS, config.memory_mb * 2**20, config.memory_mb * 2**20)
-    limit(resource.RLIMIT_NOFILE, config.open_files, config.open_files)
+    env_modules: list[str] = msgspec.field(default_factory=list)
 
 
 def _import_user_modules(modules: list[str]) -> list[str]:
@@ -129,10 +82,10 @@ class EnvHost:
 
     def send(self, reply: msgspec.Struct) -> None:
         try:
-            data = message_frame(reply_encoder.encode(reply))
+            data = frame(reply_encoder.encode(reply))
         except Exception as exc:  # an info that msgpack cannot carry, or whose str() raises: the env's fault
             failed = Failed(getattr(reply, "call", -1), f"the result could not be sent: {exc}", time.process_time())
-            data = message_frame(reply_encoder.encode(failed))
+            data = frame(reply_encoder.encode(failed))
         with self._send_lock:
             try:
                 self.sock.sendall(data)
@@ -201,9 +154,9 @@ class EnvHost:
         """`{type}: {message}`, naming the limit when the error is one's doing."""
         text = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "new thread" in str(exc)):
-            text += f" (the env worker's memory_mb limit is {self.config.memory_mb})"
+            text += f" (the env worker's memory_mb limit is {self.config.limits.memory_mb})"
         elif isinstance(exc, OSError) and exc.errno == errno.EMFILE:
-            text += f" (the env worker's open_files limit is {self.config.open_files})"
+            text += f" (the env worker's open_files limit is {self.config.limits.open_files})"
         return text
 
 
@@ -219,13 +172,6 @@ def _info(info: Any, call: str) -> dict[Any, Any]:
     return info
 
 
-def _read_exactly(stream: Any, n: int) -> bytes:
-    data: bytes = stream.read(n)
-    if len(data) < n:  # EOF: the env-host closed the socket or died
-        os._exit(0)
-    return data
-
-
 def serve(sock: socket.socket, config: WorkerConfig) -> NoReturn:
     """Read requests until the socket closes, then exit at once (a hung env thread would block a clean exit)."""
     host = EnvHost(sock, config)
@@ -238,23 +184,15 @@ def serve(sock: socket.socket, config: WorkerConfig) -> NoReturn:
         host.send(StartFailed(f"run.env_modules: {type(exc).__name__} while importing: {exc}"))
         os._exit(1)
     host.send(Ready(os.getpid(), user_envs))
-    stream = sock.makefile("rb")
-    while True:
-        size = frame_length(_read_exactly(stream, HEADER_BYTES))
-        host.handle(request_decoder.decode(_read_exactly(stream, size)))
+    stream: BinaryIO = sock.makefile("rb")
+    while (payload := recv_frame(stream)) is not None:
+        host.handle(request_decoder.decode(payload))
+    os._exit(0)  # EOF: the env-host closed the socket or died
 
 
 def main(config_json: str) -> None:
-    """The worker's entry point (see `BOOTSTRAP`)."""
+    """The worker's entry point (`rollart.workers.spawn.bootstrap`)."""
     config = msgspec.json.decode(config_json, type=WorkerConfig)
-    die_with_parent(config.parent_pid)
-    # Ctrl-C and a stop signal to the process group are for the env-host, which drains and then
-    # stops its workers itself; SIGXCPU must keep its default action (the CPU limit's kill).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGXCPU, signal.SIG_DFL)
-    sock = socket.socket(fileno=config.fd)
-    sock.setblocking(True)
+    sock = enter_worker(config)
     threading.stack_size(THREAD_STACK_BYTES)
-    set_limits(config)
     serve(sock, config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pathlib
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -162,6 +163,16 @@ class NodeDaemon:
             await self.admin.stop()
             self._stopped.set()
         log.info("node.stopped")
+
+    def secret_paths(self) -> list[pathlib.Path]:
+        """What workers running users' code must not see: the run directory (checkpoints, the run's own
+        secret and token), the secret and token files, the TLS keys."""
+        run, folder = self.topology.run, pathlib.Path(self.topology.source).parent
+        files = [run.secret_file, run.admin_token_file]
+        paths = [self.topology.run_dir(), *(folder / f for f in files if f is not None)]
+        if run.tls is not None:
+            paths.append(folder / run.tls.dir)
+        return paths
 
     def pause(self) -> None:
         """Stop admitting new work (in-flight work goes on)."""

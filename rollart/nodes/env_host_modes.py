@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from rollart.envexec import EnvOpener, EnvWorkerPool, WorkerLimits, child_environ
 from rollart.rollout.config import RolloutSpec
+from rollart.workers.sandbox import worker_launch
 
 if TYPE_CHECKING:
     from rollart.nodes.env_host import EnvHostNode
+
+log = structlog.get_logger("rollart.env_host")
 
 
 class StatusOnly:
@@ -54,7 +60,12 @@ class RollingOut:
         # The node's own credentials never reach env code, whatever their variables are called.
         environ = child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=spec.pass_env)
         limits = WorkerLimits(cpu_time_s=spec.cpu_time_s, memory_mb=spec.memory_mb, open_files=spec.open_files)
-        pool = EnvWorkerPool(processes=spec.processes, env_modules=run.env_modules, limits=limits, environ=environ)
+        python = spec.python or sys.executable
+        launch = worker_launch(spec.sandbox, python=python, hide=node.secret_paths(), what="env")
+        pool = EnvWorkerPool(
+            processes=spec.processes, env_modules=run.env_modules, limits=limits, environ=environ, launch=launch
+        )
+        log.info("env_workers.launch", python=python, runs_in=launch.described)
         return EnvOpener(spec.isolation, env_modules=run.env_modules, pool=pool, clock=node.clock)
 
     async def work(self, node: EnvHostNode) -> None:

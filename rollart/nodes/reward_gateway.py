@@ -11,9 +11,12 @@ utilization and queue depth show in `/status` and `/metrics`. Bad input comes ba
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Any
 
 import msgspec
+import structlog
 
 from rollart.clock import SimClock
 from rollart.errors import ConfigError, DeadlineExceeded
@@ -25,6 +28,10 @@ from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
 from rollart.sim.reward import SimRewardPool
 from rollart.topology import Role
+from rollart.workers.limits import child_environ
+from rollart.workers.sandbox import worker_launch
+
+log = structlog.get_logger("rollart.reward_gateway")
 
 
 class RewardGatewayNode(NodeDaemon):
@@ -38,9 +45,18 @@ class RewardGatewayNode(NodeDaemon):
         if sim.reward is not None:
             self.pool = SimRewardPool(sim.reward, SimClock(sim.speedup))
         else:
+            run = self.topology.run
+            # The node's own credentials never reach reward code, whatever their variables are called.
+            environ = child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=spec.pass_env)
             self.pool = RewardPool(
-                min_workers=spec.min_workers, max_workers=spec.max_workers, idle_timeout_s=spec.idle_timeout_s
+                min_workers=spec.min_workers,
+                max_workers=spec.max_workers,
+                idle_timeout_s=spec.idle_timeout_s,
+                limits=spec.limits,
+                environ=environ,
+                launch=worker_launch(spec.sandbox, python=sys.executable, hide=self.secret_paths(), what="reward"),
             )
+            log.info("reward_workers.launch", runs_in=self.pool.launch.described)
 
     async def work(self) -> None:
         async with self.pool:

@@ -1,9 +1,9 @@
 """What a reward function is: its input, its output, its error, and the registry of names.
 
 A reward function is a plain module-level callable `(ScoreInput) -> ScoreOutput`. It runs in
-the reward pool's worker processes (`rollart.rewards.pool`), which are started with `spawn`
-and so know nothing the parent built at run time: the parent sends each request with a pickled
-*reference* to the function (its module and name), and the worker imports that module. Hence
+the reward pool's worker processes (`rollart.rewards.pool`), fresh interpreters that know nothing
+the parent built at run time: the parent sends each request with the function's *name* in Python,
+`module:qualname` (`reference`), and the worker imports that module (`resolve`). Hence
 `register_reward` refuses lambdas and nested functions up front instead of failing in a worker.
 
     from rollart.rewards import ScoreInput, ScoreOutput, register_reward
@@ -17,7 +17,7 @@ and so know nothing the parent built at run time: the parent sends each request 
 from __future__ import annotations
 
 import difflib
-import pickle
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +69,8 @@ _REGISTRY: dict[str, RewardFn] = {}
 
 
 def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> None:
-    """Make `fn` available to the pool as `name`; `ConfigError` if taken (unless `overwrite`) or not picklable."""
+    """Make `fn` available to the pool as `name`; `ConfigError` if taken (unless `overwrite`) or if a
+    worker could not import it by its `reference`."""
     if not name or not isinstance(name, str):
         raise ConfigError(f"reward name must be a non-empty string, got {name!r}")
     if not callable(fn):
@@ -79,16 +80,40 @@ def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> None
             f"reward {name!r} is already registered (to {_qualified(_REGISTRY[name])}); pass overwrite=True"
         )
     try:
-        ref = pickle.dumps(fn)
-        same = pickle.loads(ref) is fn
-    except (pickle.PicklingError, AttributeError, TypeError, ImportError) as e:
+        same = resolve(reference(fn)) is fn
+    except (ValueError, AttributeError, ImportError) as e:
         raise ConfigError(
             f"reward {name!r}: {_qualified(fn)} is not importable by reference ({e}); worker processes import "
             "reward functions by module path, so define it at module level in an importable module"
         ) from e
     if not same:
-        raise ConfigError(f"reward {name!r}: {_qualified(fn)} does not pickle to itself; define it at module level")
+        raise ConfigError(
+            f"reward {name!r}: {_qualified(fn)} is not what its module path names; define it at module level"
+        )
     _REGISTRY[name] = fn
+
+
+def reference(fn: object) -> str:
+    """`module:qualname`, by which a worker process imports `fn` (`resolve`); `ValueError` for an
+    object that has none (a callable instance) or one no import reaches (a lambda, a nested function)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        raise ValueError(f"a {type(fn).__name__} has no module and qualified name")
+    if "<" in qualname:  # <lambda>, <locals>
+        raise ValueError(f"{qualname} is not reachable from its module")
+    return f"{module}:{qualname}"
+
+
+def resolve(ref: str) -> Any:
+    """What `module:qualname` names: the module imported, then the attributes looked up
+    (`ImportError`, `AttributeError` or `ValueError` if it names nothing)."""
+    module, sep, qualname = ref.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"expected 'module:qualname', got {ref!r}")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def get_reward(name: str) -> RewardFn:

@@ -1,23 +1,26 @@
-"""The pool's side of things: a queued request, and a worker process with its pipe and state.
+"""The pool's side of things: a queued request, and a worker process with its socket and state.
 
-Small and synchronous on purpose: `RewardPool` decides, these only keep state and do the pipe
-and process calls that may fail (a dying worker breaks its pipe at any moment).
+Small and synchronous on purpose: `RewardPool` decides; these keep state, start a worker
+(`rollart.workers.spawn`), write its jobs and read its replies. The socket calls never block the
+loop and may fail at any moment (a dying worker breaks its socket).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import structlog
 
 from rollart.rewards.base import ScoreOutput
 from rollart.rewards.stats import State
-from rollart.rewards.worker import Job, WorkerMessage, worker_main
+from rollart.rewards.wire import MAX_REPLY_BYTES, Reply, Stop, reply_decoder, request_encoder
+from rollart.rewards.worker import WorkerConfig
+from rollart.workers.framing import decode_stream, frame
+from rollart.workers.limits import WorkerLimits
+from rollart.workers.spawn import NO_SANDBOX, Launch, WorkerProcess, spawn
 
 log = structlog.get_logger("rollart.rewards.pool")
 
@@ -28,19 +31,18 @@ class Request:
 
     req_id: int
     name: str
-    fn_ref: bytes
-    item: bytes
+    job: bytes
+    """Its `Job`, framed for the socket."""
     future: asyncio.Future[ScoreOutput]
     started: bool = False
 
 
 @dataclass(eq=False)
 class Worker:
-    """A worker process, the pool's end of its pipe, and what it is doing."""
+    """A worker process, the pool's end of its socket, and what it is doing."""
 
     wid: int
-    proc: BaseProcess
-    conn: Connection
+    process: WorkerProcess
     spawned_at: float
     exited: asyncio.Future[None]
     state: State = State.STARTING
@@ -48,29 +50,52 @@ class Worker:
     busy_since: float = 0.0
     idle_since: float = 0.0
     idle_timer: asyncio.TimerHandle | None = None
+    ready: bool = False
+    """It said `Ready` (once)."""
     start_error: str = ""
-    _reading: bool = field(default=True, repr=False)
+    cpu_s: float = 0.0
+    """Its CPU seconds, as its latest reply said."""
+    kill_cause: str | None = None
+    """Why the pool killed it as broken, once it did."""
 
     @classmethod
-    def spawn(cls, ctx: SpawnContext, wid: int, preload: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> Worker:
-        """Start a worker process (`OSError` if the OS refuses); the loop still has to watch it."""
-        parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=worker_main, args=(child, preload), name=f"rollart-reward-{wid}")
-        proc.daemon = True  # should the parent die without close(), multiprocessing still stops it
+    def spawn(
+        cls,
+        wid: int,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        preload: Sequence[str],
+        limits: WorkerLimits,
+        environ: Mapping[str, str],
+        on_readable: Callable[[Worker], None],
+        on_exit: Callable[[Worker], None],
+        launch: Launch = NO_SANDBOX,
+    ) -> Worker:
+        """Start a worker process (`OSError` if the OS refuses); `on_readable(worker)` runs when its
+        socket has bytes (or EOF), `on_exit(worker)` once it has exited. Call from the loop's thread."""
         spawned_at = time.monotonic()
-        try:
-            proc.start()  # fork+exec and a small pickle through a pipe: ~15 ms, not worth a thread
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()  # only the worker holds its end now, so its death reads as EOF here
-        return cls(wid, proc, parent, spawned_at, loop.create_future())
+        process = spawn(
+            "rollart.rewards.worker",
+            lambda fd, parent: WorkerConfig(fd=fd, parent_pid=parent, limits=limits, preload=list(preload)),
+            environ=environ,
+            max_frame_bytes=MAX_REPLY_BYTES,
+            launch=launch,
+        )
+        worker = cls(wid, process, spawned_at, loop.create_future())
+        process.watch(loop, lambda: on_readable(worker), lambda: on_exit(worker))
+        return worker
 
-    def assign(self, req: Request, now: float) -> bool:
-        """Send `req` to this (idle) worker; False, and the worker marked broken, if the pipe failed."""
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def describe(self) -> str:
+        return f"reward worker {self.wid} (pid {self.pid})"
+
+    def assign(self, req: Request, now: float, loop: asyncio.AbstractEventLoop) -> bool:
+        """Send `req` to this (idle) worker; False, and the worker marked broken, if its socket failed."""
         self.cancel_idle_timer()
-        if not self.send(Job(req.req_id, req.name, req.fn_ref, req.item)):
+        if not self.process.send(req.job, loop):
             self.state = State.BROKEN
             return False
         self.state = State.BUSY
@@ -79,30 +104,10 @@ class Worker:
         req.started = True
         return True
 
-    def send(self, msg: Job | None) -> bool:
-        """Write one message; the worker is idle in `recv`, so even a long response is taken as fast as written."""
-        try:
-            self.conn.send(msg)
-        except (OSError, ValueError):  # broken pipe, or our end already closed
-            return False
-        return True
-
-    def recv(self, loop: asyncio.AbstractEventLoop) -> WorkerMessage | None:
-        """The next message if one is waiting, else None; at EOF, stop watching the pipe.
-
-        The loop calls this when the pipe is readable. A message is written whole by the worker
-        in one go and is small, so `recv` does not wait on a slow writer.
-        """
-        if not self._reading:
-            return None
-        try:
-            if not self.conn.poll():
-                return None
-            msg: WorkerMessage = self.conn.recv()
-        except (EOFError, OSError):  # the worker is gone; its sentinel reports how
-            self._stop_reading(loop)
-            return None
-        return msg
+    def feed(self, data: bytes) -> tuple[list[Reply], str | None]:
+        """The whole replies in what arrived so far, and what is wrong with the stream if something is
+        (a frame over `MAX_REPLY_BYTES`, bytes that are not a reply): a worker that sends that is broken."""
+        return decode_stream(self.process.reader, data, reply_decoder)
 
     def set_idle(self, retire_timer: asyncio.TimerHandle) -> None:
         """Ready for a job; `retire_timer` fires if none comes in time."""
@@ -110,52 +115,49 @@ class Worker:
         self.idle_since = time.monotonic()
         self.idle_timer = retire_timer
 
-    def stop(self) -> None:
-        """Ask an idle worker to finish; terminate one that is starting or busy (no point waiting for it)."""
+    def stop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Ask a worker without a job to finish; kill one that is starting or running a job (no point
+        waiting for it)."""
         self.cancel_idle_timer()
-        if self.state is not State.IDLE or not self.send(None):
-            self.proc.terminate()
+        if self.state is State.BROKEN:  # killed already
+            return
+        between_jobs = self.job is None and self.state in (State.IDLE, State.BUSY)
+        if not between_jobs or not self.process.send(frame(request_encoder.encode(Stop())), loop):
+            self.process.proc.kill()
         self.state = State.RETIRING
+
+    def kill(self, cause: str, loop: asyncio.AbstractEventLoop) -> None:
+        """End a broken worker: nothing more it sends is read; its exit is reported as a crash."""
+        self.kill_cause = cause
+        self.state = State.BROKEN
+        self.cancel_idle_timer()
+        self.process.stop_reading(loop)
+        self.process.proc.kill()
 
     def cancel_idle_timer(self) -> None:
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
 
-    def release(self, loop: asyncio.AbstractEventLoop | None) -> int | None:
-        """Stop watching, close the pipe, reap the process; its exit code (None if it still runs)."""
+    def release(self, loop: asyncio.AbstractEventLoop) -> int | None:
+        """Stop watching, close the socket, reap the process; its exit code (None if it still runs)."""
         self.cancel_idle_timer()
-        if loop is not None:
-            self._stop_reading(loop)
-            loop.remove_reader(self.proc.sentinel)
-        self.conn.close()
-        # Called once the sentinel is readable, i.e. the process is exiting: the join returns
-        # at once. The timeout only bounds the case of a process that survived SIGKILL.
-        self.proc.join(timeout=1.0)
-        code = self.proc.exitcode
-        if code is not None:
-            self.proc.close()
-        return code
-
-    def _stop_reading(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._reading:
-            self._reading = False
-            loop.remove_reader(self.conn.fileno())
+        return self.process.release(loop)
 
 
-async def stop_workers(workers: list[Worker], grace_s: float) -> None:
+async def stop_workers(workers: list[Worker], grace_s: float, loop: asyncio.AbstractEventLoop) -> None:
     """Stop every worker, SIGKILL those still running after `grace_s`, and wait (as long again) for their exits.
 
-    The exits are reported by the pool's sentinel callbacks, which run while this waits.
+    The exits are reported by the pool's exit callbacks, which run while this waits.
     """
     for w in workers:
-        w.stop()
+        w.stop(loop)
     pending = {w.exited for w in workers}
     if pending:
         _, pending = await asyncio.wait(pending, timeout=grace_s)
     for w in workers:
         if w.exited in pending:
-            log.warning("reward_worker_killed", worker=w.wid, pid=w.proc.pid)
-            w.proc.kill()
+            log.warning("reward_worker_killed", worker=w.wid, pid=w.pid)
+            w.process.proc.kill()
     if pending:
         await asyncio.wait(pending, timeout=grace_s)

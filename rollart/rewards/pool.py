@@ -7,8 +7,15 @@ than `scale_up_queue_per_worker` x live workers, up to `max_workers`; a worker i
 `min_workers=0` an idle pool costs nothing and the next request pays a cold start, which is
 measured (spawn to the worker's `Ready`).
 
+Workers are fresh interpreters on one end of a socket pair (`rollart.workers`), each with an
+environment without the gateway's credentials and under `limits` (CPU seconds, address space, open
+files); a worker past `RETIRE_AT` of its CPU seconds is replaced after its job. What a worker sends
+is decoded into the reply types of `rollart.rewards.wire`, never unpickled: a reply that is too
+long, not a reply, or not the one due (another job's) fails the job it was running, naming the
+worker, and the pool kills that worker (it counts as crashed) and goes on with a fresh one.
+
 Everything is event driven on the caller's loop, with no thread and no polling: the loop watches
-each worker's pipe (`add_reader`) for results and its process sentinel for its exit; idle
+each worker's socket (`add_reader`) for replies and its process (a pidfd) for its exit; idle
 retirement is a `call_later` timer per idle worker. `close()` removes all of them.
 
     async with RewardPool(min_workers=0, max_workers=4) as pool:
@@ -20,26 +27,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
-import pickle
+import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from multiprocessing.context import SpawnContext
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
 
-import msgspec
 import structlog
 
 from rollart.errors import ConfigError, DeadlineExceeded
-from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
+from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward, reference
+from rollart.rewards.config import REWARD_WORKER_LIMITS
 from rollart.rewards.handles import Request, Worker, stop_workers
 from rollart.rewards.stats import PoolMeters, PoolStats, State
-from rollart.rewards.worker import Done, Failed, Ready, StartFailed
+from rollart.rewards.wire import Done, Failed, Job, Ready, Reply, StartFailed, request_encoder, tag_of
+from rollart.workers.framing import frame
+from rollart.workers.limits import WorkerLimits, child_environ, exit_cause
+from rollart.workers.spawn import NO_SANDBOX, Launch
 
 log = structlog.get_logger("rollart.rewards.pool")
 
 _LIVE = (State.STARTING, State.IDLE, State.BUSY)
+RETIRE_AT = 0.5
+"""Share of `limits.cpu_time_s` after which a worker is replaced once its job is done."""
 
 
 class RewardPool:
@@ -51,34 +60,39 @@ class RewardPool:
         max_workers: int = 4,
         scale_up_queue_per_worker: int = 2,
         idle_timeout_s: float = 5.0,
-        mp_context: str = "spawn",
         *,
         preload: Sequence[str] = (),
         window_s: float = 30.0,
+        limits: WorkerLimits = REWARD_WORKER_LIMITS,
+        environ: Mapping[str, str] | None = None,
+        launch: Launch = NO_SANDBOX,
     ) -> None:
         """`preload`: modules each worker imports before it reports ready (e.g. "torch"), so the
-        import is part of the measured cold start instead of the first request's latency."""
+        import is part of the measured cold start instead of the first request's latency.
+        `environ`: the workers' environment (default: `child_environ(os.environ)`); `launch`: their
+        interpreter and sandbox (`rollart.workers.sandbox.worker_launch`; default: the node's, none)."""
+        self.launch = launch
         if not 0 <= min_workers <= max_workers or max_workers < 1:
             raise ConfigError(
                 f"reward pool: need 0 <= min_workers <= max_workers >= 1, got {min_workers}, {max_workers}"
             )
         if scale_up_queue_per_worker < 1 or idle_timeout_s <= 0:
             raise ConfigError("reward pool: scale_up_queue_per_worker must be >= 1 and idle_timeout_s > 0")
+        if problems := limits.validate():
+            raise ConfigError("reward pool: " + "; ".join(f"limits.{key}: {problem}" for key, problem in problems))
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.scale_up_queue_per_worker = scale_up_queue_per_worker
         self.idle_timeout_s = idle_timeout_s
         self.preload = tuple(preload)
-        # Every start method's context has the same Process/Pipe API; typeshed only types them one by one.
-        self._ctx = cast(SpawnContext, multiprocessing.get_context(mp_context))
+        self.limits = limits
+        self.environ = dict(child_environ(os.environ) if environ is None else environ)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._closed = False
         self._queue: deque[Request] = deque()
         self._workers: list[Worker] = []
         self._ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ScoreOutput)
         self._changed = asyncio.Event()
         self._wids = itertools.count()
         self.meters = PoolMeters(window_s)
@@ -105,17 +119,19 @@ class RewardPool:
         log.info("reward_pool_started", min_workers=self.min_workers, max_workers=self.max_workers)
 
     async def close(self, *, grace_s: float = 2.0) -> None:
-        """Fail waiting and running requests; stop idle workers, terminate busy ones, kill any left after `grace_s`."""
+        """Fail waiting and running requests; stop idle workers, kill busy ones, kill any left after `grace_s`."""
         if self._closed:
             return
         self._running = False
         self._closed = True
+        if self._loop is None:  # never started: nothing to stop
+            return
         while self._queue:
             self._fail(self._queue.popleft(), RewardError("reward pool closed before the request ran"))
         for w in self._workers:
             if w.job is not None:  # the job stays on the worker until its exit closes the busy interval
                 self._fail(w.job, RewardError(f"reward pool closed while {w.job.name!r} was running"))
-        await stop_workers(list(self._workers), grace_s)
+        await stop_workers(list(self._workers), grace_s, self._loop)
         for w in list(self._workers):  # a worker that survived SIGKILL: release our side anyway
             w.release(self._loop)
             self._workers.remove(w)
@@ -143,9 +159,9 @@ class RewardPool:
         if not self._running or self._loop is None:
             raise RewardError("reward pool is " + ("closed" if self._closed else "not started"))
         fn = get_reward(fn_name)  # UnknownReward is a RewardError: fails before queueing
-        req = Request(
-            next(self._ids), fn_name, pickle.dumps(fn), self._encoder.encode(item), self._loop.create_future()
-        )
+        req_id = next(self._ids)
+        job = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
+        req = Request(req_id, fn_name, job, self._loop.create_future())
         self._queue.append(req)
         try:
             self._pump()
@@ -182,14 +198,15 @@ class RewardPool:
 
     def _pump(self) -> None:
         """Hand queued requests to idle workers, then grow the pool if the queue is still too deep."""
+        assert self._loop is not None
         while self._queue and self._running:
             idle = [w for w in self._workers if w.state is State.IDLE]
             if not idle:
                 break
             w = max(idle, key=lambda w: w.idle_since)  # most recently used: lets the others retire
             req = self._queue.popleft()
-            if not w.assign(req, time.monotonic()):
-                self._queue.appendleft(req)  # never started; the sentinel will report the dead worker
+            if not w.assign(req, time.monotonic(), self._loop):
+                self._queue.appendleft(req)  # never started; its exit will report the dead worker
         while self._running and len(self._queue) > self.scale_up_queue_per_worker * self._live():
             if self._live() >= self.max_workers or not self._spawn():
                 break
@@ -202,16 +219,23 @@ class RewardPool:
     def _spawn(self) -> bool:
         assert self._loop is not None
         try:
-            w = Worker.spawn(self._ctx, next(self._wids), self.preload, self._loop)
+            w = Worker.spawn(
+                next(self._wids),
+                self._loop,
+                preload=self.preload,
+                limits=self.limits,
+                environ=self.environ,
+                on_readable=self._on_readable,
+                on_exit=self._on_exit,
+                launch=self.launch,
+            )
         except OSError as e:  # out of processes or descriptors: the queue waits, or fails if nobody is left
             log.error("reward_worker_spawn_failed", error=str(e))
             self._last_start_error = f"could not spawn a worker: {e}"
             return False
-        self._loop.add_reader(w.conn.fileno(), self._on_message, w)
-        self._loop.add_reader(w.proc.sentinel, self._on_exit, w)
         self._workers.append(w)
         self.meters.peak = max(self.meters.peak, self._live())
-        log.info("reward_worker_spawned", worker=w.wid, pid=w.proc.pid, live=self._live())
+        log.info("reward_worker_spawned", worker=w.wid, pid=w.pid, live=self._live())
         return True
 
     def _set_idle(self, w: Worker) -> None:
@@ -219,74 +243,113 @@ class RewardPool:
         w.set_idle(self._loop.call_later(self.idle_timeout_s, self._on_idle_timeout, w))
 
     def _on_idle_timeout(self, w: Worker) -> None:
+        assert self._loop is not None
         w.idle_timer = None
         if w.state is State.IDLE and self._running and self._live() > self.min_workers:
             log.info("reward_worker_retired", worker=w.wid, idle_s=self.idle_timeout_s)
-            w.stop()
+            w.stop(self._loop)
             self._notify()
 
     # -- worker events (loop callbacks) ----------------------------------------------------
 
-    def _on_message(self, w: Worker) -> None:
+    def _on_readable(self, w: Worker) -> None:
         assert self._loop is not None
-        msg = w.recv(self._loop)
-        match msg:
-            case None:
+        data = w.process.receive()
+        if data is None:
+            return
+        if not data:  # EOF: the worker is exiting, and its exit callback says how
+            w.process.stop_reading(self._loop)
+            return
+        self._take(w, data)
+        self._pump()
+
+    def _take(self, w: Worker, data: bytes) -> None:
+        replies, broken = w.feed(data)
+        for reply in replies:
+            if w.kill_cause is not None:
                 return
-            case Ready(pid=pid):
+            self._on_reply(w, reply)
+        if broken is not None:
+            self._break(w, broken)
+
+    def _on_reply(self, w: Worker, reply: Reply) -> None:
+        match reply:
+            case Ready(pid=pid) if not w.ready:
+                w.ready = True
                 cold = time.monotonic() - w.spawned_at
                 self.meters.cold.add(cold)
                 self._start_failures = 0
                 log.info("reward_worker_ready", worker=w.wid, pid=pid, cold_start_s=round(cold, 3))
                 if w.state is State.STARTING:
                     self._set_idle(w)
-            case StartFailed(reason=reason):
+            case StartFailed(reason=reason) if not w.ready:
                 w.start_error = reason
             case Done() | Failed():
-                self._on_result(w, msg)
-        self._pump()
+                self._on_result(w, reply)
+            case _:
+                self._break(w, f"it sent a {tag_of(reply)!r} reply after it was ready")
 
     def _on_result(self, w: Worker, msg: Done | Failed) -> None:
         req = w.job
         if req is None or req.req_id != msg.req_id:
-            log.warning("reward_result_unexpected", worker=w.wid, req_id=msg.req_id)
+            running = f"while running job {req.req_id}" if req is not None else "with no job running"
+            self._break(w, f"it answered job {msg.req_id} {running}")
             return
         w.job = None
+        w.cpu_s = msg.cpu_s
         self.meters.busy.close(w.busy_since, time.monotonic())
         if w.state is State.BUSY:
-            self._set_idle(w)
+            if w.cpu_s >= RETIRE_AT * self.limits.cpu_time_s:
+                self._retire_spent(w)
+            else:
+                self._set_idle(w)
         if req.future.done():  # the caller timed out or went away: nobody to tell
             return
         if isinstance(msg, Done):
-            try:
-                req.future.set_result(self._decoder.decode(msg.output))
-                self.meters.served += 1
-            except msgspec.DecodeError as e:
-                self._fail(req, RewardError(f"reward {req.name!r}: undecodable result from worker: {e}"))
+            req.future.set_result(msg.output)
+            self.meters.served += 1
         else:
             self._fail(req, RewardError(msg.message))
 
+    def _retire_spent(self, w: Worker) -> None:
+        """Replace a worker that used most of its CPU seconds, before the kernel's limit ends it mid-job."""
+        assert self._loop is not None
+        log.info("reward_worker_retired", worker=w.wid, cpu_s=round(w.cpu_s, 2), cpu_time_s=self.limits.cpu_time_s)
+        w.stop(self._loop)
+        self._ensure_min()
+
+    def _break(self, w: Worker, why: str) -> None:
+        """`w` sent what no worker should: fail its job, naming it and why, and kill it."""
+        assert self._loop is not None
+        if w.kill_cause is not None:
+            return
+        log.warning("reward_worker_broken", worker=w.wid, pid=w.pid, why=why)
+        job = w.job
+        w.kill(why, self._loop)
+        if job is not None:
+            w.job = None
+            self.meters.busy.close(w.busy_since, time.monotonic())
+            self._fail(job, RewardError(f"reward {job.name!r} failed: its {w.describe()} was killed: {why}"))
+
     def _on_exit(self, w: Worker) -> None:
         assert self._loop is not None
-        while (msg := w.recv(self._loop)) is not None:  # a result sent just before dying still counts
-            if isinstance(msg, Done | Failed):
-                self._on_result(w, msg)
-            elif isinstance(msg, StartFailed):
-                w.start_error = msg.reason
+        while w.kill_cause is None and (data := w.process.receive()):  # a result sent just before dying counts
+            self._take(w, data)
         code = w.release(self._loop)
         self._workers.remove(w)
         self.meters.live.close(w.spawned_at, time.monotonic())
         w.exited.set_result(None)
+        ended = f"exit code {code}" if code is not None and code >= 0 else exit_cause(code, self.limits)
         if w.state is not State.RETIRING:
             self.meters.crashed += 1
             if w.state is State.STARTING:
                 self._start_failures += 1
-                self._last_start_error = w.start_error or f"worker exited with code {code} before ready"
-            log.warning("reward_worker_crashed", worker=w.wid, exit_code=code, state=w.state.name)
+                self._last_start_error = w.start_error or f"worker {ended} before ready"
+            log.warning("reward_worker_crashed", worker=w.wid, exit_code=code, state=w.state.name, cause=w.kill_cause)
         if w.job is not None:
             self.meters.busy.close(w.busy_since, time.monotonic())
             job, w.job = w.job, None
-            self._fail(job, RewardError(f"reward worker crashed (exit code {code}) while running {job.name!r}"))
+            self._fail(job, RewardError(f"reward worker crashed ({ended}) while running {job.name!r}"))
         if self._start_failures >= 2 and not any(x.state in (State.IDLE, State.BUSY) for x in self._workers):
             reason = f"reward workers fail to start: {self._last_start_error}"
             while self._queue:  # each new request may still try once more

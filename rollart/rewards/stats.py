@@ -24,7 +24,7 @@ class State(enum.Enum):
     IDLE = enum.auto()  # ready, no job
     BUSY = enum.auto()  # running a job
     RETIRING = enum.auto()  # told to stop (idle timeout, pool close); its exit is expected
-    BROKEN = enum.auto()  # its pipe failed; waiting for the sentinel to report the exit
+    BROKEN = enum.auto()  # its socket failed, or it sent what it should not (killed); waiting for its exit
 
 
 class MeteredWorker(Protocol):

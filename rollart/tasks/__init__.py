@@ -5,6 +5,7 @@
 | `frozen-lake` | `frozen_lake` | prefill-heavy | walk an N x N lake to the goal, multi-turn |
 | `sokoban` | `sokoban` | prefill-heavy | push one box onto its target, multi-turn |
 | `copy-reverse` | `copy_reverse` | decode-heavy | reverse a random string, one turn, partial credit |
+| `code` | `code_exec` | decode-heavy | write a small Python function, run against hidden tests; a turn to fix it |
 | `sim` | `sim` | as configured | a task's shape alone (turns, prompt length, success, latency, failures): simulation |
 | `flaky` | `flaky` | (its inner env's) | another env that fails and hangs on purpose, for tests |
 | `slow` | `slow` | (its inner env's) | another env whose calls take lognormal time (the latency spread sigma) |
@@ -16,6 +17,7 @@ data, standard library only (see `docs/envs.md` for adding one).
 """
 
 from rollart.envs.registry import register_env
+from rollart.tasks.code_exec import CodeEnv
 from rollart.tasks.copy_reverse import CopyReverseEnv, position_match
 from rollart.tasks.flaky import FlakyEnv
 from rollart.tasks.frozen_lake import FrozenLakeEnv
@@ -26,11 +28,13 @@ from rollart.tasks.sokoban import SokobanEnv
 register_env("frozen-lake", FrozenLakeEnv)
 register_env("sokoban", SokobanEnv)
 register_env("copy-reverse", CopyReverseEnv)
+register_env("code", CodeEnv)
 register_env("flaky", FlakyEnv)
 register_env("slow", SlowEnv)
 register_env("sim", SimEnv)
 
 __all__ = [
+    "CodeEnv",
     "CopyReverseEnv",
     "FlakyEnv",
     "FrozenLakeEnv",

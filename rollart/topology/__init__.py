@@ -312,11 +312,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         for i, node in enumerate(topology.nodes):
             if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
                 problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
-    pool = run.reward_pool
-    problems += _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
-    problems += [(f"run.reward_pool.limits.{field}", problem) for field, problem in pool.limits.validate()]
-    if pool.min_workers > pool.max_workers:
-        problems.append(("run.reward_pool.min_workers", f"expected at most max_workers ({pool.max_workers})"))
+    problems += _check_reward_pool(run.reward_pool)
     if not topology.nodes:
         problems.append(("nodes", "expected at least one node"))
     first_with_name: dict[str, int] = {}
@@ -345,6 +341,15 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
             problems += _check_restart(f"{at}.restart", node.restart)
     problems += exposure.check_exposure(topology)
     return problems + trainers.check_trainer_groups(topology) + gpus.check_gpus(topology)
+
+
+def _check_reward_pool(pool: RewardPoolSpec) -> list[tuple[str, str]]:
+    problems = _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
+    problems += [(f"run.reward_pool.limits.{field}", problem) for field, problem in pool.limits.validate()]
+    problems += [(f"run.reward_pool.sandbox.{field}", problem) for field, problem in pool.sandbox.validate()]
+    if pool.min_workers > pool.max_workers:
+        problems.append(("run.reward_pool.min_workers", f"expected at most max_workers ({pool.max_workers})"))
+    return problems
 
 
 def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tuple[str, str]]:

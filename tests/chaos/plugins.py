@@ -8,7 +8,8 @@ hangs past its deadline gets its worker killed.
 `crashy-env-reward` is the env's own reward, computed slowly (`ROLLART_CHAOS_REWARD_DELAY_S`, so a
 request is under way when the worker dies) by a worker that dies mid-request (`os._exit`) with
 probability `ROLLART_CHAOS_REWARD_CRASH`. Each crash first appends a line to the file named by
-`ROLLART_CHAOS_LOG` (workers inherit the gateway's environment), so the harness counts what was
+`ROLLART_CHAOS_LOG` (the harness passes the three variables to the workers by name,
+`run.reward_pool.pass_env`: they see no other `ROLLART_*` variable), so the harness counts what was
 injected, not what the system happened to notice.
 """
 

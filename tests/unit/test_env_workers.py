@@ -183,6 +183,7 @@ async def test_a_cancelled_call_still_has_its_deadline_so_a_hung_env_does_not_st
         ("exit", r"exited with code 3"),
         ("segfault", r"killed by SIGSEGV \(a crash in native code\)"),
         ("hang", r"killed by SIGKILL \(.*OOM killer, or another process\)"),  # killed from outside
+        ("deep", r"killed by the pool: it sent a reply that is not valid: maximum recursion depth exceeded"),
     ],
 )
 async def test_a_worker_that_dies_fails_its_calls_with_the_cause(make_pool: MakePool, on_step: str, cause: str) -> None:

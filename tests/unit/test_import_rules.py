@@ -33,11 +33,13 @@ RULES: dict[str, set[str]] = {
     # model folders and shapes: config.json, generation config, presets, the test model's recipe
     "models": set(),
     "envs": set(),
+    # worker processes for untrusted code: spawn, limits, sandbox, framing; nothing of the rest
+    "workers": set(),
     "tasks": {"envs"},
-    "rewards": {"envs"},
+    "rewards": {"envs", "workers"},
     "sim": {"envs", "rewards", "engines"},
-    # running env calls in threads and worker processes: its own frames on a pipe
-    "envexec": {"envs", "tasks", "protocol"},
+    # running env calls in threads and worker processes (`workers`: spawn, limits, sandbox, framing)
+    "envexec": {"envs", "tasks", "workers"},
     # engines are driven by their node: no nodes, no protocol, no rollout
     "engines": {"algorithms", "models"},
     # the weight path: the wire and the bulk transfer
@@ -85,7 +87,9 @@ RULES: dict[str, set[str]] = {
 # The rows of docs/architecture.md's picture: a part imports only parts on lower rows.
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
-    **dict.fromkeys(["protocol", "algorithms", "models", "envs", "rundir", "step_times", "cpus", "__init__"], 0),
+    **dict.fromkeys(
+        ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "__init__"], 0
+    ),
     **dict.fromkeys(["engines", "tasks", "rewards", "weights"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
     "rollout": 3,

@@ -84,7 +84,8 @@ def test_trainer_group_mistakes_are_named_by_yaml_path() -> None:
 
 
 def test_trainer_group_needs_fsdp2_and_a_rendezvous_port() -> None:
-    text = group(run={"insecure": True, "trainer": {"backend": "torch"}}).replace("rendezvous_port: 7500", "host: 10.0.0.1")
+    run = {"insecure": True, "trainer": {"backend": "torch"}}
+    text = group(run=run).replace("rendezvous_port: 7500", "host: 10.0.0.1")
     assert errors(text) == [
         "t.yaml: nodes[1].rendezvous_port: missing: the ranks of its members (trainer-b) rendezvous there",
         "t.yaml: run.trainer.backend: a group of trainer nodes (trainer, trainer-b) needs fsdp2; got 'torch'",

@@ -4,7 +4,8 @@
 the way `on_step` says: "ok" (it does not), "raise", "hang", "exit" (`os._exit(3)`), "segfault"
 (reads address 0), "spin" (burns CPU for ever), "burn" (burns CPU until its process has used
 1.2 s), "allocate" (1 GiB), "open-files" (100 files, kept open), "lie" (its worker answers the
-step with a `Closed` reply: a broken worker, see `_lying_call` below).
+step with a `Closed` reply: a broken worker, see `_lying_call` below), "deep" (writes a step reply
+whose info nests 5000 lists deep straight to its worker's socket, then hangs: a hostile worker).
 Its reset's info carries its pid; with `show_environ=True` its observation is a JSON list of what
 the process can see of its environment: `os.environ`'s names and `/proc/self/environ`.
 """
@@ -14,12 +15,15 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import struct
+import sys
 import time
 from typing import Any
 
 from rollart.envexec import worker as worker_module
 from rollart.envexec.wire import CallReply, Close, Closed, Make, Reset, Step
 from rollart.envs import Env, Info, StepResult, register_env
+from rollart.workers.framing import frame
 
 
 class WorkerTestEnv(Env):
@@ -69,6 +73,11 @@ class WorkerTestEnv(Env):
                 self.kept.append(bytearray(2**30))
             case "open-files":
                 self.kept += [open(os.devnull) for _ in range(100)]  # noqa: SIM115 - kept open on purpose
+            case "deep":
+                info = b"\x81\xa1a" + b"\x91" * 5000 + b"\xc0"
+                reply = b"\x97\xa9step-done\x00\xa0\xcb" + struct.pack(">d", 1.0) + b"\xc2\xc2" + info
+                os.write(json.loads(sys.argv[2])["fd"], frame(reply))  # the worker's config names its socket
+                time.sleep(3600)
 
 
 register_env("test-worker", WorkerTestEnv)
