@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -106,10 +107,22 @@ class EnvWorkerPool:
     async def start(self) -> None:
         """Start the workers and wait until they have imported the env modules.
 
-        `ConfigError` if a module fails to import there (naming it), `EnvFailure` if the workers
-        cannot start otherwise; the pool is closed then."""
+        `ConfigError` if a module fails to import there (naming it) or the interpreter is not an
+        executable (or, sandboxed, a relative path), `EnvFailure` if the workers cannot start
+        otherwise; the pool is closed then."""
         if self._loop is not None:
             raise RuntimeError("EnvWorkerPool.start() called twice")
+        # Checked here: in a sandbox the launcher's exec fails, and the pool would see only exit code 127.
+        python = self.launch.python
+        if shutil.which(python, path=self.environ.get("PATH", os.defpath)) is None:
+            await self.close()
+            raise ConfigError(f"run.rollout.env_workers.python: {python!r} is not an executable file")
+        if self.launch.launcher and os.sep in python and not os.path.isabs(python):
+            await self.close()
+            raise ConfigError(
+                f"run.rollout.env_workers.python: {python!r} is relative, and a sandboxed worker starts in its"
+                " scratch directory: give an absolute path"
+            )
         self._loop = asyncio.get_running_loop()
         try:
             for _ in range(self.processes):

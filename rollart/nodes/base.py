@@ -97,6 +97,7 @@ class NodeDaemon:
             cfg=self.cfg,
             on_bulk=self.on_bulk,
             tls=self.tls,
+            roles={node.name: node.role.value for node in topology.nodes},
         )
         self.network = network
         self.clients: dict[str, ClientSession] = {}

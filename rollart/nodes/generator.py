@@ -34,7 +34,7 @@ from rollart.errors import ConfigError
 from rollart.models.checkpoint import engine_dtype
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
-from rollart.protocol.errors import RemoteError
+from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.messages import Generate, Generated, SimWeights, WeightsHere, WeightsWhere
 from rollart.topology import Role, RunSpec
 from rollart.weights import WeightReceiver, ucx_unavailable
@@ -165,6 +165,10 @@ class GeneratorNode(NodeDaemon):
         log.info("generator.weights", version=version, lora=lora is not None)
 
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
+        # Weights come from the trainer, or from a generator relaying them down a chain; the session
+        # server has checked `peer` against the topology, so another role's node cannot push.
+        if peer.role not in (Role.TRAINER.value, Role.GENERATOR.value):
+            raise ProtocolError(f"{peer.node} ({peer.role}) may not push weights to {self.spec.name}")
         await self.receiver.on_bulk(conn, peer)
 
     async def work(self) -> None:

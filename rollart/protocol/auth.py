@@ -120,7 +120,8 @@ async def client_handshake(
 
 
 SessionLookup = Callable[[Hello], tuple[str, bool, int]]
-"""Given an authenticated Hello, returns (epoch, resumed, recv_seq) for the Welcome."""
+"""Given an authenticated Hello, returns (epoch, resumed, recv_seq) for the Welcome, or raises
+`HandshakeRefused`, which the peer is told."""
 
 
 async def server_handshake(
@@ -169,7 +170,10 @@ async def server_handshake(
         raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret{relayed}")
     if conn.tls is not None and conn.tls.name != hello.node:
         raise refuse("identity", f"node {hello.node!r} presented the certificate of node {conn.tls.name!r}")
-    epoch, resumed, recv_seq = lookup(hello)
+    try:
+        epoch, resumed, recv_seq = lookup(hello)
+    except HandshakeRefused as exc:  # the server will not have this peer (`SessionServer(roles=...)`)
+        raise refuse(exc.code, exc.reason) from None
     welcome = Welcome(b"", epoch, resumed, recv_seq)
     welcome = msgspec.structs.replace(
         welcome, mac=_mac(secret, b"server", hello, challenge, welcome, binding=_binding(conn))

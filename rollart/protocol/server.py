@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -47,8 +47,13 @@ class SessionServer:
         cfg: SessionConfig,
         on_bulk: BulkHandler | None = None,
         tls: NodeTls | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
-        """`tls`: every TCP connection is TLS (mutual certificates) before its handshake."""
+        """`tls`: every TCP connection is TLS (mutual certificates) before its handshake. `roles`: the
+        peers this server has, node name -> role (a node's topology); a peer that proves the secret but
+        claims a name or role not there is refused (`identity`): a node's secret and certificate let it
+        be itself, not the trainer. None: any name and role."""
+        self.roles = roles
         self.local = local
         self.tls = tls
         self.channel = channel
@@ -136,6 +141,13 @@ class SessionServer:
             # A session created now would outlive close() and keep serve() from returning; the
             # client sees a dropped connection and retries (a refusal would make it give up).
             raise ConnectionClosed(f"{self.local.node} is closing")
+        if self.roles is not None and self.roles.get(hello.node) != hello.role:
+            known = self.roles.get(hello.node)
+            raise HandshakeRefused(
+                "identity",
+                f"node {hello.node!r} is no {hello.role} in this run's topology"
+                + (f" (it is a {known})" if known else " (no such node)"),
+            )
         if hello.purpose != "session":
             return self.epoch, False, 0
         session = self.sessions.get(hello.session_id)

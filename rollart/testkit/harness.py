@@ -81,7 +81,9 @@ HEARTBEAT_DEADLINE_S = 3.0
 PARTITION_S = 10.0
 RECOVERY_TIMEOUT_S = 240.0
 ENV_FAIL, ENV_HANG, REWARD_CRASH = 0.2, 0.02, 0.1
-CHAOS_ENV = ["ROLLART_CHAOS_LOG", "ROLLART_CHAOS_REWARD_CRASH", "ROLLART_CHAOS_REWARD_DELAY_S"]
+REWARD_CRASH_EXIT = 13
+"""The exit code of a reward worker the plugin kills (`tests.chaos.plugins.crashy_env_reward`)."""
+CHAOS_ENV = ["ROLLART_CHAOS_REWARD_CRASH", "ROLLART_CHAOS_REWARD_DELAY_S"]
 """The variables `PLUGINS`' reward function reads in the reward workers (`run.reward_pool.pass_env`)."""
 
 
@@ -121,7 +123,6 @@ class ChaosRun:
         self.scenario, self.folder, self.model = scenario, folder, model
         self.rng = random.Random(scenario.seed)
         self.run_dir = folder / "run"
-        self.fault_log = folder / "faults.log"
         self.ports: dict[str, tuple[int, int]] = {}
         self.proxies: dict[str, PartitionProxy] = {}
         self.status: dict[str, tuple[float, dict[str, Any] | None]] = {}
@@ -211,7 +212,7 @@ class ChaosRun:
         return path
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "ROLLART_CHAOS_LOG": str(self.fault_log)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         for key in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN"):  # the launcher makes fresh ones
             env.pop(key, None)
         if "reward-crash" in self.scenario.faults:
@@ -417,6 +418,12 @@ class ChaosRun:
     def _count_continuous(self) -> None:
         if "env-faults" in self.scenario.faults:
             self.outcome.continuous["env-faults"] = sum(self.env_failures.values())
-        if self.fault_log.exists():
-            for line in self.fault_log.read_text().splitlines():
-                self.outcome.continuous[line.split()[2]] += 1
+        log = RunDir(self.run_dir).node_log("reward")
+        if "reward-crash" in self.scenario.faults and log.exists():
+            # Each injected crash is the plugin's `os._exit(REWARD_CRASH_EXIT)`, which the gateway logs
+            # with that code (the worker, in its sandbox, can write nowhere the harness reads).
+            crashed = f'"exit_code": {REWARD_CRASH_EXIT}'
+            lines = log.read_text(errors="replace").splitlines()
+            self.outcome.continuous["reward-crash"] = sum(
+                1 for line in lines if "reward_worker_crashed" in line and crashed in line
+            )

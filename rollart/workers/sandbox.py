@@ -170,6 +170,15 @@ def probe(mode: Mode = "auto") -> Tool | Literal["off"]:
     return mode
 
 
+def _tool(spec: SandboxSpec, drop_user: bool) -> Tool | Literal["off"]:
+    """`probe`'s tool, but unshare for a sandbox that keeps uid 0 under `auto`: RLIMIT_NPROC does not
+    bind uid 0, and unshare's stage caps the pid namespace's pids instead."""
+    tool = probe(spec.mode)
+    if tool == "bwrap" and spec.mode == "auto" and sandbox_user(drop_user) == (0, 0) and _trial("unshare") is None:
+        return "unshare"
+    return tool
+
+
 def launcher(
     spec: SandboxSpec,
     *,
@@ -188,12 +197,9 @@ def launcher(
     sandbox's user must reach them (`unreachable`), or the sandbox fails to start, saying which.
     `scratch`: the worker's directory, `HOME` and `TMPDIR`: `/tmp` or a directory below it.
     `drop_user`: a root node's sandboxes run as nobody (False: as root in their user namespace)."""
-    tool = probe(spec.mode)
+    tool = _tool(spec, drop_user)
     if tool == "off":
         return []
-    if tool == "bwrap" and spec.mode == "auto" and sandbox_user(drop_user) == (0, 0) and _trial("unshare") is None:
-        # RLIMIT_NPROC does not bind uid 0: unshare's stage caps the pid namespace's pids instead.
-        tool = "unshare"
     if scratch != TMP and TMP not in scratch.parents:
         raise ValueError(f"sandbox scratch must be /tmp or below it, got {scratch}")
     uid, gid = sandbox_user(drop_user)
@@ -341,4 +347,4 @@ def worker_launch(spec: SandboxSpec, *, python: str, hide: Sequence[str | Path],
     argv = launcher(spec, hide=hide, scratch=TMP / "work", drop_user=drop)
     uid, _ = sandbox_user(drop)
     network = "network" if spec.network else "no network"
-    return Launch(tuple(argv), python, f"{tool} sandbox, uid {uid}, {network}")
+    return Launch(tuple(argv), python, f"{_tool(spec, drop)} sandbox, uid {uid}, {network}")

@@ -7,10 +7,11 @@ hangs past its deadline gets its worker killed.
 
 `crashy-env-reward` is the env's own reward, computed slowly (`ROLLART_CHAOS_REWARD_DELAY_S`, so a
 request is under way when the worker dies) by a worker that dies mid-request (`os._exit`) with
-probability `ROLLART_CHAOS_REWARD_CRASH`. Each crash first appends a line to the file named by
-`ROLLART_CHAOS_LOG` (the harness passes the three variables to the workers by name,
-`run.reward_pool.pass_env`: they see no other `ROLLART_*` variable), so the harness counts what was
-injected, not what the system happened to notice.
+probability `ROLLART_CHAOS_REWARD_CRASH` (the harness passes the variables to the workers by name,
+`run.reward_pool.pass_env`: they see no other `ROLLART_*` variable). Each crash exits with
+`REWARD_CRASH_EXIT`, a code nothing else ends a worker with, so the harness counts the injected
+crashes from the gateway's log of its workers' exits (a sandboxed worker can write nowhere else the
+harness reads).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from rollart.envs import register_env
 from rollart.rewards import ScoreInput, ScoreOutput, get_reward, register_reward
 from rollart.tasks.flaky import FlakyEnv
+from rollart.testkit.harness import REWARD_CRASH_EXIT
 
 register_env("user-flaky", FlakyEnv)
 
@@ -30,10 +32,7 @@ def crashy_env_reward(item: ScoreInput) -> ScoreOutput:
     """`env-reward`, by a worker that may die in the middle of the request."""
     time.sleep(float(os.environ.get("ROLLART_CHAOS_REWARD_DELAY_S", "0.05")))
     if random.random() < float(os.environ.get("ROLLART_CHAOS_REWARD_CRASH", "0")):
-        if log := os.environ.get("ROLLART_CHAOS_LOG"):
-            with open(log, "a") as out:  # one write on an O_APPEND file: lines from workers do not mix
-                out.write(f"{time.time():.3f} {os.getpid()} reward-crash\n")
-        os._exit(13)
+        os._exit(REWARD_CRASH_EXIT)
     return get_reward("env-reward")(item)
 
 

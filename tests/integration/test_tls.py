@@ -325,6 +325,29 @@ async def test_tls_wrong_certificates_are_refused(
         assert reasons and "certificate has expired" in reasons[0], reasons
 
 
+@pytest.mark.timeout(30)
+async def test_tls_a_node_may_be_only_what_the_topology_says(certs: Path, free_port: int) -> None:
+    """gen-0's secret and certificate make it gen-0, a generator: not the trainer, nor a node the run lacks."""
+    roles = {"trainer-0": "trainer", "gen-0": "generator"}
+    async with tls_server(free_port, node_tls(certs, "trainer-0"), roles=roles) as server:
+        conn = await open_tcp(
+            "127.0.0.1", free_port, max_frame_bytes=2**20, max_bulk_bytes=2**20, timeout=5, tls=node_tls(certs, "gen-0")
+        )
+        with pytest.raises(HandshakeRefused) as refused:
+            await client_handshake(
+                conn, identity=Identity("gen-0", "trainer"), secret=SECRET, session_id="s", timeout=5
+            )
+        conn.close()
+        assert refused.value.code == "identity"
+        assert "is no trainer in this run's topology (it is a generator)" in refused.value.reason
+        session = client(free_port, node_tls(certs, "gen-0"))  # as itself: served
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(session.run())
+            assert await session.request(Echo(7)) == Echo(7)
+            await session.close()
+        assert server.refusals == 1
+
+
 def test_tls_a_node_refuses_its_own_expired_certificate(certs: Path) -> None:
     with pytest.raises(ConfigError, match="not now: renew it"):
         node_tls(certs / "expired", "gen-0")
