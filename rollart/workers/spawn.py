@@ -29,6 +29,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -74,12 +75,18 @@ NO_SANDBOX = Launch()
 def import_path(python: str) -> list[str]:
     """The import path a worker on `python` is given: the node's, absolute (a sandboxed worker starts in
     its scratch directory); for another interpreter only the entries outside the node's own Python (the
-    project, the users' module folders), so the worker's packages are its interpreter's."""
+    project, the users' module folders), so the worker's packages are its interpreter's, with the folder
+    that holds `rollart` first (an editable install is found through the node's site-packages, which
+    the worker does not get; a `rollart` installed there must be installed in the other Python too)."""
     entries = [os.path.abspath(p) for p in sys.path]
     if python == sys.executable:
         return entries
     installs = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return [p for p in entries if not any(p == top or p.startswith(top + os.sep) for top in installs)]
+    project = str(Path(__file__).resolve().parents[2])
+    kept = [
+        p for p in dict.fromkeys([project, *entries]) if not any(p == t or p.startswith(t + os.sep) for t in installs)
+    ]
+    return kept
 
 
 class WorkerStart(msgspec.Struct, frozen=True, kw_only=True):
