@@ -130,7 +130,11 @@ class EnvOpener:
 
     def status(self) -> dict[str, Any]:
         placement = {task: traits.placement for task, traits in self.traits.items()}
-        status: dict[str, Any] = {"isolation": self.isolation, "placement": placement}
+        status: dict[str, Any] = {
+            "isolation": self.isolation,
+            "placement": placement,
+            "runs_in": self.pool.launch.described,
+        }
         if self._pool_started:
             status["workers"] = self.pool.stats()
         return status

@@ -108,4 +108,6 @@ class RewardGatewayNode(NodeDaemon):
     def status(self) -> dict[str, Any]:
         status = super().status()
         status["reward_pool"] = msgspec.to_builtins(self.pool.stats()) | {"functions": registered_rewards()}
+        if isinstance(self.pool, RewardPool):
+            status["reward_pool"]["runs_in"] = self.pool.launch.described
         return status

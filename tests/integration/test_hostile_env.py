@@ -40,20 +40,21 @@ needs_sandbox = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def node() -> Iterator[tuple[int, Path, int]]:
+def node() -> Iterator[tuple[int, Path, int, int]]:
     """A stand-in node: a process started with the secret in its environment, the secret file in a
-    folder outside /tmp (the sandbox's /tmp is its own anyway), and a listening port."""
+    folder outside /tmp (the sandbox's /tmp is its own anyway), a session port and an admin port."""
     folder = ROOT / ".cache" / f"hostile-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True)
     secret = folder / "secret"
     secret.write_text(SECRET)
     secret.chmod(0o600)
     proc = subprocess.Popen(["sleep", "120"], env={"ROLLART_SECRET": SECRET, "PATH": "/usr/bin:/bin"})
-    listener = socket.create_server(("127.0.0.1", 0))
+    session, admin = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
     try:
-        yield proc.pid, secret, listener.getsockname()[1]
+        yield proc.pid, secret, session.getsockname()[1], admin.getsockname()[1]
     finally:
-        listener.close()
+        session.close()
+        admin.close()
         proc.kill()
         proc.wait()
         secret.unlink()
@@ -74,7 +75,7 @@ async def started(launch: Launch) -> EnvWorkerPool:
 
 
 @pytest.fixture
-async def sandboxed(node: tuple[int, Path, int]) -> AsyncIterator[EnvWorkerPool]:
+async def sandboxed(node: tuple[int, Path, int, int]) -> AsyncIterator[EnvWorkerPool]:
     spec = SandboxSpec(scratch_mb=16, max_processes=64)
     pool = await started(worker_launch(spec, python=sys.executable, hide=[node[1].parent], what="env"))
     try:
@@ -96,9 +97,9 @@ async def attempt(pool: EnvWorkerPool, attack: str, timeout_s: float = 30, **tar
 
 
 @pytest.mark.timeout(60)
-async def test_hostile_env_unsandboxed_gets_everything(node: tuple[int, Path, int]) -> None:
+async def test_hostile_env_unsandboxed_gets_everything(node: tuple[int, Path, int, int]) -> None:
     """The control: without the sandbox the same module reads the secret and reaches the port."""
-    pid, secret, port = node
+    pid, secret, port, _ = node
     pool = await started(NO_SANDBOX)
     try:
         assert SECRET in await attempt(pool, "environ", pid=pid)
@@ -110,14 +111,15 @@ async def test_hostile_env_unsandboxed_gets_everything(node: tuple[int, Path, in
 
 @needs_sandbox
 @pytest.mark.timeout(120)
-async def test_hostile_env_is_contained(sandboxed: EnvWorkerPool, node: tuple[int, Path, int]) -> None:
-    pid, secret, port = node
+async def test_hostile_env_is_contained(sandboxed: EnvWorkerPool, node: tuple[int, Path, int, int]) -> None:
+    pid, secret, session_port, admin_port = node
     outside = ROOT / ".cache" / f"escaped-{uuid.uuid4().hex[:8]}"
     with capture_logs() as logs:
         results = {
             "environ": await attempt(sandboxed, "environ", pid=pid),
             "secret": await attempt(sandboxed, "secret", path=str(secret)),
-            "connect": await attempt(sandboxed, "connect", port=port),
+            "session port": await attempt(sandboxed, "connect", port=session_port),
+            "admin port": await attempt(sandboxed, "connect", port=admin_port),
             "fill": await attempt(sandboxed, "fill"),
             "write": await attempt(sandboxed, "write", path=str(outside)),
         }
@@ -132,7 +134,8 @@ async def test_hostile_env_is_contained(sandboxed: EnvWorkerPool, node: tuple[in
     # Each refused, with the error that stopped it as the trajectory's cause:
     assert "FileNotFoundError" in results["environ"]  # the node's pid is not in the worker's pid namespace
     assert "FileNotFoundError" in results["secret"] or "PermissionError" in results["secret"]  # hidden
-    assert "OSError" in results["connect"] or "ConnectionRefusedError" in results["connect"]  # no network
+    for port in ("session port", "admin port"):  # no network: its own loopback, where nothing listens
+        assert "OSError" in results[port] or "ConnectionRefusedError" in results[port]
     # The bomb's processes stay within the sandbox's ceiling (RLIMIT_NPROC, or the pid namespace's
     # pid_max for a root sandbox; unsandboxed, thousands in 3 s), and its call's deadline ends them all.
     assert during - before < 2 * max(64, PID_MAX_MIN), (before, during)
