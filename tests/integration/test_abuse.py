@@ -86,7 +86,8 @@ def rss_bytes(pid: int) -> int:
 
 @pytest.mark.timeout(180)
 async def test_a_stranger_gets_nothing_and_the_node_stays_up(tmp_path: Path) -> None:
-    topology, ports = write_topology(tmp_path, {"reward": "reward-gateway"})
+    # env-0: this test's client, named in the topology (not started)
+    topology, ports = write_topology(tmp_path, {"reward": "reward-gateway", "env-0": "env-host"})
     text = topology.read_text()
     topology.write_text(text.replace("session: {", f"session: {{handshake_timeout_s: {HANDSHAKE_TIMEOUT_S}, ", 1))
     port, admin = ports["reward"]

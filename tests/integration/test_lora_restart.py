@@ -60,9 +60,13 @@ async def test_lora_a_restarted_generator_serves_the_base_from_disk_with_the_new
     first, merged_1 = peft_adapters(model_dir, SPEC, seed=1, scale=0.3)
     second, merged_2 = peft_adapters(model_dir, SPEC, seed=2, scale=0.3)
     cluster = make_cluster(
-        clusters, tmp_path, training_yaml(model_dir, steps=1, trainer=LORA), nodes={"gen-0": "generator"}
+        clusters,
+        tmp_path,
+        training_yaml(model_dir, steps=1, trainer=LORA),
+        # trainer and env-0: this test's publisher and client, named in the topology (not started)
+        nodes={"gen-0": "generator", "trainer": "trainer", "env-0": "env-host"},
     )
-    cluster.start()
+    cluster.start("gen-0")
     await asyncio.to_thread(engine_ready, cluster, 0)
     assert cluster.status("gen-0")["engine"]["lora"] is True
     port = cluster.ports["gen-0"][0]

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 async def test_reward_pool_scales_up_under_load_and_back_to_min_when_idle(tmp_path: Path) -> None:
     topology, ports = write_topology(
         tmp_path,
-        {"reward": "reward-gateway"},
+        {"reward": "reward-gateway", "env-0": "env-host"},  # env-0: this test's client (not started)
         extra_run="  reward_pool: {min_workers: 0, max_workers: 2, idle_timeout_s: 1.0}\n",
     )
     proc = start_node(topology, "reward", tmp_path / "reward.log")

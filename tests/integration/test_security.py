@@ -74,7 +74,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     folder = tmp_path_factory.mktemp("security")
     topology, ports = write_topology(
         folder,
-        {"reward": "reward-gateway", "spare": "reward-gateway"},
+        # env-0: this module's client, named in the topology (not started)
+        {"reward": "reward-gateway", "spare": "reward-gateway", "env-0": "env-host"},
         extra_run="  log_level: debug\n  reward_pool: {min_workers: 1, max_workers: 1}\n",
     )
     port, admin = ports["reward"]
@@ -96,7 +97,7 @@ async def conversation(port: int, *, secret: bytes | None, then: list[bytes], wa
     """Say Hello on a fresh connection; if `secret` is not None, prove it over the node's challenge;
     then send `then` regardless. Returns every frame the node sends, decoded, until it hangs up
     (or, once it has welcomed us, until it answers a request)."""
-    hello = Hello(PROTOCOL_VERSION, "intruder", "env-host", os.urandom(NONCE_BYTES), uuid.uuid4().hex, "session", 0)
+    hello = Hello(PROTOCOL_VERSION, "env-0", "env-host", os.urandom(NONCE_BYTES), uuid.uuid4().hex, "session", 0)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     heard: list[Any] = []
     try:
@@ -146,7 +147,7 @@ async def test_a_client_without_the_secret_gets_a_refusal_and_nothing_else(gatew
     for secret in (b"not-the-secret", b"", SECRET.encode()[:-1]):  # wrong, missing, nearly right
         heard = await conversation(gateway.port, secret=secret, then=[STATUS_REQUEST])
         assert heard[:1] == [Challenge(heard[0].nonce, "reward", "reward-gateway")]
-        assert heard[1:] == [Refuse("auth", "authentication failed for node 'intruder': wrong shared secret")]
+        assert heard[1:] == [Refuse("auth", "authentication failed for node 'env-0': wrong shared secret")]
     # No proof at all: the request where the proof should be is refused, and not answered.
     heard = await conversation(gateway.port, secret=None, then=[STATUS_REQUEST])
     assert [type(msg) for msg in heard] == [Challenge, Refuse] and heard[1].code == "bad-handshake"

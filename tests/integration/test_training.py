@@ -158,8 +158,10 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     from rollart.protocol.messages import Generate, Generated
     from rollart.weights import WeightPublisher
 
-    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=1), nodes={"gen-0": "generator"})
-    cluster.start()
+    # trainer and env-0: this test's publisher and client, named in the topology (not started)
+    nodes = {"gen-0": "generator", "trainer": "trainer", "env-0": "env-host"}
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=1), nodes=nodes)
+    cluster.start("gen-0")
     await asyncio.to_thread(cluster.wait_status, "gen-0", lambda s: s["engine"]["ready"], 90, "the engine ready")
     port = cluster.ports["gen-0"][0]
     cfg = SessionConfig()

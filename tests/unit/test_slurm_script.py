@@ -14,7 +14,7 @@ from rollart.launch.local import after_failure
 from rollart.topology import RestartPolicy, parse_topology
 
 TOPOLOGY = """
-run: {name: demo, trainer: {backend: fsdp2, ranks: 4}}
+run: {name: demo, insecure: true, trainer: {backend: fsdp2, ranks: 4}}
 nodes:
   - {name: trainer, role: trainer, port: 7001, admin_port: 8001, resources: {cpus: 8, gpus: 4, memory_gb: 64}}
   - {name: gen-a, role: generator, hardware: compute, port: 7002, admin_port: 8002, resources: {gpus: 1}}
@@ -118,7 +118,7 @@ def test_restart_policy_verdicts_shared_by_the_launcher_and_the_job() -> None:
 
 
 GROUP = """
-run: {name: demo, trainer: {backend: fsdp2, ranks: 4}}
+run: {name: demo, insecure: true, trainer: {backend: fsdp2, ranks: 4}}
 nodes:
   - {name: trainer, role: trainer, port: 7001, admin_port: 8001, rendezvous_port: 7500, resources: {gpus: 4}}
   - {name: gen-a, role: generator, port: 7002, admin_port: 8002, resources: {gpus: 1}}
