@@ -241,6 +241,12 @@ def _slurm(topology: Topology, path: Path, out: str | None, partition: list[str]
     target.write_text(script)
     target.chmod(0o755)
     print(f"wrote {target}: submit it with `sbatch {target}`")
+    if topology.run.tls is None and not topology.run.insecure:
+        print(
+            "rollart slurm: note: the job's nodes listen on their hosts' addresses, and without run.tls "
+            "(rollart certs) or run.insecure: true the job refuses them when it starts (docs/security.md)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -29,8 +29,6 @@ from rollart.protocol.tls import NodeTls, TlsPeer, TlsRefused, refusal
 _LEN = struct.Struct(">I")
 _BULK_LEN = struct.Struct(">Q")
 BULK_MARK = 0xFFFFFFFF
-HEADER_BYTES = _LEN.size
-"""Bytes of a message frame's header (its length)."""
 _RECV_CHUNK = 256 * 1024
 INITIAL_RECV_BUFFER = 4 * 1024
 """A connection starts with this much receive buffer and grows to `_RECV_CHUNK` the first time it
@@ -45,18 +43,6 @@ _MAX_QUEUED_FRAMES = 4096  # stop reading from the socket past this many undeliv
 # without yielding would otherwise leave the receiver idle until it yields (measured: session
 # one-way events 210k -> 370k msg/s on loopback, benchmarks/protocol.py).
 _FLUSH_BYTES = 16 * 1024
-
-
-def message_frame(payload: bytes) -> bytes:
-    """One message frame as the wire carries it: the 4-byte big-endian length, then `payload`; for
-    byte streams that share the format without a `Connection` (a socket pair to a child process)."""
-    return _LEN.pack(len(payload)) + payload
-
-
-def frame_length(header: bytes | bytearray | memoryview, offset: int = 0) -> int:
-    """The length a frame header at `offset` announces (`BULK_MARK` for a bulk frame)."""
-    length: int = _LEN.unpack_from(header, offset)[0]
-    return length
 
 
 class Connection(Protocol):
