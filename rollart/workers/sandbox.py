@@ -39,6 +39,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Literal
@@ -230,7 +231,8 @@ def wrap(
     return [*launcher(spec, hide=hide, read_only=read_only, scratch=scratch), *argv]
 
 
-_PRIVATE = (Path("/tmp"), Path("/dev"), Path("/proc"))
+TMP_DIR = Path("/tmp")
+_PRIVATE = (TMP_DIR, Path("/dev"), Path("/proc"))
 """What the sandbox replaces with its own."""
 Layer = tuple[Path, bool]
 """A host path and whether it is hidden (else shown read-only), in the order they are mounted."""
@@ -344,7 +346,12 @@ def worker_launch(spec: SandboxSpec, *, python: str, hide: Sequence[str | Path],
                 meaning="nobody cannot reach the interpreter or its imports: workers keep uid 0 in their user "
                 "namespace; files only root may read are readable to them, but for the hidden ones",
             )
-    argv = launcher(spec, hide=hide, scratch=TMP / "work", drop_user=drop)
+    # What the worker runs from, where the sandbox's private /tmp and /dev/shm would cover it (a
+    # checkout under /tmp): shown read-only; hidden paths below it stay hidden.
+    runs_from = [python, os.path.realpath(python), sys.prefix, *import_path(python)]
+    shown = sorted({p for p in map(os.path.abspath, runs_from) if _below(Path(p), (TMP_DIR, Path("/dev/shm")))})
+    shown = [p for p in shown if not any(q != p and Path(p).is_relative_to(q) for q in shown)]
+    argv = launcher(spec, hide=hide, read_only=shown, scratch=TMP / "work", drop_user=drop)
     uid, _ = sandbox_user(drop)
     network = "network" if spec.network else "no network"
     return Launch(tuple(argv), python, f"{_tool(spec, drop)} sandbox, uid {uid}, {network}")

@@ -146,3 +146,28 @@ async def test_hostile_env_is_contained(sandboxed: EnvWorkerPool, node: tuple[in
         assert outcome.startswith("refused: "), results
         assert SECRET not in outcome
     assert not any(SECRET in str(event) for event in logs)
+
+
+@needs_sandbox
+@pytest.mark.timeout(60)
+async def test_hostile_env_sandbox_still_imports_code_under_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkout or a module folder under /tmp, which the sandbox's private /tmp covers, is shown
+    read-only inside (a clean clone under /tmp could not start its workers before)."""
+    (tmp_path / "tmp_envs.py").write_text(
+        "from tests.integration.hostile_envs import HostileEnv\n"
+        "from rollart.envs import register_env\n"
+        "register_env('from-tmp', HostileEnv)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = SandboxSpec(scratch_mb=16, max_processes=64)
+    launch = worker_launch(spec, python=sys.executable, hide=[], what="env")
+    pool = EnvWorkerPool(processes=1, env_modules=["tmp_envs"], launch=launch)
+    await pool.start()
+    try:
+        runner = await pool.open("from-tmp", {"attack": "ok"}, timeout_s=30)
+        assert (await runner.reset(seed=0))[0] == "fine"
+        await runner.close()
+    finally:
+        await pool.close()
