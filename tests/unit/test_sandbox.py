@@ -343,7 +343,9 @@ obs = env.step({hostile!r})[0]
 print(next(line for line in obs.splitlines() if line.startswith("{{")))
 """
         try:
-            seen = result(run(tool, worker))
+            # A checkout under /tmp (a clean clone) is covered by the sandbox's own /tmp: show it.
+            shown = [REPO] if REPO.is_relative_to("/tmp") else []
+            seen = result(run(tool, worker, read_only=shown))
         finally:
             node.kill()
             node.wait()
