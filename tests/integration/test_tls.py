@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import uvloop
 from structlog.testing import capture_logs
@@ -277,7 +278,7 @@ async def test_tls_relayed_handshake_is_refused(certs: Path, free_port: int) -> 
 async def test_tls_plaintext_client_against_a_tls_node_is_refused(certs: Path, free_port: int) -> None:
     async with tls_server(free_port, node_tls(certs, "trainer-0")) as server:
         with capture_logs() as logs:
-            session = client(free_port, None, SessionConfig(**{**_fields(CFG), "give_up_after_s": 3.0}))
+            session = client(free_port, None, msgspec.structs.replace(CFG, give_up_after_s=3.0))
             with pytest.raises(SessionLost) as lost:
                 await session.run()
         assert server.refusals >= 1
@@ -313,7 +314,7 @@ async def test_tls_wrong_certificates_are_refused(
     else:  # the generator presents the trainer's certificate as its own
         tls = NodeTls(certs / "ca.pem", certs / "trainer-0.pem", certs / "trainer-0.key")
         want = "certificate of node 'trainer-0'"
-    quick = SessionConfig(**{**_fields(CFG), "give_up_after_s": 2.0})
+    quick = msgspec.structs.replace(CFG, give_up_after_s=2.0)
     async with tls_server(free_port, node_tls(certs, "trainer-0")) as server:
         session = client(free_port, tls, quick)
         with capture_logs() as logs, pytest.raises(SessionLost) as lost:
@@ -366,13 +367,15 @@ def test_tls_certs_makes_a_ca_once_and_keys_owner_only(tmp_path: Path) -> None:
     assert make_ca()[0] != ca
 
 
-def _fields(cfg: SessionConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in cfg.__struct_fields__}
-
-
 @pytest.mark.timeout(60)
 def test_tls_under_uvloop(certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests above run on asyncio's loop; nodes run uvloop, whose TLS is its own (a port of asyncio's)."""
+    """The tests above run on asyncio's loop; nodes run uvloop, whose TLS is its own (a port of asyncio's).
+    Each call below raises what its test asserts; first, that they do run on uvloop."""
+
+    async def loop_kind() -> type:
+        return type(asyncio.get_running_loop())
+
+    assert uvloop.run(loop_kind()) is uvloop.Loop
     uvloop.run(test_tls_session_and_bulk(certs, free_ports(1)[0]))
     uvloop.run(test_tls_tamper_one_byte_drops_the_connection_and_the_session_resumes(certs, free_ports(1)[0]))
     uvloop.run(test_tls_relayed_handshake_is_refused(certs, free_ports(1)[0]))
