@@ -25,7 +25,12 @@ Every message is the CONTROL channel's `Echo(n, data=<32 bytes>)`. What is measu
 - (d) one 64 MiB payload: `open_bulk` + `send_blob` to the session server, whose `on_bulk` does
   `recv_blob` and answers with a small frame; (d0) the same over asyncio streams
   (`writer.write` of the whole payload + `drain`; the receiver `readexactly(64 MiB)` and answers
-  one byte).
+  one byte). Each bulk round also records the CPU time (user + system) it cost the sender's and
+  the receiver's process.
+- (e.enc), (e.dec): TLS 1.3 record encryption and decryption of one bulk payload in this
+  process, through memory BIOs with the nodes' contexts, as asyncio's and uvloop's SSL do it: the
+  least work TLS adds to each side of (d.tls). With (d)'s CPU per side it gives the best
+  (d.tls)/(d) this machine allows, printed under the table.
 
 Every receiver runs in its own process (multiprocessing, 'spawn'); both ends run uvloop. A
 rate is items / time from the sender's first byte to the receiver's answer saying it has
@@ -46,7 +51,9 @@ import datetime
 import logging
 import multiprocessing
 import os
+import resource
 import shlex
+import ssl
 import statistics
 import struct
 import sys
@@ -92,6 +99,8 @@ CODEC_CHUNK = 10_000  # (a) encodes this many frames, then decodes them: bounded
 GIB = 1024**3
 _LEN = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_F64 = struct.Struct(">d")
+BULK_CHUNK = 1024**2  # (e) hands the TLS object this much at a time
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "protocol.md"
 
 
@@ -130,6 +139,9 @@ class Result:
     unit: str  # "msg/s", "rt/s" or "GiB/s"
     n: int  # items per round (bytes for GiB/s)
     rates: list[float] = dataclasses.field(default_factory=list)
+    # bulk rows: CPU seconds (user + system) each round cost the sender and the receiver process
+    sender_cpu: list[float] = dataclasses.field(default_factory=list)
+    receiver_cpu: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -148,6 +160,12 @@ class Bench:
     warmup_n: int
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def quiet_logs() -> None:
     """Drop the protocol's info-level logs: formatting them would be part of what is timed."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -157,6 +175,8 @@ async def run_interleaved(benches: list[Bench], rounds: int) -> None:
     """Warm each up, then run round 1 of each, round 2 of each, ..."""
     for bench in benches:
         await bench.run_round(bench.warmup_n)
+        bench.result.sender_cpu.clear()  # a warm-up's CPU figures are dropped with its time
+        bench.result.receiver_cpu.clear()
     for _ in range(rounds):
         for bench in benches:
             bench.result.add(await bench.run_round(bench.result.n))
@@ -262,12 +282,14 @@ async def framing_receiver(conn: Connection) -> None:
 
 
 async def bulk_receiver(conn: Connection, peer: Identity) -> None:
-    """(d): the session server's `on_bulk`: receive blobs, answer each with a small frame."""
+    """(d): the session server's `on_bulk`: receive blobs, answer each with the CPU seconds its receipt
+    cost this process (nothing else runs here during bulk rounds; waiting costs none)."""
     with contextlib.suppress(ConnectionClosed):
         while True:
+            before = cpu_seconds()
             _header, payload = await recv_blob(conn)
             del payload
-            conn.send(b"ok")
+            conn.send(_F64.pack(cpu_seconds() - before))
 
 
 class _Stop(Exception):
@@ -494,15 +516,19 @@ async def bulk(
     client = Identity("bench-client", "bench")
     conn = await open_bulk(HOST, port, local=client, secret=secret, cfg=SessionConfig(), tls=tls)
     stack.callback(conn.close)
+    what = f"bulk {len(payload) // 1024**2} MiB, open_bulk + send_blob" + (", TLS 1.3" if tls else "")
+    result = Result("d.tls" if tls else "d", what, "GiB/s", len(payload))
 
     async def run_round(_n: int) -> float:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         await send_blob(conn, "payload", payload)
-        await conn.recv()
-        return time.perf_counter() - t0
+        (receiver_cpu,) = _F64.unpack(await conn.recv())
+        seconds = time.perf_counter() - t0
+        result.sender_cpu.append(cpu_seconds() - cpu0)
+        result.receiver_cpu.append(receiver_cpu)
+        return seconds
 
-    what = f"bulk {len(payload) // 1024**2} MiB, open_bulk + send_blob" + (", TLS 1.3" if tls else "")
-    return Bench(Result("d.tls" if tls else "d", what, "GiB/s", len(payload)), run_round, 1)
+    return Bench(result, run_round, 1)
 
 
 async def streams_bulk(port: int, payload: bytes, stack: contextlib.AsyncExitStack) -> Bench:
@@ -541,6 +567,57 @@ async def run_network(ports: dict[str, int], secret: bytes, sizes: Sizes, certs:
         await run_interleaved(messages, sizes.rounds)
         await run_interleaved(payloads, sizes.bulk_rounds)
     return [bench.result for bench in [*messages, *payloads]]
+
+
+# -- (e) TLS record crypto alone ----------------------------------------------------------------
+
+
+def tls_pair(certs: str) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.SSLObject, ssl.MemoryBIO]:
+    """A client and a server `SSLObject` over memory BIOs (as asyncio's and uvloop's SSL use them),
+    handshake done: (client, its outgoing BIO, server, its incoming BIO)."""
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = node_tls(certs, "bench-client").client.wrap_bio(c_in, c_out)
+    server = node_tls(certs, "bench-server").server.wrap_bio(s_in, s_out, server_side=True)
+    done = {client: False, server: False}
+    while not all(done.values()):
+        for obj in (client, server):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                obj.do_handshake()
+                done[obj] = True
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+    return client, c_out, server, s_in
+
+
+def bench_tls_records(certs: str, sizes: Sizes) -> list[Result]:
+    """(e.enc), (e.dec): TLS 1.3 record encryption and decryption of one bulk payload in this process,
+    through memory BIOs with the nodes' contexts: the user-space work TLS adds to each side of (d.tls)."""
+    client, c_out, server, s_in = tls_pair(certs)
+    payload = memoryview(os.urandom(sizes.bulk_bytes))
+    sink = bytearray(sizes.bulk_bytes)
+    mib = sizes.bulk_bytes // 1024**2
+    enc = Result("e.enc", f"TLS 1.3 record encryption of {mib} MiB in memory (`ssl.MemoryBIO`)", "GiB/s", len(payload))
+    dec = Result("e.dec", f"TLS 1.3 record decryption of {mib} MiB in memory (`ssl.MemoryBIO`)", "GiB/s", len(payload))
+    for round_ in range(sizes.bulk_rounds + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        records = []
+        for start in range(0, len(payload), BULK_CHUNK):
+            client.write(payload[start : start + BULK_CHUNK])
+            records.append(c_out.read())
+        t1 = time.perf_counter()
+        got, view = 0, memoryview(sink)
+        for chunk in records:
+            s_in.write(chunk)
+            with contextlib.suppress(ssl.SSLWantReadError):
+                while got < len(sink):
+                    got += server.read(len(sink) - got, view[got:])
+        t2 = time.perf_counter()
+        if got != len(sink) or sink[-4096:] != payload[-4096:]:
+            raise RuntimeError(f"TLS records decrypted to {got} bytes, not the {len(sink)} encrypted")
+        if round_:
+            enc.add(t1 - t0)
+            dec.add(t2 - t1)
+    return [enc, dec]
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -583,6 +660,36 @@ def ratios(by_key: dict[str, Result]) -> list[str]:
     return lines
 
 
+def crypto_ceiling(by_key: dict[str, Result]) -> list[str]:
+    """What the bulk rows cost each side in CPU, and the best (d.tls)/(d) that TLS's record crypto,
+    as measured in (e), leaves possible here."""
+    plain, tls = by_key["d"], by_key["d.tls"]
+    lines = [
+        "CPU seconds per bulk payload, each side in its own process (median of the rounds):",
+        "",
+        "| id | round | sender CPU | receiver CPU |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in (plain, tls):
+        round_s = r.n / GIB / r.median
+        sender, receiver = statistics.median(r.sender_cpu), statistics.median(r.receiver_cpu)
+        lines.append(f"| {r.key} | {round_s:.3f} | {sender:.3f} | {receiver:.3f} |")
+    plain_round = plain.n / GIB / plain.median
+    encrypt = plain.n / GIB / by_key["e.enc"].median
+    decrypt = plain.n / GIB / by_key["e.dec"].median
+    sender = statistics.median(plain.sender_cpu) + encrypt
+    receiver = statistics.median(plain.receiver_cpu) + decrypt
+    floor = max(plain_round, sender, receiver)
+    return [
+        *lines,
+        "",
+        f"- TLS adds at least (e)'s record crypto to each side: {encrypt:.3f} s to the sender, {decrypt:.3f} s to "
+        f"the receiver. With (d)'s CPU per side, a TLS round cannot be shorter than {floor:.3f} s even with each "
+        f"side on its own core and the crypto fully overlapped with the network, so (d.tls)/(d) is at most "
+        f"{plain_round / floor:.2f} on this machine.",
+    ]
+
+
 def summary(by_key: dict[str, Result]) -> str:
     """The last line of the report, for scripts: TLS next to plaintext, bulk and messages."""
     bulk = by_key["d.tls"].median / by_key["d"].median
@@ -610,6 +717,8 @@ def report(results: list[Result], started: datetime.datetime, host: str, seconds
             "",
             *ratios({r.key: r for r in results}),
             "",
+            *crypto_ceiling({r.key: r for r in results}),
+            "",
             summary({r.key: r for r in results}),
             "",
         ]
@@ -636,6 +745,7 @@ def main() -> None:
         ports = {kind: stack.enter_context(receiver(kind, secret, certs)) for kind in kinds}
         ports["streams-bulk"] = stack.enter_context(receiver("streams-bulk"))
         results += uvloop.run(run_network(ports, secret, sizes, certs))
+        results += bench_tls_records(certs, sizes)
 
     text = report(results, started, host, time.perf_counter() - t0)
     print(text)
