@@ -80,7 +80,7 @@ class ChatRenderer:
         return ids[0] if ids and ids[0] in special else None
 
     def render(
-        self, messages: list[dict[str, str]], *, generation_prompt: bool, options: Mapping[str, Any] | None = None
+        self, messages: list[dict[str, Any]], *, generation_prompt: bool, options: Mapping[str, Any] | None = None
     ) -> str:
         """The template's text for `messages`; `options`: its keyword arguments (e.g. `enable_thinking`)."""
         text = self.tokenizer.apply_chat_template(
@@ -129,17 +129,34 @@ class ChatRenderer:
             if not after.startswith(before + reply):
                 return NextTurn(self.encode(after), fresh=True)
             tail = after[len(before) + len(reply) :]
-        else:
-            probe = [*messages[:-2], {"role": "assistant", "content": _PROBE}, messages[-1]]
-            text = self.render(probe, generation_prompt=True, options=options)
-            if _PROBE not in text:
-                raise ValueError("the chat template does not show an assistant reply's content")
-            tail = text[text.rfind(_PROBE) + len(_PROBE) :]
+            return NextTurn(self.encode(self._after_stop(generated, tail)), fresh=False)
+        return NextTurn(self.continuation(messages[:-2], generated, messages[-1:], options=options), fresh=False)
+
+    def continuation(
+        self,
+        before: list[dict[str, Any]],
+        generated: list[int],
+        following: list[dict[str, Any]],
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The ids that follow a generated assistant reply (`generated`, sampled after the prompt of `before`)
+        when the conversation goes on with `following` (user turns, tool results): the end of the assistant
+        turn, each following message, the next generation prompt. Only template text is tokenized; the
+        reply's own tokens stay as sampled."""
+        probe = [*before, {"role": "assistant", "content": _PROBE}, *following]
+        text = self.render(probe, generation_prompt=True, options=options)
+        if _PROBE not in text:
+            raise ValueError("the chat template does not show an assistant reply's content")
+        return self.encode(self._after_stop(generated, text[text.rfind(_PROBE) + len(_PROBE) :]))
+
+    def _after_stop(self, generated: list[int], tail: str) -> str:
+        """`tail` without the end-of-turn text the model already generated as its last token."""
         if generated and generated[-1] in self.stop_ids:
             stop_text = self.tokenizer.convert_ids_to_tokens(generated[-1])
             if isinstance(stop_text, str) and tail.startswith(stop_text):
-                tail = tail[len(stop_text) :]  # the model already generated the end of its turn
-        return NextTurn(self.encode(tail), fresh=False)
+                return tail[len(stop_text) :]
+        return tail
 
 
 def _added_ids(tokenizer: Any) -> list[int]:

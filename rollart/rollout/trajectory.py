@@ -51,7 +51,7 @@ class TrajectoryAborted(RollartError):
 
 
 @dataclass
-class _History:
+class TurnHistory:
     """Every token after the first prompt, with what the trainer needs to know of each."""
 
     ids: list[int] = field(default_factory=list)
@@ -112,12 +112,12 @@ class _Conversation:
     since: int = 0
     """Where in the history the current sequence's tokens after `current` begin."""
 
-    def prompt(self, history: _History) -> list[int]:
+    def prompt(self, history: TurnHistory) -> list[int]:
         if self.task.context == "full":
             return self.first + history.ids
         return self.current + history.ids[self.since :]
 
-    def advance(self, history: _History, reply: str, generated: list[int], observation: str, *, more: bool) -> None:
+    def advance(self, history: TurnHistory, reply: str, generated: list[int], observation: str, *, more: bool) -> None:
         """Add what follows `reply` to `history`; `more`: another turn follows (a fresh prompt needs one)."""
         options = self.task.chat_options()
         if self.task.context == "last":
@@ -162,7 +162,7 @@ async def run_trajectory(
     if barrier is not None:
         barrier.join()
     started_at = time.time()
-    history = _History()
+    history = TurnHistory()
     try:
         observation, info = await history.timed("env", runner.reset(job.seed))
         system = task.system_for(env.system_prompt)
