@@ -5,6 +5,9 @@
       timeline.jsonl       the trainer: one line per trained trajectory (spans, versions, incarnation)
       utilization.jsonl    the trainer: generator busy samples
       rollout.jsonl        rollout-only mode: every batch taken, one line per group
+      tensorboard/         the trainer: its metrics lines as TensorBoard event files (`run.tracking`)
+      wandb/               W&B's own folder, with `run.tracking.wandb` (offline runs to `wandb sync`)
+      mlruns/              MLflow's file store, with `run.tracking.mlflow` and no tracking_uri
       checkpoints/
         step-NNNNNN/       the training engine's checkpoint (torch: a Hugging Face folder and the
                            optimizer state; fsdp2: config, tokenizer and `dcp/` shards) and `trainer.pt`
@@ -65,6 +68,11 @@ class RunDir:
     utilization = _InRun(UTILIZATION)
     rollout = _InRun("rollout.jsonl")
     """Rollout-only mode's record of the batches taken."""
+    # The trackers' copies of the metrics (`rollart.tracking`).
+    tensorboard = _InRun("tensorboard")
+    wandb = _InRun("wandb")
+    """W&B's folder: `wandb.init(dir=RUN_DIR)` makes it, one `offline-run-*` (or `run-*`) folder per start."""
+    mlruns = _InRun("mlruns")
     # Checkpoints.
     checkpoints = _InRun("checkpoints")
     latest = _InRun("checkpoints", "latest")

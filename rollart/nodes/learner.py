@@ -2,7 +2,8 @@
 
 Per batch: group-relative advantages, one `train_step` in a worker thread (the node keeps serving
 env-hosts meanwhile), a snapshot of the new weights handed to the `WeightPublisher` (the only
-wait: a copy), and a line in the run folder's metrics plus one per trajectory in its timeline
+wait: a copy), and a line in the run folder's metrics (copied to TensorBoard and any other tracker
+`run.tracking` names: `rollart.tracking`) plus one per trajectory in its timeline
 (`rollart.rundir.RunDir`). Checkpoints go to `RunDir.checkpoint(step)` (a loadable Hugging Face
 folder, optimizer state, and the trainer state: version, step, RNG and dispenser state); the
 `latest` pointer names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
@@ -32,6 +33,7 @@ from rollart.errors import ConfigError, RollartError
 from rollart.protocol.messages import GroupDone, NodeStatus, WeightsWhere
 from rollart.protocol.retry import Backoff, retry
 from rollart.rundir import JsonlLog, RunDir
+from rollart.tracking import Tracker
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from rollart.protocol import ClientSession
     from rollart.rollout.config import TaskSpec
     from rollart.topology import NodeSpec
+    from rollart.tracking import TrackingSpec
     from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.learner")
@@ -63,10 +66,12 @@ class Learner:
         peer_status: Mapping[str, NodeStatus],
         tasks: Sequence[TaskSpec],
         seed: int,
+        tracking: TrackingSpec | None = None,
     ) -> None:
         """`build_engine` blocks (it runs in a worker thread); `clients` has a session to each of
         `generators`; `peer_status` is the live map of the status peers last reported; `tasks` and
-        `seed` are the run's, for the random-policy baseline."""
+        `seed` are the run's, for the random-policy baseline; `tracking` (`run.tracking`) names the
+        trackers that get each metrics line too (None: none, for a learner built alone)."""
         self.spec = spec
         self.run_dir = run_dir
         self.publisher = publisher
@@ -79,6 +84,7 @@ class Learner:
         self.metrics = JsonlLog(run_dir.metrics)
         self.timeline = JsonlLog(run_dir.timeline)
         self.utilization = JsonlLog(run_dir.utilization)
+        self.tracker = Tracker.from_spec(tracking, run_dir) if tracking is not None else None
         self.engine: TrainingEngine | None = None
         self.engine_info: dict[str, Any] = {}
         """The engine's `describe()`, once it is built (in `/status`: its rank processes' pids)."""
@@ -106,7 +112,7 @@ class Learner:
         if latest is None:
             log.info("learner.ready", **self.engine_info)
             self.baseline = await asyncio.to_thread(self._measure_baseline)
-            self.metrics.write([{"baseline": True, "tasks": self.baseline}])
+            self._write_metrics({"baseline": True, "tasks": self.baseline})
             return None
         state = await asyncio.to_thread(self._load, latest)
         self.epoch_start = time.time() - float(state["elapsed_s"])
@@ -300,9 +306,15 @@ class Learner:
         self._links_counted = links
         self.last_step_at = now
         self.last_stats = line
-        self.metrics.write([line])
+        self._write_metrics(line)
         self.timeline.write(self._timeline(step, version - 1, trajectories, incarnation))
         return line
+
+    def _write_metrics(self, line: dict[str, Any]) -> None:
+        """A line of metrics.jsonl, handed to the trackers too (which write it on a thread of theirs)."""
+        self.metrics.write([line])
+        if self.tracker is not None:
+            self.tracker.log(line)
 
     def _elsewhere(self, trajectories: list[Any]) -> dict[str, float]:
         """The step's time outside the train step: the weights' way to the generators (the last push
@@ -437,12 +449,22 @@ class Learner:
             await asyncio.wrap_future(failed)
 
     async def close(self) -> None:
-        """Finish the checkpoint in flight and stop the engine (its rank processes)."""
+        """Finish the checkpoint in flight, stop the engine (its rank processes) and end the trackers' runs."""
         try:
             await self.saved()
         finally:
-            if self.engine is not None:
-                await asyncio.to_thread(self.engine.close)
+            try:
+                if self.engine is not None:
+                    await asyncio.to_thread(self.engine.close)
+            finally:
+                await self.close_trackers()
+
+    async def close_trackers(self) -> None:
+        """End the trackers' runs (W&B, MLflow: finished) once their lines are written; also when
+        the trainer drains mid-run, which ends its work without `close`. Lines after it go to
+        metrics.jsonl alone."""
+        if self.tracker is not None:
+            await asyncio.to_thread(self.tracker.close)
 
 
 def _say_if_failed(path: Path, saving: asyncio.Task[None]) -> None:

@@ -141,6 +141,7 @@ class TrainerNode(NodeDaemon):
                 peer_status=self.peer_status,
                 tasks=rollout.tasks,
                 seed=rollout.seed,
+                tracking=run.tracking,
             )
             return TrainStep(self, self.learner, rollout)
         if run.sim.trainer is not None:

@@ -190,6 +190,7 @@ class TrainStep:
         if self.learner.engine is not None and self.core.batches > self.last_checkpoint_step:
             await self._checkpoint()
         await self.learner.saved()
+        await self.learner.close_trackers()  # the node cancels the work after a drain: `close` may not come
 
 
 class RolloutOnlyStep:

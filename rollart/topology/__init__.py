@@ -32,6 +32,7 @@ from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
 from rollart.topology import exposure, gpus, trainers
 from rollart.topology.explain import explain
+from rollart.tracking.config import TrackingSpec
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _WILDCARD_HOSTS = {"0.0.0.0", "::"}
@@ -174,6 +175,8 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     functions (`rollart.rewards.register_reward`)."""
     sim: SimSpec = SimSpec()
     """Simulation mode: the simulated model and engines (`generator.backend: sim`) and the clock."""
+    tracking: TrackingSpec = TrackingSpec()
+    """Where the trainer's metrics go besides metrics.jsonl: TensorBoard (by default), W&B, MLflow."""
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -306,6 +309,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
     problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
     problems += [(f"run.generator.{field}", problem) for field, problem in run.generator.validate()]
+    problems += [(f"run.tracking.{field}", problem) for field, problem in run.tracking.validate()]
     if run.model.shape is not None and preset(run.model.shape) is None:
         problems.append(("run.model.shape", unknown_preset(run.model.shape)))
     if run.generator.backend == "sim":
@@ -364,7 +368,7 @@ def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tupl
         (f"run.rollout.tasks[{i}].{key}", name)
         for i, task in enumerate(tasks)
         for key, name in (("env", task.env), ("env_kwargs.inner", task.env_kwargs.get("inner")))
-        if isinstance(name, str)
+        if isinstance(name, str) and task.agent is None
     ]
     return [(at, problem) for at, name in named if (problem := unknown_env(name)) is not None]
 

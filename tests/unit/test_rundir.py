@@ -20,6 +20,7 @@ def test_every_file_has_its_place_under_the_run_folder(tmp_path: Path) -> None:
     assert run.latest.parent == run.incarnation.parent == run.checkpoints
     assert run.node_log("gen-0") == run.logs / "gen-0.log"
     assert run.report.parent == run.admin_token.parent == run.sbatch.parent == run.path
+    assert run.tensorboard.parent == run.wandb.parent == run.mlruns.parent == run.path
     assert not run.path.exists()  # naming a file creates nothing
 
 
