@@ -8,10 +8,11 @@
 | `adapters` | the `gem:<id>` and `gym:<id>` families (GEM and Gymnasium envs, if those are installed) |
 | `handle` | `EnvHandle`: an env as a trajectory drives it (async, failures contained) |
 
-RollArt's own tasks (`frozen-lake`, `sokoban`, `copy-reverse`, `sim`, and the test wrappers `flaky`
-and `slow`) live in `rollart.tasks`, which registers them on import; importing this package imports
-it too, so every built-in name resolves as soon as `rollart.envs` is imported. How envs are run
-(threads or worker processes, with deadlines) is `rollart.envexec`, the env-host's concern.
+RollArt's own tasks (`frozen-lake`, `sokoban`, `copy-reverse`, `code`, `dataset`, `sim`, and the
+test wrappers `flaky` and `slow`) live in `rollart.tasks`, which registers them on import; importing
+this package imports it too, so every built-in name resolves as soon as `rollart.envs` is imported.
+How envs are run (threads or worker processes, with deadlines) is `rollart.envexec`, the env-host's
+concern.
 
 Pure code over plain data: nothing here knows the network, the nodes, the engines, or torch.
 See `docs/envs.md`.

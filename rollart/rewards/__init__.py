@@ -2,8 +2,9 @@
 
 Pure code: no network, no nodes, no protocol sessions. The reward-gateway node wraps a
 `RewardPool` and answers scoring requests with it. Importing this package registers the
-built-in functions (`exact-answer`, `env-reward`, `tiny-rm`); torch is imported only when
-`tiny-rm` first runs. See docs/rewards.md.
+built-in functions (`exact-answer`, `math_verify`, `env-reward`, `tiny-rm`); torch is imported only
+when `tiny-rm` first runs, and the `math_verify` package (with sympy) when `math_verify` first runs.
+See docs/rewards.md.
 """
 
 from rollart.envs.answers import last_boxed
@@ -18,11 +19,12 @@ from rollart.rewards.base import (
     registered_rewards,
     unregister_reward,
 )
-from rollart.rewards.functions import env_reward, exact_answer, tiny_rm
+from rollart.rewards.functions import env_reward, exact_answer, math_verify, tiny_rm
 from rollart.rewards.pool import RewardPool
 from rollart.rewards.stats import ColdStartStats, PoolStats
 
 register_reward("exact-answer", exact_answer)
+register_reward("math_verify", math_verify)
 register_reward("env-reward", env_reward)
 register_reward("tiny-rm", tiny_rm)
 
@@ -39,6 +41,7 @@ __all__ = [
     "exact_answer",
     "get_reward",
     "last_boxed",
+    "math_verify",
     "register_reward",
     "registered_rewards",
     "tiny_rm",

@@ -3,6 +3,8 @@
 - `exact-answer`: the last complete `\\boxed{...}` of the response (`rollart.envs.answers`, the
   rule the envs read actions by) against the reference answer, with partial credit for matching
   characters (math and reasoning tasks);
+- `math_verify`: the response's answer against the reference as mathematics, by Hugging Face's
+  `math_verify` (`parse` and `verify`: "1/2", "0.5" and `\\frac{1}{2}` are one answer); 1.0 or 0.0;
 - `env-reward`: the environment's own reward, passed through (games such as FrozenLake);
 - `tiny-rm`: a tiny, seeded, *untrained* torch network over the response's bytes. It stands in
   for a reward model so that the pool's model-serving path (a torch model built once per worker,
@@ -15,6 +17,7 @@ Every function raises `RewardError` naming itself and the missing or bad field.
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Any
 
 from rollart.envs.answers import last_boxed
@@ -39,6 +42,43 @@ def exact_answer(item: ScoreInput) -> ScoreOutput:
         return ScoreOutput(reward=1.0, details={"extracted": extracted, "exact": True})
     same = sum(a == b for a, b in zip(answer, extracted, strict=False))
     return ScoreOutput(reward=same / max(len(answer), len(extracted)), details={"extracted": extracted, "exact": False})
+
+
+MATH_VERIFY_TIMEOUT_S = 3
+"""Seconds `math_verify` may spend on each parse and each comparison (sympy can run for hours on a
+reply such as `9^{9^{9^{9}}}`): past it, that parse finds nothing or that comparison is unequal."""
+MATH_VERIFY_SHOWN_CHARS = 200
+"""The most of the extracted answer that `details["extracted"]` keeps."""
+
+
+def math_verify(item: ScoreInput) -> ScoreOutput:
+    """1.0 when the response's answer equals the reference as math (`math_verify.verify`), else 0.0.
+
+    The answer is the content of the last complete `\\boxed{...}` (`last_boxed`, as envs and
+    `exact-answer` read it); without one, what `math_verify.parse` extracts from the whole response by
+    its default rules (LaTeX or a plain expression, the final one: "13? No: 12" gives 12). The
+    reference is parsed as if boxed. A response in which nothing parses scores 0.0, as a wrong answer does.
+
+    `math_verify` bounds its work with `SIGALRM` (`signal.alarm`), which works in a process's main
+    thread only: elsewhere its `parse` and `verify` raise `ValueError`. A reward worker runs its jobs
+    in its main thread, so there each call gets `MATH_VERIFY_TIMEOUT_S`; called from another thread,
+    it runs without a limit of its own, bounded only by the caller's deadline.
+    """
+    if item.answer is None or not item.answer.strip():
+        raise RewardError(f"math_verify: task {item.task!r} gave no reference answer (ScoreInput.answer is empty)")
+    from math_verify import parse, verify  # type: ignore[import-untyped]  # sympy: ~1 s, once per worker
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{item.answer.strip()}}}", parsing_timeout=timeout)
+    boxed = last_boxed(item.response)
+    found = parse(item.response if boxed is None else f"\\boxed{{{boxed}}}", parsing_timeout=timeout)
+    # What was read, as text: math_verify puts the matched text last; str() of a sympy object can take long.
+    text = next((x for x in reversed(found) if isinstance(x, str)), "")[:MATH_VERIFY_SHOWN_CHARS]
+    details: dict[str, Any] = {"boxed": boxed is not None, "extracted": text}
+    if not found:
+        return ScoreOutput(reward=0.0, details={**details, "reason": "no answer math_verify can parse"})
+    equal = bool(verify(gold, found, timeout_seconds=timeout))
+    return ScoreOutput(reward=1.0 if equal else 0.0, details={**details, "equal": equal})
 
 
 def env_reward(item: ScoreInput) -> ScoreOutput:

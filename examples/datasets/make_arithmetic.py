@@ -1,0 +1,103 @@
+"""Write `arithmetic.jsonl`: small integer arithmetic problems for `env: dataset` (configs/dataset.yaml).
+
+    python examples/datasets/make_arithmetic.py [--out examples/datasets/arithmetic.jsonl] [--rows 2000] [--seed 0]
+
+Each row is `{"question": ..., "answer": ..., "kind": ...}`, ASCII only (the tiny model's tokenizer
+reads printable ASCII), with a question no other row asks, in a shuffled order. Five kinds, in
+these shares: `add` 25% ("What is 7 + 5?", operands to 50), `sub` 20% (the result never below 0),
+`mul` 12.5% (up to 25 * 12), `div` 12.5% (exact: 56 / 8), and `word` 30% (one sentence of adding or
+taking away: "Ana has 7 apples and gets 5 more. How many apples does Ana have now?"). The same seed
+writes the same bytes: the file in the repository is this script's output with the defaults, and
+`tests/unit/test_dataset_env.py` checks that it still is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kim", "Leo", "Mia", "Noor")
+THINGS = ("apples", "books", "coins", "marbles", "pencils", "shells", "stamps", "stickers")
+Row = dict[str, str]
+
+
+def _add(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 50), rng.randint(0, 50)
+    return f"What is {a} + {b}?", a + b
+
+
+def _sub(rng: random.Random) -> tuple[str, int]:
+    a, b = sorted((rng.randint(0, 50), rng.randint(0, 50)), reverse=True)
+    return f"What is {a} - {b}?", a - b
+
+
+def _mul(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(0, 25), rng.randint(0, 12)
+    return f"What is {a} * {b}?", a * b
+
+
+def _div(rng: random.Random) -> tuple[str, int]:
+    b, quotient = rng.randint(1, 12), rng.randint(0, 25)
+    return f"What is {b * quotient} / {b}?", quotient
+
+
+def _word(rng: random.Random) -> tuple[str, int]:
+    name, things = rng.choice(NAMES), rng.choice(THINGS)
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    if rng.random() < 0.5:
+        return f"{name} has {a} {things} and gets {b} more. How many {things} does {name} have now?", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{name} has {a} {things} and gives away {b}. How many {things} does {name} have now?", a - b
+
+
+Draw = Callable[[random.Random], tuple[str, int]]
+KINDS: dict[str, tuple[Draw, float]] = {
+    "add": (_add, 0.25),  # 2,601 questions to draw from
+    "sub": (_sub, 0.20),  # 1,326
+    "mul": (_mul, 0.125),  # 338
+    "div": (_div, 0.125),  # 312
+    "word": (_word, 0.30),  # tens of thousands
+}
+
+
+def make_rows(rows: int = 2000, seed: int = 0) -> list[Row]:
+    """`rows` problems with distinct questions, each kind its share, drawn from `random.Random(seed)`."""
+    rng = random.Random(seed)
+    made: list[Row] = []
+    asked: set[str] = set()
+    for i, (kind, (draw, share)) in enumerate(KINDS.items()):
+        want = rows - len(made) if i == len(KINDS) - 1 else round(rows * share)
+        for _ in range(100 * want):  # a bound, for a --rows beyond what a kind has to give
+            if want == 0:
+                break
+            question, answer = draw(rng)
+            if question not in asked:
+                asked.add(question)
+                made.append({"question": question, "answer": str(answer), "kind": kind})
+                want -= 1
+        if want:
+            raise SystemExit(f"{kind}: too few distinct questions for {rows} rows")
+    rng.shuffle(made)
+    return made
+
+
+def to_jsonl(rows: list[Row]) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=HERE / "arithmetic.jsonl")
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    args.out.write_text(to_jsonl(make_rows(args.rows, args.seed)), encoding="ascii")
+    print(f"wrote {args.rows} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
