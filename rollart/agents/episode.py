@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from rollart.agents.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls
 from rollart.errors import RollartError
 from rollart.protocol.messages import Generate, Generated
@@ -49,6 +51,16 @@ class EpisodeClosed(AgentCallError):
 
     def __init__(self, episode_id: str, reason: str) -> None:
         super().__init__(409, "episode_closed", f"episode {episode_id} is closed: {reason}")
+
+
+class EpisodeReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """An agent program's own account of its episode (`POST <base_url>/rollart/report`)."""
+
+    reward: float | None = None
+    """The episode's reward (with the task's `reward: report`); None: none given."""
+    success: bool = False
+    answer: str | None = None
+    """The agent's final answer, for a reward function that scores it (`reward: gateway`)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,8 @@ class AgentEpisode:
         self.turns = 0
         self.closed: str | None = None
         """Why the episode ended; None while it runs."""
+        self.report: EpisodeReport | None = None
+        """What the program reported at its end, if it did."""
         self._current: list[int] = []
         self._since = 0
         self._known: list[tuple[Normal, ...]] = []

@@ -19,6 +19,8 @@ What differs from OpenAI's API, on purpose:
 - a reply whose tool calls cannot be parsed is answered 422 (`malformed_tool_call`) with the reason and the
   reply's text in the error (`error.reply`), so the agent can show the model what went wrong; its tokens
   are part of the episode all the same;
+- `POST /rollart/report` (`{"reward": ..., "success": ..., "answer": ...}`) is the program's own account of its
+  episode, its reward when the task says `reward: report`;
 - a call of an episode that ended (finished, cancelled as a redundant extra, too stale for the staleness
   bound) is refused 409 (`episode_closed`) with the reason.
 """
@@ -38,7 +40,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollart.agents.episode import AgentCallError, AgentEpisode, EpisodeClosed, Reply
+from rollart.agents.episode import AgentCallError, AgentEpisode, EpisodeClosed, EpisodeReport, Reply
 from rollart.agents.tool_calls import forced_tool, tool_names
 from rollart.errors import RollartError
 from rollart.protocol.messages import Generated
@@ -114,6 +116,7 @@ class AgentEndpoint:
         app.router.add_post("/e/{episode}/v1/chat/completions", self._guarded(self.chat))
         app.router.add_post("/e/{episode}/v1/completions", self._guarded(self.completions))
         app.router.add_get("/e/{episode}/v1/models", self._guarded(self.models))
+        app.router.add_post("/e/{episode}/v1/rollart/report", self._guarded(self.report))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
@@ -122,7 +125,11 @@ class AgentEndpoint:
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         if self.unix_socket is not None:
+            self.unix_socket.unlink(missing_ok=True)  # a stale socket from an earlier life of this node
             await web.UnixSite(self._runner, str(self.unix_socket)).start()
+            # A sandboxed agent may run as nobody: connecting needs write permission on the socket. The
+            # per-episode keys, not the socket's mode, decide who is served.
+            self.unix_socket.chmod(0o666)
         log.info("agents.endpoint", host=self.host, port=self.port, unix_socket=str(self.unix_socket or ""))
 
     async def stop(self) -> None:
@@ -136,8 +143,13 @@ class AgentEndpoint:
         """Serve `episode` from now on; returns its base URL and key."""
         key = f"ra-{secrets.token_urlsafe(24)}"
         self.episodes[episode.episode_id] = (episode, key)
-        base = f"http://{_url_host(self.host)}:{self.port}/e/{episode.episode_id}/v1"
-        return EpisodeAccess(base, key, str(self.unix_socket) if self.unix_socket else None)
+        return EpisodeAccess(
+            self.base_url(episode.episode_id), key, str(self.unix_socket) if self.unix_socket else None
+        )
+
+    def base_url(self, episode_id: str) -> str:
+        """Where an episode's calls go, over TCP."""
+        return f"http://{_url_host(self.host)}:{self.port}/e/{episode_id}/v1"
 
     def close(self, episode_id: str, reason: str) -> None:
         """End an episode: calls in flight and later calls are refused with `reason`."""
@@ -183,6 +195,13 @@ class AgentEndpoint:
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
             raise AgentCallError(401, "invalid_api_key", f"wrong or missing key for episode {episode_id}")
         return episode
+
+    async def report(self, request: web.Request, episode: AgentEpisode) -> web.StreamResponse:
+        """The program's own account of its episode: `{"reward": 1.0, "success": true, "answer": "42"}`."""
+        if episode.closed is not None:
+            raise EpisodeClosed(episode.episode_id, episode.closed)
+        episode.report = _decode(await request.read(), EpisodeReport)
+        return web.json_response({"ok": True})
 
     async def models(self, request: web.Request, episode: AgentEpisode) -> web.StreamResponse:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollart"}

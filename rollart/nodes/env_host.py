@@ -20,10 +20,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 
+from rollart.agents.openai_api import AgentEndpoint
+from rollart.agents.runner import AgentJob, ProgramLaunch, run_agent_episode
 from rollart.clock import SimClock
 from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
@@ -50,8 +58,25 @@ from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.render import ChatRenderer
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
 from rollart.topology import Role
+from rollart.workers.limits import WorkerLimits, child_environ
 
 log = structlog.get_logger("rollart.env_host")
+
+
+def _socket_dir() -> Path:
+    """A directory for the agent endpoint's Unix socket: short (a socket path has 107 bytes at most) and
+    outside the run directory, which sandboxes hide; a sandbox's nobody may reach it (the episodes' keys,
+    not the socket's mode, decide who is served)."""
+    folder = Path(tempfile.mkdtemp(prefix="rollart-agents-"))
+    folder.chmod(0o755)
+    return folder
+
+
+@dataclass(frozen=True)
+class _Agents:
+    endpoint: AgentEndpoint
+    launch: ProgramLaunch
+    socket_dir: Path
 
 
 class EnvHostNode(NodeDaemon):
@@ -71,6 +96,8 @@ class EnvHostNode(NodeDaemon):
         """The trainer said the run is over (`PolicyVersion.done`)."""
         self.counts: collections.Counter[str] = collections.Counter()
         self.renderer: ChatRenderer | None = None
+        self.agents: _Agents | None = None
+        """The endpoint of `env: agent` episodes and how their programs start; None without agent tasks."""
         self.clock = SimClock(self.topology.run.sim.speedup)
         """Where simulated env latency passes (`sim` envs); real envs take real time."""
         self._slots: list[asyncio.Task[None]] = []
@@ -102,8 +129,9 @@ class EnvHostNode(NodeDaemon):
     async def roll_out(self, spec: RolloutSpec) -> None:
         """The work of an env-host with a rollout: place the envs, then run the slots until done."""
         try:
-            traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in spec.tasks})
-            for task in spec.tasks:
+            env_tasks = [task for task in spec.tasks if task.agent is None]
+            traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in env_tasks})
+            for task in env_tasks:
                 env = traits[task.name]
                 if task.profile is None:  # the environment's own profile is the starting guess
                     self.profiler.initial[task.name] = env.profile
@@ -122,6 +150,8 @@ class EnvHostNode(NodeDaemon):
             else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
                 tokenizer = _load_tokenizer(path)
             self.renderer = ChatRenderer(tokenizer, stop_ids=generation_eos_ids(path))
+            if len(env_tasks) < len(spec.tasks):
+                self.agents = await self._agent_endpoint(spec)
             trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
             async with asyncio.TaskGroup() as tg:
                 if spec.env_stepping == "batch":
@@ -132,7 +162,30 @@ class EnvHostNode(NodeDaemon):
             await super().work()
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             await self.envs.close()  # no env worker outlives the env-host's work
+            if self.agents is not None:
+                await self.agents.endpoint.stop()
+                shutil.rmtree(self.agents.socket_dir, ignore_errors=True)
             log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
+
+    async def _agent_endpoint(self, spec: RolloutSpec) -> _Agents:
+        """Serve the OpenAI-compatible endpoint of this env-host's agent episodes (`env: agent` tasks), on
+        loopback and on a Unix socket for agents in sandboxes without network (`rollart.agents.relay`)."""
+        run, workers = self.topology.run, spec.env_workers
+        socket_dir = _socket_dir()
+        socket = socket_dir / "endpoint.sock"
+        endpoint = AgentEndpoint(model_name=Path(run.model.path).name, unix_socket=socket)
+        await endpoint.start()
+        launch = ProgramLaunch.prepare(
+            workers.sandbox,
+            hide=self.secret_paths(),
+            socket=socket,
+            environ=child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=workers.pass_env),
+            limits=WorkerLimits(
+                cpu_time_s=workers.cpu_time_s, memory_mb=workers.memory_mb, open_files=workers.open_files
+            ),
+        )
+        log.info("agents.launch", runs_in=launch.described, relayed=launch.relay_to is not None)
+        return _Agents(endpoint, launch, socket_dir)
 
     async def _ask(
         self, spec: RolloutSpec, trainer: ClientSession, *, wait_s: float | None = None
@@ -240,6 +293,10 @@ class EnvHostNode(NodeDaemon):
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
         alpha = spec.alpha if spec.mode == "train" else None
+        if task.agent is not None:
+            return await self._agent_episode(
+                spec, group, score=score, trajectory_id=trajectory_id, started=started, alpha=alpha
+            )
         try:
             env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
         except EnvFailure:  # it could not be built in its worker (the cause is named)
@@ -277,19 +334,55 @@ class EnvHostNode(NodeDaemon):
         self.counts["trajectories_done"] += 1
         return result
 
+    async def _agent_episode(
+        self,
+        spec: RolloutSpec,
+        group: GroupTask,
+        *,
+        score: Callable[[Score], Awaitable[float]],
+        trajectory_id: str,
+        started: Callable[[int], None],
+        alpha: int | None,
+    ) -> Trajectory:
+        """One episode of an `env: agent` task, played by its program (`rollart.agents.runner`)."""
+        assert self.renderer is not None and self.agents is not None  # set by roll_out before any slot starts
+        task = next(t for t in spec.tasks if t.name == group.task)
+        job = AgentJob(trajectory_id, group.group_id, task, group.seed, spec.sampling)
+        try:
+            result = await run_agent_episode(
+                job,
+                endpoint=self.agents.endpoint,
+                launch=self.agents.launch,
+                renderer=self.renderer,
+                generate=functools.partial(self.proxy.generate, task.name),
+                score=score,
+                policy_version=lambda: self.version,
+                on_start=started,
+                min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
+            )
+        except RollartError:
+            self.counts["trajectories_failed"] += 1
+            raise
+        finally:
+            self.running.pop(trajectory_id, None)
+            self.live.pop(trajectory_id, None)
+            self.proxy.forget(trajectory_id)
+        self.counts["trajectories_done"] += 1
+        return result
+
     async def on_role_event(self, session: Session, msg: Any) -> None:
         match msg:
             case PolicyVersion(done=True):
                 # The trainer has what it needs: what is in flight can never be used.
                 self.run_done = True
                 for task in list(self.live.values()):
-                    task.cancel()
+                    task.cancel("the run is over")
                 log.info("env_host.run_done", aborted=len(self.live))
             case PolicyVersion(version=version, min_start=min_start):
                 self.version = max(self.version, version)
                 for trajectory_id, (task, started) in list(self.running.items()):
                     if started < min_start:
-                        task.cancel()
+                        task.cancel(f"too stale: started at version {started}, trained from version {min_start} on")
                         self.counts["aborted_stale"] += 1
                         log.info("env_host.abort_stale", trajectory=trajectory_id, started=started, version=version)
             case _:

@@ -35,6 +35,28 @@ class ModelSpec(msgspec.Struct, **_STRUCT):
     `path` has no config.json yet; a checkpoint's own config.json wins when there is one. None: only that."""
 
 
+AGENT_ENV = "agent"
+"""The `env` of a task whose episodes an agent program plays (`TaskSpec.agent`)."""
+
+
+class AgentProgram(msgspec.Struct, **_STRUCT):
+    """An agent program that plays a task's episodes through an OpenAI-compatible endpoint (`env: agent`):
+    started once per episode, in the env workers' sandbox, with `OPENAI_BASE_URL` and `OPENAI_API_KEY` set
+    to its episode's endpoint (docs/agents.md)."""
+
+    command: list[str]
+    """The program and its arguments; `{python}` stands for the env-host's Python interpreter."""
+    cwd: str | None = None
+    """Its working directory (None: the env-host's)."""
+    env: dict[str, str] = {}
+    """More environment variables for it (the node's secrets are never passed)."""
+    reward: Literal["report", "gateway"] = "report"
+    """report: the program's own report (`POST <base_url>/rollart/report` with `{"reward": ...}`); an episode
+    that ends without one fails. gateway: the task's `reward` function scores the final transcript."""
+    timeout_s: float = 600.0
+    """An episode's program still running after this long is stopped and the episode fails."""
+
+
 class TaskSpec(msgspec.Struct, **_STRUCT):
     """One task of the mix: an environment, how to sample in it, and how to score it."""
 
@@ -67,6 +89,8 @@ class TaskSpec(msgspec.Struct, **_STRUCT):
     of its own. last: the system prompt and the latest observation alone, for environments whose
     observation says everything (FrozenLake's board). The trainer trains each sequence on its own with the
     trajectory's advantage."""
+    agent: AgentProgram | None = None
+    """With `env: agent`: the program that plays this task's episodes."""
     thinking: bool | None = None
     """Passed to the chat template as `enable_thinking` (Qwen3: false adds an empty `<think></think>` to the
     generation prompt, so the model answers at once); None: the template's default. The environment and
@@ -189,4 +213,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
                 problems.append((f"tasks[{i}].weight", f"expected a value > 0; got {task.weight}"))
             if task.max_tokens_per_turn < 1:
                 problems.append((f"tasks[{i}].max_tokens_per_turn", f"expected >= 1; got {task.max_tokens_per_turn}"))
+            if (task.env == AGENT_ENV) != (task.agent is not None):
+                problems.append((f"tasks[{i}].agent", "an agent program goes with `env: agent`, and only with it"))
+            elif task.agent is not None and (not task.agent.command or task.agent.timeout_s <= 0):
+                problems.append((f"tasks[{i}].agent", "expected a command and a timeout_s > 0"))
         return problems

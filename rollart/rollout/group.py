@@ -40,8 +40,9 @@ async def run_group(task: GroupTask, run_one: Callable[[str], Awaitable[Trajecto
                 else:
                     done.append(future.result())
     finally:
+        why = f"a redundant extra: the group had its {need} trajectories" if len(done) >= need else "the group failed"
         for future in pending:
-            future.cancel()  # the extras: generation aborted, environment closed
+            future.cancel(why)  # the extras: generation aborted, environment closed (an agent told why)
         await asyncio.gather(*pending, return_exceptions=True)
     if len(done) >= need:
         return GroupDone(task.group_id, done[:need], cancelled=len(pending), failed=len(failures))

@@ -298,6 +298,10 @@ def _unshare_stage(
         *([f"mkdir {host}", f"mount --rbind / {host}"] if shows else []),
         f"{tmpfs} /tmp",
     ]
+    if not spec.network:
+        # A new network namespace's loopback starts down (bwrap brings it up itself): up, so that a worker
+        # may listen and connect on it (an agent's relay to its endpoint, `rollart.agents.relay`).
+        lines.insert(0, f"{q(sys.executable)} -c {q(_LOOPBACK_UP)}")
     for path, hidden in layers:
         where = q(str(path))
         if hidden:
@@ -318,13 +322,22 @@ def _unshare_stage(
     return "\n".join(lines)
 
 
+_LOOPBACK_UP = (
+    "import fcntl, socket, struct; "
+    "fcntl.ioctl(socket.socket(), 0x8914, struct.pack('16sH14x', b'lo', 0x41))"  # SIOCSIFFLAGS: IFF_UP | IFF_RUNNING
+)
+
+
 def _which(name: str) -> str:
     return shutil.which(name) or name
 
 
-def worker_launch(spec: SandboxSpec, *, python: str, hide: Sequence[str | Path], what: str) -> Launch:
-    """How a pool of `what` (env or reward) workers starts them: `python` in `spec`'s sandbox, `hide`
-    masked (the run directory, the secret and token files, the TLS keys).
+def worker_launch(
+    spec: SandboxSpec, *, python: str, hide: Sequence[str | Path], what: str, show: Sequence[str | Path] = ()
+) -> Launch:
+    """How a pool of `what` (env or reward) workers, or an agent program, starts them: `python` in `spec`'s
+    sandbox, `hide` masked (the run directory, the secret and token files, the TLS keys), `show` shown
+    read-only although hidden or private (`launcher`'s `read_only`: an agent endpoint's socket directory).
 
     A root node's workers run as nobody when nobody can reach the interpreter and the import path;
     where it cannot (a Python under `/root`, pyenv's default), they stay root inside their user
@@ -351,7 +364,7 @@ def worker_launch(spec: SandboxSpec, *, python: str, hide: Sequence[str | Path],
     runs_from = [python, os.path.realpath(python), sys.prefix, *import_path(python)]
     shown = sorted({p for p in map(os.path.abspath, runs_from) if _below(Path(p), (TMP_DIR, Path("/dev/shm")))})
     shown = [p for p in shown if not any(q != p and Path(p).is_relative_to(q) for q in shown)]
-    argv = launcher(spec, hide=hide, read_only=shown, scratch=TMP / "work", drop_user=drop)
+    argv = launcher(spec, hide=hide, read_only=[*shown, *show], scratch=TMP / "work", drop_user=drop)
     uid, _ = sandbox_user(drop)
     network = "network" if spec.network else "no network"
     return Launch(tuple(argv), python, f"{_tool(spec, drop)} sandbox, uid {uid}, {network}")

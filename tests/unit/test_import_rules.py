@@ -44,10 +44,25 @@ RULES: dict[str, set[str]] = {
     "engines": {"algorithms", "models"},
     # the weight path: the wire and the bulk transfer
     "weights": {"protocol"},
+    # experiment trackers (TensorBoard, W&B, MLflow) fed the metrics lines, into the run folder
+    "tracking": {"rundir"},
     # trajectory coroutines, routing, buffers: other nodes only through protocol sessions, never an engine
     "rollout": {"protocol", "envs", "envexec", "rewards", "algorithms"},
+    # agent programs' episodes: the OpenAI-compatible endpoint and its token record, over rollout's turn pieces
+    "agents": {"protocol", "rollout", "workers"},
     # the typed topology: no torch, no nodes
-    "topology": {"protocol", "rollout", "envs", "envexec", "rewards", "engines", "sim", "algorithms", "models"},
+    "topology": {
+        "protocol",
+        "rollout",
+        "envs",
+        "envexec",
+        "rewards",
+        "engines",
+        "sim",
+        "algorithms",
+        "models",
+        "tracking",
+    },
     "plugins": {"envs", "rewards"},
     # the tiny model and its warm-up: a recipe over engines, envs, tasks and rollout
     "tiny": {"engines", "envs", "tasks", "rollout", "algorithms", "models"},
@@ -90,10 +105,10 @@ ROWS: dict[str, int] = {
     **dict.fromkeys(
         ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "__init__"], 0
     ),
-    **dict.fromkeys(["engines", "tasks", "rewards", "weights"], 1),
+    **dict.fromkeys(["engines", "tasks", "rewards", "weights", "tracking"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
     "rollout": 3,
-    **dict.fromkeys(["topology", "tiny"], 4),
+    **dict.fromkeys(["topology", "tiny", "agents"], 4),
     "nodes": 5,
     **dict.fromkeys(["node", "report"], 6),
     **dict.fromkeys(["launch", "admin_cli"], 7),

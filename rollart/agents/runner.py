@@ -1,0 +1,237 @@
+"""One agent episode end to end: its endpoint opened, its program run in the sandbox, its reward, its trajectory.
+
+    open the episode on the env-host's endpoint -> start the program (OPENAI_BASE_URL, OPENAI_API_KEY) ->
+    serve its calls as turns -> it exits -> reward: its own report, or the task's reward function on the
+    transcript -> the trajectory, every generated token as sampled
+
+The program gets its episode's seed (`ROLLART_EPISODE_SEED`, so it can pick its problem the way an env's
+`reset(seed)` does), its id and its task's name. It runs where env workers run: in their sandbox
+(`run.rollout.env_workers.sandbox`), without the node's secrets, under their limits. Without the host's network
+it reaches the endpoint through `rollart.agents.relay`. A program that fails (a non-zero exit, its timeout, no
+report where the reward is its report) fails its episode only, with its last lines of stderr as the cause. An
+episode that is cancelled (a redundant extra that lost, too stale for alpha, the run over) closes its endpoint,
+so that a call in flight or later is refused with the reason, and its program is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollart.agents.episode import AgentEpisode, Generator
+from rollart.agents.openai_api import AgentEndpoint
+from rollart.errors import RollartError
+from rollart.protocol.messages import Generate, Generated, Score, Trajectory
+from rollart.rollout.config import AgentProgram, SamplingSpec, TaskSpec
+from rollart.rollout.render import ChatRenderer
+from rollart.workers.limits import WorkerLimits, set_limits
+from rollart.workers.sandbox import SandboxSpec, probe, worker_launch
+
+RELAY_PORT = 8000
+"""The loopback port an agent in a sandbox without network finds its endpoint on."""
+STDERR_TAIL = 2000
+"""Characters of a failed program's stderr kept for its cause."""
+
+Scorer = Callable[[Score], Awaitable[float]]
+
+
+class AgentFailed(RollartError):
+    """The agent program of an episode failed; the message says how, with its last stderr."""
+
+
+@dataclass(frozen=True)
+class ProgramLaunch:
+    """How an env-host starts agent programs: in the env workers' sandbox, environment and limits."""
+
+    prefix: tuple[str, ...] = ()
+    """The sandbox's command line (`rollart.workers.sandbox.worker_launch`); empty for none."""
+    relay_to: Path | None = None
+    """The endpoint's Unix socket, where the sandbox has no network: the program runs behind
+    `rollart.agents.relay`, which carries a loopback port of the sandbox to it."""
+    environ: Mapping[str, str] = field(default_factory=dict)
+    """The environment without the node's secrets (`rollart.workers.limits.child_environ`)."""
+    limits: WorkerLimits = field(default_factory=WorkerLimits)
+    described: str = "no sandbox"
+
+    @classmethod
+    def prepare(
+        cls,
+        sandbox: SandboxSpec,
+        *,
+        hide: Sequence[str | Path],
+        socket: Path,
+        environ: Mapping[str, str],
+        limits: WorkerLimits,
+    ) -> ProgramLaunch:
+        """Decide once where programs run: `sandbox` with `hide` masked; behind a relay to `socket`
+        (shown read-only inside) when the sandbox has no network."""
+        relayed = not sandbox.network and probe(sandbox.mode) != "off"
+        show = [socket.parent] if relayed else []
+        launch = worker_launch(sandbox, python=sys.executable, hide=hide, what="agent", show=show)
+        return cls(launch.launcher, socket if relayed else None, environ, limits, launch.described)
+
+    def argv(self, program: AgentProgram, endpoint: AgentEndpoint, episode_id: str) -> tuple[list[str], str]:
+        """The command line that runs `program`, and the base URL it reaches its episode at from where it runs."""
+        command = [part.replace("{python}", sys.executable) for part in program.command]
+        if self.relay_to is None:
+            return [*self.prefix, *command], endpoint.base_url(episode_id)
+        relay = [sys.executable, "-m", "rollart.agents.relay", str(self.relay_to), str(RELAY_PORT), "--"]
+        return [*self.prefix, *relay, *command], f"http://127.0.0.1:{RELAY_PORT}/e/{episode_id}/v1"
+
+
+@dataclass(frozen=True)
+class AgentJob:
+    """What an agent episode needs to run."""
+
+    trajectory_id: str
+    group_id: str
+    task: TaskSpec
+    seed: int
+    sampling: SamplingSpec
+
+
+async def run_agent_episode(
+    job: AgentJob,
+    *,
+    endpoint: AgentEndpoint,
+    launch: ProgramLaunch,
+    renderer: ChatRenderer,
+    generate: Generator,
+    score: Scorer,
+    policy_version: Callable[[], int],
+    on_start: Callable[[int], None] = lambda version: None,
+    min_version: Callable[[], int] = lambda: 0,
+) -> Trajectory:
+    """Play one episode of `job.task` with its agent program and return it scored; raises `AgentFailed`."""
+    task, program = job.task, job.task.agent
+    assert program is not None  # an agent task (checked with the topology)
+    started_at, started_version = time.time(), None
+
+    async def first_turn_starts(request: Generate) -> Generated:
+        nonlocal started_version
+        if started_version is None:
+            started_version = policy_version()
+            on_start(started_version)
+        return await generate(request)
+
+    episode = AgentEpisode(
+        job.trajectory_id,
+        task=task,
+        sampling=job.sampling,
+        renderer=renderer,
+        generate=first_turn_starts,
+        min_version=min_version,
+    )
+    access = endpoint.open(episode)
+    reason = "the episode ended"
+    try:
+        argv, base_url = launch.argv(program, endpoint, job.trajectory_id)
+        environ = {
+            **launch.environ,
+            **program.env,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": access.api_key,
+            "ROLLART_EPISODE_ID": job.trajectory_id,
+            "ROLLART_EPISODE_SEED": str(job.seed),
+            "ROLLART_TASK": task.name,
+        }
+        code, stderr = await episode.history.timed("env", _run(argv, environ, program, launch.limits))
+        if code != 0:
+            raise AgentFailed(f"agent program of {job.trajectory_id} exited with {code}: {stderr[-STDERR_TAIL:]}")
+        if not episode.turns:
+            raise AgentFailed(f"agent program of {job.trajectory_id} made no call to its endpoint")
+        report = episode.report
+        if program.reward == "report":
+            if report is None or report.reward is None:
+                raise AgentFailed(f"agent program of {job.trajectory_id} ended without reporting a reward")
+            reward = report.reward
+        else:
+            score_request = Score(
+                fn=task.reward,
+                task=task.name,
+                prompt=renderer.decode(episode.prompt_ids or []),
+                response="\n".join(episode.history.replies),
+                answer=report.answer if report is not None else None,
+                env_reward=0.0,
+                tokens=len(episode.history.ids),
+            )
+            reward = await episode.history.timed("reward", score(score_request))
+    except asyncio.CancelledError as exc:
+        reason = str(exc.args[0]) if exc.args else "the episode was cancelled"
+        raise
+    except BaseException as exc:
+        reason = f"the episode failed: {exc}"
+        raise
+    finally:
+        endpoint.close(job.trajectory_id, reason)
+    history = episode.history
+    return Trajectory(
+        trajectory_id=job.trajectory_id,
+        group_id=job.group_id,
+        task=task.name,
+        seed=job.seed,
+        prompt_ids=episode.prompt_ids or [],
+        response_ids=history.ids,
+        response_mask=history.mask,
+        logprobs=history.logprobs,
+        versions=history.versions,
+        reward=reward,
+        env_reward=report.reward if report is not None and report.reward is not None else 0.0,
+        turns=episode.turns,
+        finish="done",
+        started_at_version=started_version if started_version is not None else policy_version(),
+        started_at=started_at,
+        finished_at=time.time(),
+        env_wait_s=round(history.waited["env"], 6),
+        gen_wait_s=round(history.waited["gen"], 6),
+        generators=history.generators,
+        success=bool(report is not None and report.success),
+        spans=history.spans,
+        segments=history.segments,
+    )
+
+
+async def _run(
+    argv: list[str], environ: Mapping[str, str], program: AgentProgram, limits: WorkerLimits
+) -> tuple[int, str]:
+    """Run the program to its end (killed past its timeout or when cancelled): its exit code and stderr."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        env=dict(environ),
+        cwd=program.cwd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # its own process group: killed whole, children included
+        preexec_fn=lambda: set_limits(limits),
+    )
+    assert process.stderr is not None
+    tail = bytearray()
+
+    async def read_stderr() -> None:
+        assert process.stderr is not None
+        while chunk := await process.stderr.read(4096):
+            tail.extend(chunk)
+            del tail[: max(0, len(tail) - 4 * STDERR_TAIL)]
+
+    reader = asyncio.ensure_future(read_stderr())
+    try:
+        async with asyncio.timeout(program.timeout_s):
+            code = await process.wait()
+            await reader
+    except TimeoutError:
+        raise AgentFailed(f"agent program still running after its timeout_s ({program.timeout_s} s)") from None
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+        reader.cancel()
+    return code, tail.decode(errors="replace")
