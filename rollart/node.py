@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,12 +26,15 @@ import structlog
 from rollart.cpus import check_from_env, pin_from_env
 from rollart.errors import ConfigError
 from rollart.topology import NodeSpec, Role, Topology, load_topology
+from rollart.workers.spawn import die_with_parent
 
 EXIT_CONFIG = 2
 THREAD_GRACE_S = 2.0
 CONFIG_ERROR_MARK = "rollart-node: configuration error: "
 """Starts the stderr line of a configuration error (continued by lines of the message that follow)."""
 LOG_TAIL_BYTES = 64 * 1024
+LAUNCHER_PID_ENV = "ROLLART_LAUNCHER_PID"
+"""Set by the local launcher for the nodes it starts: they stop when it dies."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,6 +83,11 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if launcher.isdigit():
+        # Started by `rollart run`: a launcher that is killed outright (SIGKILL, a test's timeout) cannot
+        # stop its nodes, so each drains on its own then (SIGTERM), instead of running on as an orphan.
+        die_with_parent(int(launcher), signal.SIGTERM)
     try:
         topology = load_topology(args.topology)
         spec = topology.node(args.node)

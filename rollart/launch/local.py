@@ -37,7 +37,7 @@ from rollart.errors import ConfigError
 from rollart.launch.gpus import place_gpus
 from rollart.launch.placement import plan_cpus
 from rollart.launch.terminal import Terminal, describe_exit
-from rollart.node import read_config_error
+from rollart.node import LAUNCHER_PID_ENV, read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, RestartPolicy, Topology
 from rollart.topology.exposure import admin_client
@@ -198,6 +198,7 @@ class Launcher:
             token_path.touch(mode=0o600)
             token_path.write_text(token + "\n")
         self.env["PYTHONUNBUFFERED"] = "1"
+        self.env[LAUNCHER_PID_ENV] = str(os.getpid())  # a node outlives no launcher (`rollart.node`)
         self.say(self.cpus.describe(self.topology.nodes))
         if gpu_line := self.gpus.describe():
             self.say(gpu_line)

@@ -217,12 +217,12 @@ def spawn(
     return WorkerProcess(proc, parent, FrameReader(max_frame_bytes), sandboxed=bool(launch.launcher))
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Get SIGKILL when the parent dies, even by SIGKILL (Linux); elsewhere the socket's EOF ends us."""
+def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Get `sig` when the parent dies, even by SIGKILL (Linux); elsewhere the socket's EOF ends us."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(pr_set_pdeathsig, sig, 0, 0, 0)
     if parent_pid and os.getppid() != parent_pid:  # the parent died before the line above took effect
         os._exit(0)
 

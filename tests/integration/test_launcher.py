@@ -87,6 +87,34 @@ def test_on_failure_restarts_a_killed_node_and_ctrl_c_drains_the_run(tmp_path: P
     assert split.describe(load_topology(topology).nodes) in out
 
 
+def test_a_killed_launcher_leaves_no_node_running(tmp_path: Path) -> None:
+    """SIGKILL gives the launcher no chance to stop its nodes (a test's timeout, the OOM killer): each node
+    drains by itself when its launcher dies, and none runs on as an orphan."""
+    topology, ports = write_topology(tmp_path, ROLES)
+    proc = launch(topology)
+    try:
+        for name, (_, admin) in ports.items():
+            wait_for(lambda admin=admin: healthy(admin), 60, f"{name} healthy")
+        pids = {name: pid_of(admin) for name, (_, admin) in ports.items()}
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() and _not_zombie(pid) for pid in pids.values())
+
+    wait_for(gone, 60, f"every node ({pids}) gone after its launcher was killed")
+    for name in ROLES:
+        assert '"event": "node.stopped"' in RunDir(tmp_path / "run").node_log(name).read_text(), name
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def test_stop_all_ends_the_run_with_an_error_naming_the_node(tmp_path: Path) -> None:
     topology, ports = write_topology(tmp_path, ROLES, restart="stop-all")
     proc = launch(topology)

@@ -71,7 +71,7 @@ RULES: dict[str, set[str]] = {
     "rundir": set(),
     "step_times": set(),
     "cpus": set(),
-    "node": {"nodes", "topology", "plugins", "cpus"},
+    "node": {"nodes", "topology", "plugins", "cpus", "workers"},
     "report": {"rundir", "topology", "step_times"},
     # starting runs: the top, beside the CLI
     "launch": {
