@@ -62,6 +62,24 @@ def check_step_lines(lines: list[dict[str, Any]], steps: range) -> None:
         assert (line["tokens"] > 0) == (line["groups_trained"] > 0), line
 
 
+def check_tensorboard(run_dir: Path, lines: list[dict[str, Any]]) -> None:
+    """The step lines are in the run's TensorBoard events too (`run.tracking`'s default), read back with
+    TensorBoard's own reader (the tracker writes from a thread of its own: waited for)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def reward_means() -> list[tuple[int, float]] | None:
+        events = EventAccumulator(str(RunDir(run_dir).tensorboard))
+        events.Reload()
+        if "reward_mean" not in events.Tags()["scalars"]:
+            return None
+        seen = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+        return seen if len(seen) >= len(lines) else None
+
+    seen = wait_for(reward_means, timeout=15, what="the step lines in TensorBoard's events")
+    assert [step for step, _ in seen] == [line["step"] for line in lines]
+    assert [value for _, value in seen] == pytest.approx([line["reward_mean"] for line in lines], abs=1e-6)
+
+
 # -- tests -------------------------------------------------------------------------------------------
 
 
@@ -84,6 +102,7 @@ def test_async_training_runs_its_steps_and_pushes_every_version(
     assert done["training"]["baseline"] == baseline[0]["tasks"]
     lines = step_lines(metrics)
     check_step_lines(lines, range(1, steps + 1))
+    check_tensorboard(cluster.run_dir, lines)
     for line in lines:
         assert line["stall_s"] < 1.0, line  # the trainer waits for a snapshot copy, never for a push
         # tokens come from weights at most alpha behind the trajectory's start, itself at most alpha behind
