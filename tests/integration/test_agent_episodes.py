@@ -2,7 +2,8 @@
 episode of an `env: agent` task, in the env workers' sandbox, and serves its calls through its OpenAI-compatible
 endpoint; the trainer receives each episode's tokens exactly as generated. Every node a real process.
 
-Slow (a Python with `openai` started per episode, on 2 cores: minutes); `bin/test --all` and CI run it. `-k agent_episode` selects it.
+Slow (a Python with `openai` started per episode, on 2 cores: minutes); `bin/test --all` and CI run it.
+`-k agent_episode` selects it.
 """
 
 from __future__ import annotations
