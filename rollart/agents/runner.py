@@ -79,7 +79,11 @@ class ProgramLaunch:
 
     def argv(self, program: AgentProgram, endpoint: AgentEndpoint, episode_id: str) -> tuple[list[str], str]:
         """The command line that runs `program`, and the base URL it reaches its episode at from where it runs."""
-        command = [part.replace("{python}", sys.executable) for part in program.command]
+        # The sandbox starts its command in a scratch folder of its own: `env -C` moves to the program's
+        # working directory first (the host's, read-only inside), so that its relative paths mean what they
+        # say in the topology.
+        cwd = os.path.abspath(program.cwd or ".")
+        command = ["env", "-C", cwd, *(part.replace("{python}", sys.executable) for part in program.command)]
         if self.relay_to is None:
             return [*self.prefix, *command], endpoint.base_url(episode_id)
         relay = [sys.executable, "-m", "rollart.agents.relay", str(self.relay_to), str(RELAY_PORT), "--"]
@@ -205,7 +209,6 @@ async def _run(
     process = await asyncio.create_subprocess_exec(
         *argv,
         env=dict(environ),
-        cwd=program.cwd,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,

@@ -47,7 +47,8 @@ class AgentProgram(msgspec.Struct, **_STRUCT):
     command: list[str]
     """The program and its arguments; `{python}` stands for the env-host's Python interpreter."""
     cwd: str | None = None
-    """Its working directory (None: the env-host's)."""
+    """Its working directory, relative to the env-host's (None: the env-host's); inside a sandbox it is read-only,
+    and the program writes in its scratch directory (`$TMPDIR`)."""
     env: dict[str, str] = {}
     """More environment variables for it (the node's secrets are never passed)."""
     reward: Literal["report", "gateway"] = "report"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,11 @@ tiny model built and warmed up by an older RollArt, whose marker names another o
 again (`warmup_outdated`)."""
 
 
-def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+Rows = list[tuple[list[int], list[int]]]
+"""Token-id sequences to train on, each with its mask of the tokens to learn (1) or only to read (0)."""
+
+
+def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> Rows:
     """One episode of `task` under the random valid policy, as the trainer would see it: rows of
     token ids and the mask of reply tokens (a row per turn with `context: last`, a new one where
     `context: template` starts a sequence, else one)."""
@@ -91,6 +95,33 @@ def format_warmup(
     model_dir: Path, tasks: Sequence[TaskSpec], *, steps: int, episodes: int = 16, lr: float = 2e-3, seed: int = 0
 ) -> dict[str, Any]:
     """Train the model in `model_dir` for `steps` steps on random valid episodes; save it in place."""
+
+    def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
+        # Every task equally often, whatever the training mix: each has its own format to learn.
+        return [row for i in range(episodes) for row in random_episode(tasks[i % len(tasks)], renderer, rng)]
+
+    about = {
+        "episodes_per_step": episodes,
+        "tasks": [task.name for task in tasks],
+        "what": "supervised steps on episodes of a uniformly random valid policy (format and moves, never a solution)",
+        "policy": WARMUP_POLICY,
+    }
+    return supervised_warmup(model_dir, batch, steps=steps, lr=lr, seed=seed, about=about)
+
+
+def supervised_warmup(
+    model_dir: Path,
+    batch: Callable[[ChatRenderer, random.Random], Rows],
+    *,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    about: Mapping[str, Any],
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Train the model in `model_dir` for `steps` steps, each on the rows `batch` makes (token ids, and the mask
+    of the tokens to learn: the loss is on those alone); save it in place, and record the summary (with
+    `about`, which says what was taught) in its marker file as `format_warmup`."""
     model, tokenizer = load_model_and_tokenizer(model_dir)
     model.train()
     renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]  # HF's decode is wider than the Protocol's
@@ -99,8 +130,7 @@ def format_warmup(
     pad = int(tokenizer.pad_token_id or 0)
     started, loss_value = time.monotonic(), float("nan")
     for step in range(steps):
-        # Every task equally often, whatever the training mix: each has its own format to learn.
-        rows = [row for i in range(episodes) for row in random_episode(tasks[i % len(tasks)], renderer, rng)]
+        rows = batch(renderer, rng)
         width = max(len(ids) for ids, _ in rows)
         input_ids = torch.full((len(rows), width), pad)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -116,19 +146,16 @@ def format_warmup(
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         loss_value = loss.item()
-        if step % 10 == 0 or step == steps - 1:
+        if step % log_every == 0 or step == steps - 1:
             log.info("warmup.step", step=step + 1, steps=steps, loss=round(loss_value, 4))
     model.eval()  # type: ignore[no-untyped-call]
     model.save_pretrained(model_dir)
     summary = {
         "steps": steps,
-        "episodes_per_step": episodes,
         "lr": lr,
         "final_loss": round(loss_value, 4),
         "seconds": round(time.monotonic() - started, 1),
-        "tasks": [task.name for task in tasks],
-        "what": "supervised steps on episodes of a uniformly random valid policy (format and moves, never a solution)",
-        "policy": WARMUP_POLICY,
+        **about,
     }
     marker_path = model_dir / MARKER_FILE
     marker = json.loads(marker_path.read_text()) if marker_path.exists() else {}

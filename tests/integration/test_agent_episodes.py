@@ -19,7 +19,7 @@ from tests.support import write_topology
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PROGRAM = Path(__file__).with_name("agent_programs.py")
+CWD = "tests/integration"  # relative to the env-host's working directory (the repository root here)
 NODES = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
 
 
@@ -34,7 +34,7 @@ def test_agent_episode_programs_play_their_episodes_and_a_crash_fails_only_its_o
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 2}}
   rollout:
     tasks:
-      - {{name: chat, env: agent, agent: {{command: ["{{python}}", "{PROGRAM}", "flaky"]}},
+      - {{name: chat, env: agent, agent: {{command: ["{{python}}", "agent_programs.py", "flaky"], cwd: {CWD}}},
           max_turns: 4, max_tokens_per_turn: 6, max_total_tokens: 400}}
     group_size: 2
     redundancy: 1

@@ -1,0 +1,205 @@
+"""Format warm-up for the calculator agent: supervised steps that teach a model built from scratch the shape of
+an episode (call the calculator, then answer with a number), never how to solve a problem.
+
+    python examples/calculator_agent/warmup.py MODEL_DIR [--steps 120] [--answer result|random] [--ops +-]
+
+builds the BPE test model in MODEL_DIR when it has none (`rollart.models.qwen3_bpe`) and trains it in place on
+generated transcripts, printing the loss of each step. RL cannot be expected to find Qwen3's tool-call format
+from a random initialisation alone, as it cannot find `\\boxed{}` (`rollart.tiny.warmup`, the default run's
+warm-up, which this one follows): the transcripts are played by a random policy that is valid but knows
+nothing of the problem.
+
+Each transcript is one episode as `agent.py` plays it, for a problem from the generator (`problems.py`):
+
+1. the agent's opening (system prompt, the question) with the calculator among the `tools`;
+2. the model's tool call, `calculator` with the expression of **another** problem drawn independently (random
+   operands in the task's range and a random one of its operations: the right shape and nothing else);
+3. the calculator's result for that expression, as a `tool` message;
+4. the model's final answer, a number: with `--answer result` (the default) the calculator's result, with
+   `--answer random` the answer of yet another independent problem.
+
+It is rendered through the endpoint itself: the agent's messages go to an `AgentEpisode` (the class the
+env-host serves each episode with) whose generator replies with the transcript's texts as token ids, so the
+prompt, the `tools` block, the tool result and the generation prompts are the tokens the trainer will get,
+and the loss is on the replies' tokens alone (`rollart.tiny.warmup.supervised_warmup`).
+
+What it teaches: to call `calculator` with `{"expression": "a op b"}` in Qwen3's `<tool_call>` format, once,
+then to end the episode with a bare number, and (`--answer result`) that this number is what the calculator
+said: how a tool's output is used, as the default warm-up teaches which moves move. The format takes about 100
+steps of 8 transcripts; that copy takes more than 260 (README.md, "What the warm-up teaches").
+What it does not: which numbers and which operation a question asks for. The expression never depends on the
+question, so the answer is right only by chance (about 1 in 15 with `+-` up to 9, the same rate as a random
+answer): the warmed-up model's success rate is that chance, and reading the question into the expression is
+left to RL. The operands are drawn independently, not kept apart from the question's: a rule that avoided
+the question's numbers would teach the model to avoid them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from calculator import NAME, TOOL, number_text, result_text
+from problems import Problem, ProblemSettings, make_problem, opening
+
+from rollart.agents import AgentEpisode
+from rollart.protocol.messages import Generate, Generated
+from rollart.rollout.config import SamplingSpec, TaskSpec
+from rollart.rollout.render import ChatRenderer
+from rollart.tiny.warmup import Rows, supervised_warmup
+
+Answer = Literal["result", "random"]
+POLICY = "calculator-transcripts"
+"""Recorded in the model's marker file (`format_warmup.policy`, beside `answer`)."""
+DEFAULT_SETTINGS = ProblemSettings()
+TASK = TaskSpec(name="calculator", env="agent", thinking=False, max_turns=4, max_tokens_per_turn=64)
+"""What of configs/agent.yaml's task the rendering depends on: its chat options (`thinking: false`)."""
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """One warm-up episode: a problem, and what the random valid policy says to it."""
+
+    problem: Problem
+    expression: str
+    """The tool call's expression: another problem's, independent of this one."""
+    result: str
+    """What the calculator answers to it."""
+    answer: str
+    """The final reply."""
+
+    @property
+    def replies(self) -> tuple[str, str]:
+        """The model's two turns as it writes them."""
+        return tool_call_text(self.expression), self.answer
+
+
+def tool_call_text(expression: str) -> str:
+    """A call of the calculator as Qwen3's chat template writes one (and the endpoint parses it)."""
+    arguments = json.dumps({"expression": expression})
+    return '<tool_call>\n{"name": "' + NAME + '", "arguments": ' + arguments + "}\n</tool_call>"
+
+
+def draw(problem: Problem, rng: random.Random, settings: ProblemSettings, answer: Answer = "result") -> Transcript:
+    """The random valid policy's episode on `problem`: nothing it says depends on the problem."""
+    expression = make_problem(rng.randrange(2**31), settings).expression
+    result = result_text({"expression": expression})
+    final = result if answer == "result" else number_text(make_problem(rng.randrange(2**31), settings).answer)
+    return Transcript(problem, expression, result, final)
+
+
+async def render(transcript: Transcript, renderer: ChatRenderer, task: TaskSpec = TASK) -> tuple[list[int], list[int]]:
+    """`transcript` as the trainer gets the episode: its token ids and the mask of the model's own."""
+    replies, stop = list(transcript.replies), renderer.turn_end_id
+    if stop is None:
+        raise ValueError("the model's chat template ends no turn with a token of its own: no Qwen3 template")
+
+    async def reply(request: Generate) -> Generated:
+        ids = [*renderer.encode(replies.pop(0)), stop]
+        return Generated(request.request_id, ids, [0.0] * len(ids), [0] * len(ids), "stop", len(request.prompt_ids), "")
+
+    episode = AgentEpisode("warmup", task=task, sampling=SamplingSpec(), renderer=renderer, generate=reply)
+    messages: list[dict[str, Any]] = [*opening(transcript.problem)]
+    first = await episode.chat(messages, tools=[TOOL], allowed={NAME})
+    (call,) = first.tool_calls
+    call_id = "call-0"
+    # As agent.py sends them back: the reply as the endpoint returned it, then the calculator's result.
+    messages += [
+        {"role": "assistant", "content": first.content or "", "tool_calls": [call.openai(call_id)]},
+        {"role": "tool", "tool_call_id": call_id, "content": transcript.result},
+    ]
+    await episode.chat(messages, tools=[TOOL], allowed={NAME})
+    history, prompt = episode.history, episode.prompt_ids or []
+    if history.segments:
+        raise RuntimeError("the episode's second call did not continue its first: the warm-up would not match it")
+    return prompt + history.ids, [0] * len(prompt) + history.mask
+
+
+def batch_of(
+    transcripts: int, settings: ProblemSettings, answer: Answer
+) -> Callable[[ChatRenderer, random.Random], Rows]:
+    """A `supervised_warmup` batch maker: `transcripts` episodes on problems of random seeds."""
+
+    def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
+        async def play() -> Rows:
+            problems = [make_problem(rng.randrange(2**31), settings) for _ in range(transcripts)]
+            return [await render(draw(problem, rng, settings, answer), renderer) for problem in problems]
+
+        return asyncio.run(play())
+
+    return batch
+
+
+def warm_up(
+    model_dir: Path,
+    *,
+    steps: int,
+    transcripts: int = 8,
+    lr: float = 5e-4,
+    seed: int = 0,
+    settings: ProblemSettings = DEFAULT_SETTINGS,
+    answer: Answer = "result",
+    log_every: int = 10,
+) -> dict[str, Any]:
+    """Warm up the model in `model_dir` in place (see the module docstring); returns the summary it records."""
+    about = {
+        "transcripts_per_step": transcripts,
+        "what": "tool-call transcripts: a call with an expression independent of the problem, then "
+        + ("its result as the answer" if answer == "result" else "a random number as the answer")
+        + " (format only, never a solution)",
+        "policy": POLICY,
+        "answer": answer,
+        "ops": settings.ops,
+        "max_number": settings.max_number,
+    }
+    batch = batch_of(transcripts, settings, answer)
+    return supervised_warmup(model_dir, batch, steps=steps, lr=lr, seed=seed, about=about, log_every=log_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "model_dir", type=Path, help="the model folder; the BPE test model is built there if it has none"
+    )
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--transcripts", type=int, default=8, help="transcripts per step")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--seed", type=int, default=0, help="of the transcripts, and of the model's weights if built")
+    parser.add_argument("--answer", choices=["result", "random"], default="result")
+    parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
+    parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
+    args = parser.parse_args(argv)
+
+    from rollart.models.qwen3_bpe import build_qwen3_bpe_model
+
+    if not (args.model_dir / "config.json").exists():
+        print(f"building the BPE test model in {args.model_dir}", flush=True)
+        build_qwen3_bpe_model(args.model_dir, seed=args.seed)
+    settings = ProblemSettings(ops=args.ops, max_number=args.max_number)
+    print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
+    summary = warm_up(
+        args.model_dir,
+        steps=args.steps,
+        transcripts=args.transcripts,
+        lr=args.lr,
+        seed=args.seed,
+        settings=settings,
+        answer=args.answer,
+        log_every=1,
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    from rollart.logs import configure_logging
+
+    configure_logging(json=False, stream=sys.stdout)  # each step's loss, as a line
+    sys.exit(main())
