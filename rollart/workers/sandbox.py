@@ -301,7 +301,11 @@ def _unshare_stage(
     if not spec.network:
         # A new network namespace's loopback starts down (bwrap brings it up itself): up, so that a worker
         # may listen and connect on it (an agent's relay to its endpoint, `rollart.agents.relay`).
-        lines.insert(0, f"{q(sys.executable)} -c {q(_LOOPBACK_UP)}")
+        # Never a reason to fail the sandbox (the stage may run as a user that cannot run this Python):
+        # `ip` where there is one, else Python's ioctl, else a word on stderr.
+        ip = shutil.which("ip")
+        tries = [*([f"{q(ip)} link set lo up"] if ip else []), f"{q(sys.executable)} -c {q(_LOOPBACK_UP)}"]
+        lines.insert(1, " || ".join(f"{t} 2>/dev/null" for t in tries) + " || echo 'sandbox: loopback down' >&2")
     for path, hidden in layers:
         where = q(str(path))
         if hidden:
