@@ -71,9 +71,12 @@ def test_fsdp_two_ranks_train_like_one_device(tiny_model: Path) -> None:
         weights = sharded.export_weights()
         expected = single.export_weights()
         assert list(weights) == list(expected)
-        for name, tensor in expected.items():
-            assert weights[name].dtype == tensor.dtype
-            assert relative(weights[name], tensor) < 1e-5, name
+        assert all(weights[name].dtype == tensor.dtype for name, tensor in expected.items())
+        # Two ranks sum gradients in another order than one device: after 4 Adam steps the weights differ by
+        # float32 rounding: 1.4e-5 relative for one weight on the 2026-12-02 machine (Adam scales tiny gradient
+        # differences up); a sharding bug is orders of magnitude more.
+        apart = sorted(((relative(weights[name], tensor), name) for name, tensor in expected.items()), reverse=True)
+        assert apart[0][0] < 5e-5, apart[:3]
         assert sharded.export_weights(torch.bfloat16)["lm_head.weight"].dtype == torch.bfloat16
     finally:
         sharded.close()
