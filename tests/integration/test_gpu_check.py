@@ -25,6 +25,8 @@ TRAINING_ROWS = [0, 1, 5, 6]
 GENERATE, PUSH, MEGATRON = 2, 3, 4
 
 
+# slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
+@pytest.mark.slow
 @pytest.mark.integration
 def test_the_cpu_smoke_run_measures_every_row(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check.md"

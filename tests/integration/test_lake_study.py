@@ -1,6 +1,6 @@
 """benchmarks/lake_study.py runs as its docstring says: one JSON line per seed, and `--report` reads them
 back (a seed fixes the run: the same seed gives the same line). The study itself is in
-benchmarks/results/lake_study; this checks the script, on the test's tiny model, in a few seconds."""
+benchmarks/results/lake_study; this checks the script, on the test's tiny model (about 25 s here: slow, run by CI)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
+@pytest.mark.slow
 def test_lake_study_runs_a_seed_reproducibly_and_reports_it(tmp_path: Path, tiny_model: Path) -> None:
     command = [sys.executable, "benchmarks/lake_study.py", "--steps", "2", "--seeds", "3", "--model", str(tiny_model)]
     lines = []

@@ -88,6 +88,8 @@ def test_trainer_group_two_nodes_match_two_ranks_in_one_node(tmp_path: Path, tin
         assert relative(group_weights[name], tensor) < 1e-5, name
 
 
+# slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_group_training_run_checkpoints_and_every_node_exits_cleanly(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
@@ -147,6 +149,8 @@ def rollart_run(topology: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+# slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_group_under_rollart_run_trains_to_the_end_and_stops_cleanly(tmp_path: Path, tiny_model: Path) -> None:
     """The local launcher starts the member like any node; the run ends when the primary is done."""
@@ -178,6 +182,8 @@ def test_trainer_group_rendezvous_port_in_use_is_refused_before_anything_starts(
     assert f"nodes[0].rendezvous_port: port {port} on 127.0.0.1 is not free" in out, out
 
 
+# slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_group_member_killed_mid_run_is_restarted_and_the_run_completes(
     tmp_path: Path, tiny_model: Path
