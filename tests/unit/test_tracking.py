@@ -114,6 +114,7 @@ def wandb_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(var, str(home / var.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")  # its service process starts slowly on a loaded machine
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return home
 
@@ -144,7 +145,9 @@ def wandb_records(path: Path) -> Iterator[Any]:
 def test_wandb_offline_run_in_the_run_folder_holds_each_step(tmp_path: Path, wandb_home: Path) -> None:
     run = RunDir(tmp_path / "run")
     spec = TrackingSpec(tensorboard=False, wandb=WandbSpec(project="rollart-test", tags=["unit"]))
-    feed(Tracker.from_spec(spec, run))
+    with capture_logs() as logs:
+        feed(Tracker.from_spec(spec, run))
+    assert not logs, logs  # a sink that failed says why here (it failed once in a full unit run, 2026-12-02)
     [offline] = list(run.wandb.glob("offline-run-*"))
     [file] = list(offline.glob("run-*.wandb"))
     history: dict[int, dict[str, float]] = {}
