@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -54,9 +55,11 @@ def teacher_forced_logp(
     return list(logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist())
 
 
-async def until(condition: object) -> None:
-    """Yield to the event loop until `condition()` holds (no real sleeping; bounded)."""
-    for _ in range(100_000):
+async def until(condition: object, timeout_s: float = 30.0) -> None:
+    """Yield to the event loop until `condition()` holds, for up to `timeout_s` (the engine's thread may be
+    slow to get there on a loaded machine: a bound in yields alone failed once in a full unit run)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]
             return
         await asyncio.sleep(0)
