@@ -23,7 +23,6 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,23 +292,36 @@ class EnvHostNode(NodeDaemon):
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
         alpha = spec.alpha if spec.mode == "train" else None
+
+        def min_version() -> int:
+            return max(0, self.version - alpha) if alpha is not None else 0
+
         if task.agent is not None:
-            return await self._agent_episode(
-                spec, group, score=score, trajectory_id=trajectory_id, started=started, alpha=alpha
+            assert self.agents is not None  # set by roll_out when a task is an agent's
+            play = run_agent_episode(
+                AgentJob(trajectory_id, group.group_id, task, group.seed, spec.sampling),
+                endpoint=self.agents.endpoint,
+                launch=self.agents.launch,
+                renderer=self.renderer,
+                generate=functools.partial(self.proxy.generate, task.name),
+                score=score,
+                policy_version=lambda: self.version,
+                on_start=started,
+                min_version=min_version,
             )
-        try:
-            env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
-        except EnvFailure:  # it could not be built in its worker (the cause is named)
-            self.live.pop(trajectory_id, None)
-            self.counts["env_failures"] += 1
-            self.counts["trajectories_failed"] += 1
-            raise
-        except BaseException:
-            self.live.pop(trajectory_id, None)
-            raise
-        self.counts["envs_opened"] += 1
-        try:
-            result = await run_trajectory(
+        else:
+            try:
+                env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
+            except EnvFailure:  # it could not be built in its worker (the cause is named)
+                self.live.pop(trajectory_id, None)
+                self.counts["env_failures"] += 1
+                self.counts["trajectories_failed"] += 1
+                raise
+            except BaseException:
+                self.live.pop(trajectory_id, None)
+                raise
+            self.counts["envs_opened"] += 1
+            play = run_trajectory(
                 job,
                 env=env,
                 renderer=self.renderer,
@@ -318,8 +330,10 @@ class EnvHostNode(NodeDaemon):
                 policy_version=lambda: self.version,
                 on_start=started,
                 barrier=barrier,
-                min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
+                min_version=min_version,
             )
+        try:
+            result = await play
         except EnvFailure:
             self.counts["env_failures"] += 1
             self.counts["trajectories_failed"] += 1
@@ -330,43 +344,10 @@ class EnvHostNode(NodeDaemon):
         finally:
             self.running.pop(trajectory_id, None)
             self.live.pop(trajectory_id, None)
-            self.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
-        self.counts["trajectories_done"] += 1
-        return result
-
-    async def _agent_episode(
-        self,
-        spec: RolloutSpec,
-        group: GroupTask,
-        *,
-        score: Callable[[Score], Awaitable[float]],
-        trajectory_id: str,
-        started: Callable[[int], None],
-        alpha: int | None,
-    ) -> Trajectory:
-        """One episode of an `env: agent` task, played by its program (`rollart.agents.runner`)."""
-        assert self.renderer is not None and self.agents is not None  # set by roll_out before any slot starts
-        task = next(t for t in spec.tasks if t.name == group.task)
-        job = AgentJob(trajectory_id, group.group_id, task, group.seed, spec.sampling)
-        try:
-            result = await run_agent_episode(
-                job,
-                endpoint=self.agents.endpoint,
-                launch=self.agents.launch,
-                renderer=self.renderer,
-                generate=functools.partial(self.proxy.generate, task.name),
-                score=score,
-                policy_version=lambda: self.version,
-                on_start=started,
-                min_version=lambda: max(0, self.version - alpha) if alpha is not None else 0,
-            )
-        except RollartError:
-            self.counts["trajectories_failed"] += 1
-            raise
-        finally:
-            self.running.pop(trajectory_id, None)
-            self.live.pop(trajectory_id, None)
-            self.proxy.forget(trajectory_id)
+            if task.agent is None:
+                self.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
+            else:
+                self.proxy.forget(trajectory_id)  # as run_trajectory does for its own
         self.counts["trajectories_done"] += 1
         return result
 
