@@ -175,17 +175,12 @@ async def run_agent_episode(
         raise
     finally:
         endpoint.close(job.trajectory_id, reason)
-    history = episode.history
     return Trajectory(
         trajectory_id=job.trajectory_id,
         group_id=job.group_id,
         task=task.name,
         seed=job.seed,
         prompt_ids=episode.prompt_ids or [],
-        response_ids=history.ids,
-        response_mask=history.mask,
-        logprobs=history.logprobs,
-        versions=history.versions,
         reward=reward,
         env_reward=report.reward if report is not None and report.reward is not None else 0.0,
         turns=episode.turns,
@@ -193,12 +188,8 @@ async def run_agent_episode(
         started_at_version=started_version if started_version is not None else policy_version(),
         started_at=started_at,
         finished_at=time.time(),
-        env_wait_s=round(history.waited["env"], 6),
-        gen_wait_s=round(history.waited["gen"], 6),
-        generators=history.generators,
         success=bool(report is not None and report.success),
-        spans=history.spans,
-        segments=history.segments,
+        **episode.history.record(),
     )
 
 

@@ -20,7 +20,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rollart.envs import EnvHandle
 from rollart.errors import RollartError
@@ -75,6 +75,20 @@ class TurnHistory:
             took = loop.time() - t0
             self.waited[kind] += took
             self.spans.append((kind, round(wall, 4), round(wall + took, 4)))
+
+    def record(self) -> dict[str, Any]:
+        """The `Trajectory` fields this history fills: the tokens, their log-probs and versions, the waits."""
+        return {
+            "response_ids": self.ids,
+            "response_mask": self.mask,
+            "logprobs": self.logprobs,
+            "versions": self.versions,
+            "env_wait_s": round(self.waited["env"], 6),
+            "gen_wait_s": round(self.waited["gen"], 6),
+            "generators": self.generators,
+            "spans": self.spans,
+            "segments": self.segments,
+        }
 
     def generated(self, result: Generated, reply: str) -> None:
         self.ids += result.token_ids
@@ -233,10 +247,6 @@ async def run_trajectory(
         task=task.name,
         seed=job.seed,
         prompt_ids=prompt_ids,
-        response_ids=history.ids,
-        response_mask=history.mask,
-        logprobs=history.logprobs,
-        versions=history.versions,
         reward=reward,
         env_reward=env_reward,
         turns=turns,
@@ -244,10 +254,6 @@ async def run_trajectory(
         started_at_version=started_at_version if started_at_version is not None else policy_version(),
         started_at=started_at,
         finished_at=time.time(),
-        env_wait_s=round(history.waited["env"], 6),
-        gen_wait_s=round(history.waited["gen"], 6),
-        generators=history.generators,
         success=bool(info.get("success", False)),
-        spans=history.spans,
-        segments=history.segments,
+        **history.record(),
     )
