@@ -48,9 +48,11 @@ def test_thinking_on_and_off_with_the_bpe_model_in_a_real_run(
     done = cluster.wait_status("trainer", lambda s: s["done"], 360, "the trainer to finish its steps")
     assert done["rollout"]["version"] == STEPS
     for name in GENERATORS:
-        engine = cluster.status(name)["engine"]
+        # the last push is asynchronous: the trainer is done before every generator has applied it
+        engine = cluster.wait_status(
+            name, lambda s: s["engine"]["weights"]["version"] == STEPS, 60, f"{name} to apply the last weights"
+        )["engine"]
         assert engine["dtype"] == "bfloat16" and engine["engines"] == 1, engine  # the checkpoint's own
-        assert engine["weights"]["version"] == STEPS, engine
     steps = [line for line in cluster.metrics() if "step" in line]
     assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
     assert all(math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"]) for line in steps), steps
