@@ -48,6 +48,8 @@ class RunData:
     baseline: dict[str, Record] = field(default_factory=dict)
     timeline: list[Record] = field(default_factory=list)
     utilization: list[Record] = field(default_factory=list)
+    evals: list[Record] = field(default_factory=list)
+    """Held-out evaluation lines (`{"eval": true, ...}`), in order."""
 
 
 def load_run(run_dir: Path) -> RunData:
@@ -59,6 +61,8 @@ def load_run(run_dir: Path) -> RunData:
     for record in read_jsonl(metrics_path):
         if record.get("baseline"):
             run.baseline = dict(record.get("tasks") or {})
+        elif record.get("eval"):
+            run.evals.append(record)
         elif "step" in record:
             run.steps.append(record)
     for path, name in ((files.timeline, "timeline"), (files.utilization, "utilization")):
@@ -324,9 +328,58 @@ def summary_markdown(run: RunData, plots: list[str]) -> str:
     lines += [f"| {generator} | {_fmt(value)} |" for generator, value in busy.items()]
     all_busy = [v for v in busy.values() if v is not None]
     lines.append(f"| **all** | {_fmt(_mean(all_busy))} |")
+    lines += eval_markdown(run.evals)
     lines += ["", "## Plots", ""]
     lines += [f"![{name}]({name})" for name in plots]
     return "\n".join(lines) + "\n"
+
+
+def eval_series(evals: list[Record]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """Per eval task, per figure (`pass@1`, `pass@4`, ...): (steps, values)."""
+    series: dict[str, dict[str, tuple[list[int], list[float]]]] = defaultdict(lambda: defaultdict(lambda: ([], [])))
+    for line in evals:
+        step = line.get("step")
+        for task, figures in (line.get("tasks") or {}).items():
+            for key, value in figures.items():
+                if "@" in key and isinstance(step, int) and (number := _number(value)) is not None:
+                    series[task][key][0].append(step)
+                    series[task][key][1].append(number)
+    return series
+
+
+def eval_markdown(evals: list[Record]) -> list[str]:
+    """The held-out evaluations as a table: one row per round, a column per task and figure."""
+    series = eval_series(evals)
+    if not series:
+        return []
+    columns = [(task, key) for task in sorted(series) for key in sorted(series[task])]
+    lines = ["", "## Held-out evaluation (problems each round; pass@1 greedy, pass@k sampled)", ""]
+    lines += ["| step | version | " + " | ".join(f"{task} {key}" for task, key in columns) + " |"]
+    lines += ["|---" * (2 + len(columns)) + "|"]
+    for line in evals:
+        by_task = line.get("tasks") or {}
+        cells = [_fmt(_number((by_task.get(task) or {}).get(key))) for task, key in columns]
+        lines.append(f"| {line.get('step')} | {line.get('version')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_eval(run: RunData, path: Path) -> None:
+    fig = _new_figure(10, 4)
+    ax = fig.subplots()
+    for i, (task, figures) in enumerate(sorted(eval_series(run.evals).items())):
+        for j, (key, (steps, values)) in enumerate(sorted(figures.items())):
+            style = ["-", "--", ":"][j % 3]
+            ax.plot(steps, values, color=f"C{i % 10}", linestyle=style, marker="o", label=f"{task} {key}")
+    if not run.evals:
+        _no_data(ax, "no held-out evaluation (run.rollout.eval)")
+    else:
+        ax.legend(fontsize="small", loc="best")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of problems solved")
+    ax.grid(alpha=0.3)
+    fig.suptitle("Held-out evaluation")
+    fig.savefig(path, dpi=100)
 
 
 def build_report(run_dir: Path, out: Path | None = None) -> Path:
@@ -341,6 +394,8 @@ def build_report(run_dir: Path, out: Path | None = None) -> Path:
         "utilization.png": plot_utilization,
         "timeline.png": plot_timeline,
     }
+    if run.evals:
+        plotters["eval.png"] = plot_eval
     for name, plot in plotters.items():
         plot(run, out / name)
     (out / "report.md").write_text(summary_markdown(run, list(plotters)), encoding="utf-8")

@@ -1,14 +1,18 @@
 """Write `arithmetic.jsonl`: small integer arithmetic problems for `env: dataset` (configs/dataset.yaml).
 
-    python examples/datasets/make_arithmetic.py [--out examples/datasets/arithmetic.jsonl] [--rows 2000] [--seed 0]
+    python examples/datasets/make_arithmetic.py [--out examples/datasets/arithmetic.jsonl] [--rows 1000] [--seed 0]
 
 Each row is `{"question": ..., "answer": ..., "kind": ...}`, ASCII only (the tiny model's tokenizer
-reads printable ASCII), with a question no other row asks, in a shuffled order. Five kinds, in
-these shares: `add` 25% ("What is 7 + 5?", operands to 50), `sub` 20% (the result never below 0),
-`mul` 12.5% (up to 25 * 12), `div` 12.5% (exact: 56 / 8), and `word` 30% (one sentence of adding or
-taking away: "Ana has 7 apples and gets 5 more. How many apples does Ana have now?"). The same seed
-writes the same bytes: the file in the repository is this script's output with the defaults, and
-`tests/unit/test_dataset_env.py` checks that it still is.
+reads printable ASCII), with a question no other row asks, in a shuffled order. Three kinds, with
+operands from 0 (1 in word problems) to 5: `add` 3% ("What is 3 + 5?"), `sub` 2% ("What is 5 - 3?",
+never below 0) and `word` 95%, one sentence of adding or taking away ("Ana has 3 apples and gets 5 more.
+How many apples does Ana have now?"). Small on purpose: the default run's ~0.6M-parameter model learns
+it by RL on two CPU cores in minutes, and a held-out row asks, in other words (another name, other
+things, the other form), a sum some training rows ask too, so held-out accuracy says whether the model
+reads the numbers and the operation out of a question it has not seen. The direct forms have 36 and 21
+questions to give; word problems 4,480. The same seed writes the same bytes: the file in the
+repository is this script's output with the defaults, and `tests/unit/test_dataset_env.py` checks that
+it still is.
 """
 
 from __future__ import annotations
@@ -22,32 +26,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kim", "Leo", "Mia", "Noor")
 THINGS = ("apples", "books", "coins", "marbles", "pencils", "shells", "stamps", "stickers")
+MAX_OPERAND = 5
 Row = dict[str, str]
 
 
 def _add(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(0, 50), rng.randint(0, 50)
+    a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
     return f"What is {a} + {b}?", a + b
 
 
 def _sub(rng: random.Random) -> tuple[str, int]:
-    a, b = sorted((rng.randint(0, 50), rng.randint(0, 50)), reverse=True)
+    a, b = sorted((rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)), reverse=True)
     return f"What is {a} - {b}?", a - b
-
-
-def _mul(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(0, 25), rng.randint(0, 12)
-    return f"What is {a} * {b}?", a * b
-
-
-def _div(rng: random.Random) -> tuple[str, int]:
-    b, quotient = rng.randint(1, 12), rng.randint(0, 25)
-    return f"What is {b * quotient} / {b}?", quotient
 
 
 def _word(rng: random.Random) -> tuple[str, int]:
     name, things = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    a, b = rng.randint(1, MAX_OPERAND), rng.randint(1, MAX_OPERAND)
     if rng.random() < 0.5:
         return f"{name} has {a} {things} and gets {b} more. How many {things} does {name} have now?", a + b
     a, b = max(a, b), min(a, b)
@@ -56,15 +51,13 @@ def _word(rng: random.Random) -> tuple[str, int]:
 
 Draw = Callable[[random.Random], tuple[str, int]]
 KINDS: dict[str, tuple[Draw, float]] = {
-    "add": (_add, 0.25),  # 2,601 questions to draw from
-    "sub": (_sub, 0.20),  # 1,326
-    "mul": (_mul, 0.125),  # 338
-    "div": (_div, 0.125),  # 312
-    "word": (_word, 0.30),  # tens of thousands
+    "add": (_add, 0.03),  # 36 questions to draw from
+    "sub": (_sub, 0.02),  # 21
+    "word": (_word, 0.95),  # 4,480
 }
 
 
-def make_rows(rows: int = 2000, seed: int = 0) -> list[Row]:
+def make_rows(rows: int = 1000, seed: int = 0) -> list[Row]:
     """`rows` problems with distinct questions, each kind its share, drawn from `random.Random(seed)`."""
     rng = random.Random(seed)
     made: list[Row] = []
@@ -92,7 +85,7 @@ def to_jsonl(rows: list[Row]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=HERE / "arithmetic.jsonl")
-    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.write_text(to_jsonl(make_rows(args.rows, args.seed)), encoding="ascii")

@@ -51,7 +51,7 @@ from rollart.protocol.messages import (
 )
 from rollart.protocol.retry import Backoff, RetriesExhausted, retry
 from rollart.rollout.barrier import TurnBarrier
-from rollart.rollout.config import RolloutSpec
+from rollart.rollout.config import RolloutSpec, SamplingSpec, TaskSpec
 from rollart.rollout.group import run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.render import ChatRenderer
@@ -107,7 +107,9 @@ class EnvHostNode(NodeDaemon):
             for peer in self.topology.nodes_with_role(Role.GENERATOR)
         ]
         routing = self.rollout or RolloutSpec()  # with no rollout the proxy is never called: defaults
-        initial = {task.name: task.profile or "decode-heavy" for task in routing.tasks}
+        self.tasks = {task.name: task for task in routing.all_tasks()}
+        """Every task this env-host may be given: the training tasks and their held-out twins."""
+        initial = {task.name: task.profile or "decode-heavy" for task in self.tasks.values()}
         self.profiler = TaskProfiler(initial, routing.profile_ratio)
         self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s)
         self.backoff = Backoff.for_retries(self.cfg)
@@ -128,7 +130,7 @@ class EnvHostNode(NodeDaemon):
     async def roll_out(self, spec: RolloutSpec) -> None:
         """The work of an env-host with a rollout: place the envs, then run the slots until done."""
         try:
-            env_tasks = [task for task in spec.tasks if task.agent is None]
+            env_tasks = [task for task in self.tasks.values() if task.agent is None]
             traits = await self.envs.prepare({task.name: (task.env, task.env_kwargs) for task in env_tasks})
             for task in env_tasks:
                 env = traits[task.name]
@@ -149,7 +151,7 @@ class EnvHostNode(NodeDaemon):
             else:  # in-process: no thread (a virtual clock would run past it; other nodes import meanwhile)
                 tokenizer = _load_tokenizer(path)
             self.renderer = ChatRenderer(tokenizer, stop_ids=generation_eos_ids(path))
-            if len(env_tasks) < len(spec.tasks):
+            if len(env_tasks) < len(self.tasks):
                 self.agents = await self._agent_endpoint(spec)
             trainer, reward = self._peer(Role.TRAINER), self._peer(Role.REWARD_GATEWAY)
             async with asyncio.TaskGroup() as tg:
@@ -269,6 +271,14 @@ class EnvHostNode(NodeDaemon):
         if isinstance(outcome, GroupDone):
             self.counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
 
+    def _settings(self, spec: RolloutSpec, group: GroupTask, trajectory_id: str) -> tuple[TaskSpec, SamplingSpec]:
+        """A trajectory's task, and how it samples: the run's way, or greedily (the first `group.greedy`)."""
+        task = self.tasks.get(group.task)
+        if task is None:
+            raise RollartError(f"no task {group.task!r} in this env-host's topology (tasks: {sorted(self.tasks)})")
+        greedy = int(trajectory_id.rsplit(".", 1)[1]) < group.greedy  # ids are `<group>.<index>` (run_group)
+        return task, SamplingSpec(temperature=0.0) if greedy else spec.sampling
+
     async def _trajectory(
         self,
         spec: RolloutSpec,
@@ -278,20 +288,21 @@ class EnvHostNode(NodeDaemon):
         trajectory_id: str,
     ) -> Trajectory:
         assert self.renderer is not None  # set by roll_out before any slot starts
-        task = next(t for t in spec.tasks if t.name == group.task)
-        job = TrajectoryJob(trajectory_id, group.group_id, task, group.seed, spec.sampling, spec.env_timeout_s)
+        task, sampling = self._settings(spec, group, trajectory_id)
+        job = TrajectoryJob(trajectory_id, group.group_id, task, group.seed, sampling, spec.env_timeout_s)
         me = asyncio.current_task()
         assert me is not None
         self.live[trajectory_id] = me
 
         def started(version: int) -> None:
-            self.running[trajectory_id] = (me, version)
+            if not group.evaluation:  # an evaluation's trajectories are never aborted as stale
+                self.running[trajectory_id] = (me, version)
 
         async def score(request: Score) -> float:
             return (await reward.request(request, timeout=spec.reward_timeout_s)).reward
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.
-        alpha = spec.alpha if spec.mode == "train" else None
+        alpha = spec.alpha if spec.mode == "train" and not group.evaluation else None
 
         def min_version() -> int:
             return max(0, self.version - alpha) if alpha is not None else 0
@@ -299,7 +310,7 @@ class EnvHostNode(NodeDaemon):
         if task.agent is not None:
             assert self.agents is not None  # set by roll_out when a task is an agent's
             play = run_agent_episode(
-                AgentJob(trajectory_id, group.group_id, task, group.seed, spec.sampling),
+                AgentJob(trajectory_id, group.group_id, task, group.seed, sampling),
                 endpoint=self.agents.endpoint,
                 launch=self.agents.launch,
                 renderer=self.renderer,

@@ -112,7 +112,7 @@ class Learner:
         if latest is None:
             log.info("learner.ready", **self.engine_info)
             self.baseline = await asyncio.to_thread(self._measure_baseline)
-            self._write_metrics({"baseline": True, "tasks": self.baseline})
+            self.write_metrics({"baseline": True, "tasks": self.baseline})
             return None
         state = await asyncio.to_thread(self._load, latest)
         self.epoch_start = time.time() - float(state["elapsed_s"])
@@ -306,11 +306,11 @@ class Learner:
         self._links_counted = links
         self.last_step_at = now
         self.last_stats = line
-        self._write_metrics(line)
+        self.write_metrics(line)
         self.timeline.write(self._timeline(step, version - 1, trajectories, incarnation))
         return line
 
-    def _write_metrics(self, line: dict[str, Any]) -> None:
+    def write_metrics(self, line: dict[str, Any]) -> None:
         """A line of metrics.jsonl, handed to the trackers too (which write it on a thread of theirs)."""
         self.metrics.write([line])
         if self.tracker is not None:

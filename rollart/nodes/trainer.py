@@ -29,9 +29,10 @@ from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
 from rollart.nodes.trainer_steps import RolloutOnlyStep, SimulatedStep, StepStrategy, TrainStep
 from rollart.protocol import Session
-from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, NoTask, PolicyVersion, TaskWanted
+from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, GroupTask, NoTask, PolicyVersion, TaskWanted
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
+from rollart.rollout.evaluation import Evaluator
 from rollart.rundir import RunDir
 from rollart.topology import Role
 from rollart.weights import WeightPublisher
@@ -105,6 +106,8 @@ class TrainerNode(NodeDaemon):
         """Rollout-only mode: called with (version, batch) for each batch taken, instead of recording
         it in `RunDir.rollout` (the in-process simulation reads batches this way, with no thread)."""
         self.learner: Learner | None = None
+        self.evaluator: Evaluator | None = None
+        """Held-out evaluation rounds (`run.rollout.eval`, train mode); None without."""
         self.steps: StepStrategy | None = None
         if rollout is not None:
             self.steps = self._choose_steps()
@@ -143,6 +146,9 @@ class TrainerNode(NodeDaemon):
                 seed=rollout.seed,
                 tracking=run.tracking,
             )
+            if rollout.eval is not None:
+                self.evaluator = Evaluator(rollout.eval, rollout.eval_tasks(), write=self.learner.write_metrics)
+                self.dispenser.other_work = lambda: bool(self.evaluator and self.evaluator.queue)
             return TrainStep(self, self.learner, rollout)
         if run.sim.trainer is not None:
             generators = {
@@ -202,6 +208,8 @@ class TrainerNode(NodeDaemon):
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
             self.dispenser.expire()
+            if self.evaluator is not None:
+                self.evaluator.expire(self.dispenser.spec.group_timeout_s)
 
     def pause(self) -> None:
         super().pause()
@@ -226,13 +234,26 @@ class TrainerNode(NodeDaemon):
             case TaskWanted(env_host=env_host, wait_s=wait_s):
                 if self._env_host_sessions.setdefault(env_host, session.id) != session.id:
                     self.dispenser.release_env_host(env_host, "the env-host restarted")
+                    if self.evaluator is not None:
+                        self.evaluator.release_env_host(env_host, "the env-host restarted")
                     self._env_host_sessions[env_host] = session.id
-                task = await self.dispenser.grant(env_host, lambda: self.version, wait_s=min(wait_s, 30.0))
+                task = self._eval_group(env_host)
+                if task is None:
+                    task = await self.dispenser.grant(env_host, lambda: self.version, wait_s=min(wait_s, 30.0))
+                    task = task or self._eval_group(env_host)  # a round that started while this one waited
                 if task is not None:
                     return task
                 if self.done:
                     return NoTask("the run is done", done=True)
                 return NoTask("paused" if self.paused else "at the alpha admission limit")
+            case GroupDone(group_id=group_id) if self.evaluator is not None and self.evaluator.owns(group_id):
+                self.evaluator.done(msg)
+                return GroupAck(True, "evaluated")
+            case GroupFailed(group_id=group_id, reason=reason) if self.evaluator is not None and self.evaluator.owns(
+                group_id
+            ):
+                self.evaluator.lose(group_id, reason)
+                return GroupAck(False, "an evaluation's group: not re-issued")
             case GroupDone(group_id=group_id):
                 if group_id not in self.dispenser.leases:
                     return GroupAck(False, f"group {group_id} is not in flight (expired or re-issued)")
@@ -247,6 +268,13 @@ class TrainerNode(NodeDaemon):
                 return GroupAck(False, "re-issued")
             case _:
                 return await super().on_role_request(session, msg)
+
+    def _eval_group(self, env_host: str) -> GroupTask | None:
+        """A queued held-out evaluation group, unless paused (they come before training work, and are
+        handed out while training work is held: at the end, the last round runs alone)."""
+        if self.evaluator is None or self.paused or self.done:
+            return None
+        return self.evaluator.grant(env_host)
 
     async def drain_work(self) -> None:
         if self.steps is not None:

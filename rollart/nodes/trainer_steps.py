@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from rollart.rollout.buffer import SampleBuffer
     from rollart.rollout.config import RolloutSpec
     from rollart.rollout.dispenser import Dispenser
+    from rollart.rollout.evaluation import Evaluator
     from rollart.sim.config import SimSpec
     from rollart.sim.hardware import EngineShape
 
@@ -57,6 +58,7 @@ class TrainerCore(Protocol):
     wait_s: float
     """How long the trainer waited for the last batch to fill."""
     dispenser: Dispenser
+    evaluator: Evaluator | None
     buffer: SampleBuffer
     on_batch: Callable[[int, list[GroupDone]], None] | None
 
@@ -110,6 +112,9 @@ class TrainStep:
         await self._bring_generators_in_line(held)
         core.dispenser.held = False
         core.dispenser.changed()
+        if core.evaluator is not None:
+            core.evaluator.incarnation = core.dispenser.incarnation
+            self._evaluate()  # the policy before any step (or as the checkpoint left it)
 
     async def _bring_generators_in_line(self, held: int) -> None:
         """Before any group starts, every generator must run this trainer's weights.
@@ -158,9 +163,17 @@ class TrainStep:
             loss=round(stats["loss"], 5),
             train_s=round(stats["train_s"], 3),
         )
+        self._evaluate()
         every = learner.spec.checkpoint_every
         if every and core.batches % every == 0:
             await self._checkpoint()
+
+    def _evaluate(self) -> None:
+        """Start a held-out evaluation round when this step is due one (`rollart.rollout.evaluation`)."""
+        core = self.core
+        if core.evaluator is not None and core.evaluator.due(core.batches, self.rollout.steps):
+            core.evaluator.start(core.batches, core.version)
+            core.dispenser.wake_all()  # env-hosts waiting for room take the round's groups now
 
     async def _checkpoint(self) -> None:
         core = self.core
@@ -174,7 +187,13 @@ class TrainStep:
             self.last_checkpoint_step = core.batches
 
     async def finish(self) -> None:
-        if self.core.batches > self.last_checkpoint_step:
+        core = self.core
+        if core.evaluator is not None and core.evaluator.rounds:  # the last round, before env-hosts are told
+            core.dispenser.held = True  # no more training work meanwhile
+            timeout = self.rollout.group_timeout_s
+            if not await core.evaluator.wait_idle(timeout):
+                log.warning("trainer.eval_unfinished", rounds=sorted(core.evaluator.rounds), waited_s=timeout)
+        if core.batches > self.last_checkpoint_step:
             await self._checkpoint()
         await self.learner.saved()
 

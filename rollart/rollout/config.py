@@ -113,6 +113,55 @@ class SamplingSpec(msgspec.Struct, **_STRUCT):
     top_p: float = 1.0
 
 
+class EvalTaskSpec(msgspec.Struct, **_STRUCT):
+    """A held-out twin of a training task: the same task with some env kwargs changed (a dataset's
+    `split: heldout`)."""
+
+    of: str
+    """The training task it is a twin of."""
+    name: str | None = None
+    """Its name in the metrics (None: `<of>-heldout`)."""
+    env_kwargs: dict[str, Any] = {}
+    """Laid over the training task's `env_kwargs`, key by key."""
+
+    def task_name(self) -> str:
+        return self.name if self.name is not None else f"{self.of}-heldout"
+
+
+class EvalSpec(msgspec.Struct, **_STRUCT):
+    """Held-out evaluation during a training run (`rollart.rollout.evaluation`): before the first step,
+    every `every` steps and after the last, each eval task's first `problems` seeds are run once greedily
+    (temperature 0: pass@1) and `k` times sampled as the run samples (pass@k); the figures go to the metrics
+    (`{"eval": true, ...}` lines), the trackers (`eval/...`) and the run report. Eval groups are never
+    trained on, and they do not count against admission: they come first when an env-host asks for work."""
+
+    every: int = 10
+    """Steps between evaluations."""
+    problems: int = 32
+    """Seeds 0 .. problems - 1 of each eval task (the same problems every time)."""
+    k: int = 4
+    """Sampled tries per problem for pass@k; 0: greedy only."""
+    tasks: list[EvalTaskSpec] = []
+
+    def validate(self, train: list[TaskSpec]) -> list[tuple[str, str]]:
+        problems: list[tuple[str, str]] = []
+        for key, low in (("every", 1), ("problems", 1), ("k", 0)):
+            if getattr(self, key) < low:
+                problems.append((f"eval.{key}", f"expected an integer >= {low}; got {getattr(self, key)}"))
+        if not self.tasks:
+            problems.append(("eval.tasks", "expected at least one task to evaluate"))
+        names = {task.name for task in train}
+        seen: set[str] = set()
+        for i, task in enumerate(self.tasks):
+            if task.of not in names:
+                problems.append((f"eval.tasks[{i}].of", f"no training task {task.of!r} (tasks: {sorted(names)})"))
+            name = task.task_name()
+            if name in names or name in seen:
+                problems.append((f"eval.tasks[{i}].name", f"task name {name!r} is taken"))
+            seen.add(name)
+        return problems
+
+
 class RolloutSpec(msgspec.Struct, **_STRUCT):
     """Groups, redundancy and the staleness bound."""
 
@@ -178,6 +227,25 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
     seed: int = 0
     """Seed of the task mix and the environment seeds."""
+    eval: EvalSpec | None = None
+    """Held-out evaluation every few steps (train mode); None: none."""
+
+    def eval_tasks(self) -> list[TaskSpec]:
+        """The eval tasks as tasks: each its training task's settings, renamed, with its env kwargs laid over."""
+        if self.eval is None:
+            return []
+        train = {task.name: task for task in self.tasks}
+        return [
+            msgspec.structs.replace(
+                train[twin.of], name=twin.task_name(), env_kwargs={**train[twin.of].env_kwargs, **twin.env_kwargs}
+            )
+            for twin in self.eval.tasks
+            if twin.of in train
+        ]
+
+    def all_tasks(self) -> list[TaskSpec]:
+        """The training tasks, then the eval tasks: every task an env-host may be given."""
+        return [*self.tasks, *self.eval_tasks()]
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
@@ -218,4 +286,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
                 problems.append((f"tasks[{i}].agent", "an agent program goes with `env: agent`, and only with it"))
             elif task.agent is not None and (not task.agent.command or task.agent.timeout_s <= 0):
                 problems.append((f"tasks[{i}].agent", "expected a command and a timeout_s > 0"))
+        if self.eval is not None:
+            problems += self.eval.validate(self.tasks)
+            if self.mode != "train":
+                problems.append(("eval", "held-out evaluation needs `mode: train` (a policy that changes)"))
         return problems

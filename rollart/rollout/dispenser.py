@@ -88,6 +88,9 @@ class Dispenser:
         """The seeds given up, so a run's records account for every seed drawn."""
         self.ahead = spec.alpha
         """Batches of work admitted beyond the one the trainer waits for (`pace`)."""
+        self.other_work: Callable[[], bool] = lambda: False
+        """Whether work outside admission waits to be handed out (held-out evaluation): a grant waiting for
+        room returns None at once, so its env-host's request can take that work."""
         self._ready_in_a_row = 0
 
     @property
@@ -120,6 +123,13 @@ class Dispenser:
     def admissible(self) -> bool:
         return self.room() > 0
 
+    def wake_all(self) -> None:
+        """Wake every waiting grant (other work came: each looks at `other_work` again)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
     def changed(self) -> None:
         """Something that admission depends on changed (a batch taken, a pause lifted, a group back):
         wake the oldest waiting grants, as many as there is room for (or all of them once the run is
@@ -139,7 +149,7 @@ class Dispenser:
         try:
             async with asyncio.timeout(wait_s):
                 while not self.admissible():
-                    if self.done:  # nothing more will be granted: say so now
+                    if self.done or self.other_work():  # nothing more will be granted, or other work waits
                         return None
                     waiter = asyncio.get_running_loop().create_future()
                     self._waiters.append(waiter)

@@ -51,6 +51,8 @@ def step_scalars(line: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None
     if line.get("baseline") is True:
         return 0, flatten({key: value for key, value in line.items() if key != "baseline"}, "baseline/")
     step = line.get("step")
+    if line.get("eval") is True and isinstance(step, int):  # a held-out evaluation after `step` steps
+        return step, flatten({key: value for key, value in line.items() if key not in ("eval", "step")}, "eval/")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
     return step, flatten({key: value for key, value in line.items() if key != "step"})

@@ -115,9 +115,9 @@ def test_dataset_env_split_of_the_shipped_file_is_golden() -> None:
     # on every host. These values pin it: a change moves rows between train and held-out.
     assert [round(held_out(i, 0), 6) for i in range(3)] == [0.833689, 0.945917, 0.809932]
     heldout = dataset(SHIPPED, split="heldout")
-    assert len(heldout) == 192 and len(dataset(SHIPPED)) == 1808
+    assert len(heldout) == 102 and len(dataset(SHIPPED)) == 898
     assert sorted(rows_of(heldout))[:5] == [3, 7, 18, 23, 24]
-    assert heldout.reset(0)[0] == "What is 35 - 14?"
+    assert heldout.reset(0)[0] == "Kim has 5 marbles and gives away 5. How many marbles does Kim have now?"
 
 
 def test_dataset_env_quick_check_takes_the_same_answer_in_other_words() -> None:
@@ -201,8 +201,9 @@ def test_dataset_env_shipped_arithmetic_file_is_what_its_generator_writes() -> N
     generator = runpy.run_path(str(SHIPPED.parent / "make_arithmetic.py"))
     rows = generator["make_rows"]()
     assert generator["to_jsonl"](rows) == SHIPPED.read_text()
-    assert len(rows) == 2000 and len({row["question"] for row in rows}) == 2000
-    assert {row["kind"] for row in rows} == {"add", "sub", "mul", "div", "word"}
+    assert len(rows) == 1000 and len({row["question"] for row in rows}) == 1000
+    assert {row["kind"] for row in rows} == {"add", "sub", "word"}
+    assert all(0 <= int(row["answer"]) <= 10 for row in rows)
     assert SHIPPED.stat().st_size < 200_000 and SHIPPED.read_text().isascii()
 
 
@@ -214,8 +215,8 @@ def test_dataset_env_topology_example_loads_and_its_task_plays(monkeypatch: pyte
     monkeypatch.chdir(ROOT)  # the file's path is relative to the working directory, as a node's
     env = make_env(task.env, **task.env_kwargs)
     obs, info = env.reset(seed=0)
-    assert obs == "What is 33 + 39?" and info["split"] == "train"
-    assert env.step("72")[1] == 1.0
+    assert obs == "Leo has 4 coins and gives away 1. How many coins does Leo have now?" and info["split"] == "train"
+    assert env.step("3")[1] == 1.0
 
 
 def test_dataset_env_importing_envs_and_the_topology_imports_neither_datasets_nor_math_verify() -> None:
@@ -233,7 +234,7 @@ async def test_dataset_env_runs_in_an_env_worker_process_under_its_limits() -> N
     async with EnvWorkerPool(processes=1) as pool:
         runner = await pool.open("dataset", {"path": str(SHIPPED), "split": "heldout"}, timeout_s=60)
         obs, info = await runner.reset(0)
-        assert (obs, info["row"]) == ("What is 35 - 14?", dataset(SHIPPED, split="heldout").reset(0)[1]["row"])
-        *_, info = await runner.step("\\boxed{21}")
+        assert (obs, info["row"]) == (dataset(SHIPPED, split="heldout").reset(0)[0], 222)
+        *_, info = await runner.step("\\boxed{0}")
         assert info["success"] is True and runner.pid != os.getpid()
         await runner.close()

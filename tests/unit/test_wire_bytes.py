@@ -86,7 +86,8 @@ PINNED: list[tuple[Channel[Any], Any, str]] = [
         "98a967656e657261746564a17292040592cbbfe0000000000000cbbfd0000000000000920101a473746f7002a567656e2d30",
     ),
     (APP, TaskWanted("env-0", 2.0), "93a57461736b3fa5656e762d30cb4000000000000000"),
-    (APP, GroupTask("g", "lake", 3, 4, 1, 2), "97aa67726f75702d7461736ba167a46c616b6503040102"),
+    # greedy 0 and evaluation false appended (held-out evaluation): old peers skip them
+    (APP, GroupTask("g", "lake", 3, 4, 1, 2), "99aa67726f75702d7461736ba167a46c616b650304010200c2"),
     (APP, NoTask("paused", True), "93a76e6f2d7461736ba6706175736564c3"),
     (
         APP,

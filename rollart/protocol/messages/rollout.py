@@ -59,6 +59,10 @@ class GroupTask(msgspec.Struct, tag="group-task", **_WIRE):
     redundancy: int
     version: int
     """The trainer's policy version when the group was granted."""
+    greedy: int = 0
+    """The first `greedy` trajectories sample at temperature 0, the rest as the run samples."""
+    evaluation: bool = False
+    """A held-out evaluation's group (`rollart.rollout.evaluation`): never trained on, never aborted as stale."""
 
 
 class NoTask(msgspec.Struct, tag="no-task", **_WIRE):
