@@ -6,10 +6,10 @@ Each row is `{"question": ..., "answer": ..., "kind": ...}`, ASCII only (the tin
 reads printable ASCII), with a question no other row asks, in a shuffled order. Three kinds, with
 operands from 0 (1 in word problems) to 5: `add` 3% ("What is 3 + 5?"), `sub` 2% ("What is 5 - 3?",
 never below 0) and `word` 95%, one sentence of adding or taking away ("Ana has 3 apples and gets 5 more.
-How many apples does Ana have now?"). Small on purpose: the default run's ~0.6M-parameter model learns
-it by RL on two CPU cores in minutes, and a held-out row asks, in other words (another name, other
-things, the other form), a sum some training rows ask too, so held-out accuracy says whether the model
-reads the numbers and the operation out of a question it has not seen. The direct forms have 36 and 21
+How many apples does Ana have now?"). Small on purpose, for the default run's ~0.6M-parameter model on two CPU
+cores: a held-out row asks, in other words (another name, other things, the other form), a sum some
+training rows ask too, so held-out accuracy says whether the model reads the operation and the numbers out
+of a question it has not seen (what it learned in 150 steps: benchmarks/results/dataset_run). The direct forms have 36 and 21
 questions to give; word problems 4,480. The same seed writes the same bytes: the file in the
 repository is this script's output with the defaults, and `tests/unit/test_dataset_env.py` checks that
 it still is.

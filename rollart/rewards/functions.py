@@ -5,6 +5,8 @@
   characters (math and reasoning tasks);
 - `math_verify`: the response's answer against the reference as mathematics, by Hugging Face's
   `math_verify` (`parse` and `verify`: "1/2", "0.5" and `\\frac{1}{2}` are one answer); 1.0 or 0.0;
+- `code_tests`: the reply's program run against the reference's tests (a dataset's coding problems)
+  in a child process under limits, by `rollart.tasks.code_exec`; the fraction of tests passed;
 - `env-reward`: the environment's own reward, passed through (games such as FrozenLake);
 - `tiny-rm`: a tiny, seeded, *untrained* torch network over the response's bytes. It stands in
   for a reward model so that the pool's model-serving path (a torch model built once per worker,
@@ -16,6 +18,7 @@ Every function raises `RewardError` naming itself and the missing or bad field.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from typing import TYPE_CHECKING, Any
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from rollart.envs.answers import last_boxed
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput
 from rollart.rewards.worker import in_reward_worker
+from rollart.tasks.code_exec import extract_program, judge, run_cases
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +83,84 @@ def math_verify(item: ScoreInput) -> ScoreOutput:
         return ScoreOutput(reward=0.0, details={**details, "reason": "no answer math_verify can parse"})
     equal = bool(verify(gold, found, timeout_seconds=timeout))
     return ScoreOutput(reward=1.0 if equal else 0.0, details={**details, "equal": equal})
+
+
+CODE_TESTS_TIMEOUT_S = 2.0
+"""Wall seconds the program may take over all of a reference's tests; then it is killed and scores 0."""
+CODE_TESTS_MEMORY_MB = 256
+"""The program's address space (RLIMIT_AS)."""
+CODE_TESTS_OUTPUT_CHARS = 500
+"""The most of the end of the program's stdout and stderr that is kept (and quoted in `first_failure`)."""
+CODE_TESTS_FAILURE_CHARS = 1000
+"""The most of the first failure's message that `details["first_failure"]` keeps."""
+_CODE_TESTS_FORM = 'a JSON list of {"args": [...], "expected": value}, or {"function": "name", "tests": [that list]}'
+
+
+def code_tests(item: ScoreInput) -> ScoreOutput:
+    """The fraction of the reference's tests that the reply's program passes (0.0 to 1.0).
+
+    The reference is JSON: a list of cases `{"args": [...], "expected": value}`, or
+    `{"tests": [...], "function": "name"}` to call another function than `solve`. The program is
+    the reply's last ```python block (`extract_program`); it runs in a child process
+    (`rollart.tasks.code_exec.run_cases`: `python -I`, its own process group, `CODE_TESTS_TIMEOUT_S`,
+    `CODE_TESTS_MEMORY_MB`), which calls the function on each case's arguments; a result passes
+    when it equals `expected` and has its type (`judge`: 1 is not 1.0). In a reward worker the child
+    inherits the worker's sandbox. A program that never names the function scores 0.0 with
+    `details["format_error"]`, without being run.
+    """
+    function, cases, answers = _code_tests_reference(item)
+    program = extract_program(item.response)
+    details: dict[str, Any] = {"passed": 0, "tests": len(cases), "timed_out": False, "format_error": False}
+    if function not in program:
+        details["format_error"] = True
+        details["first_failure"] = f"No program defining `{function}` found."
+        return ScoreOutput(reward=0.0, details=details)
+    run = run_cases(
+        program,
+        cases,
+        timeout_s=CODE_TESTS_TIMEOUT_S,
+        memory_mb=CODE_TESTS_MEMORY_MB,
+        output_chars=CODE_TESTS_OUTPUT_CHARS,
+        function=function,
+    )
+    failure, passed = judge(run, cases, answers, CODE_TESTS_TIMEOUT_S, function=function)
+    if len(failure) > CODE_TESTS_FAILURE_CHARS:
+        failure = failure[: CODE_TESTS_FAILURE_CHARS - 3] + "..."
+    details.update(passed=passed, timed_out=run.timed_out, first_failure=failure)
+    return ScoreOutput(reward=passed / len(cases), details=details)
+
+
+def _code_tests_reference(item: ScoreInput) -> tuple[str, list[list[Any]], list[Any]]:
+    """(the function's name, each case's arguments, each case's expected result) from the reference;
+    `RewardError` naming the task and what is wrong with it."""
+
+    def bad(what: str) -> RewardError:
+        return RewardError(f"code_tests: task {item.task!r}: {what}; expected {_CODE_TESTS_FORM}")
+
+    if item.answer is None or not item.answer.strip():
+        raise bad("gave no reference tests (ScoreInput.answer is empty)")
+    try:
+        reference = json.loads(item.answer)
+    except ValueError as exc:
+        raise bad(f"the reference is not JSON ({exc}): {item.answer[:80]!r}") from None
+    function: Any = "solve"
+    if isinstance(reference, dict):
+        if "tests" not in reference:
+            raise bad(f"the reference is an object without 'tests' (its keys: {', '.join(map(str, reference))})")
+        # null: a row whose file names a function in other rows (an Arrow struct gives every row every key).
+        function = reference.get("function") or "solve"
+        reference = reference["tests"]
+    if not isinstance(function, str) or not function.isidentifier():
+        raise bad(f"'function' must be a Python name, got {function!r}")
+    if not isinstance(reference, list) or not reference:
+        raise bad(f"the tests are {'an empty list' if reference == [] else f'a {type(reference).__name__}'}")
+    cases, answers = [], []
+    for i, case in enumerate(reference):
+        if not isinstance(case, dict) or "expected" not in case or not isinstance(case.get("args"), list):
+            raise bad(f"test {i} is {json.dumps(case)[:80]}, not an object with a list 'args' and an 'expected'")
+        cases.append(case["args"])
+        answers.append(case["expected"])
+    return function, cases, answers
 
 
 def env_reward(item: ScoreInput) -> ScoreOutput:

@@ -26,6 +26,10 @@ worker processes (`run.rollout.env_workers.isolation: process`: under `auto` Rol
 run in the env-host's threads) with their sandbox (`rollart.workers.sandbox`: another user, a pid
 namespace that dies with the worker, no network, a read-only root, a fork limit), which the child
 inherits; in the env-host, the model's code would run as the node's user, next to the node.
+
+The runner and the grader stand apart from the episode, as `run_cases` (any cases, any function
+name) and `judge`: the `code_tests` reward (`rollart.rewards.functions`) scores a dataset's coding
+problems with them, in the reward workers' sandbox.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def describe(exc):
 try:
     namespace = {"__name__": "solution"}
     exec(compile(task["program"], "<program>", "exec"), namespace)
-    solve = namespace["solve"]
+    solve = namespace[task.get("function", "solve")]
 except BaseException as exc:
     report = {"load_error": describe(exc)}
 else:
@@ -96,8 +100,8 @@ def extract_program(reply: str) -> str:
     return blocks[-1] if blocks else reply
 
 
-def _call(args: list[Any]) -> str:
-    return f"solve({', '.join(repr(a) for a in args)})"
+def _call(args: list[Any], function: str = "solve") -> str:
+    return f"{function}({', '.join(repr(a) for a in args)})"
 
 
 def _clip(text: str, limit: int = ERROR_CHARS) -> str:
@@ -211,94 +215,129 @@ class CodeEnv(Env):
 
     def _judge(self, run: Run) -> tuple[str, int]:
         """(what went wrong, tests passed) from one run of the program."""
-        shown = f"\nIts output (the end):\n{run.output}" if run.output.strip() else ""
-        if run.timed_out:
-            return f"The program did not finish within {self.timeout_s:g} s.{shown}", 0
-        report = run.report
-        if report is None:
-            how = f"signal {-run.returncode}" if run.returncode < 0 else f"exit code {run.returncode}"
-            return f"The program crashed ({how}) before reporting.{shown}", 0
-        if "load_error" in report:
-            return f"The program failed to load: {_clip(str(report['load_error']))}{shown}", 0
-        outputs = report.get("outputs")
-        if not isinstance(outputs, list) or len(outputs) != self.tests:
-            return f"The program's results were lost.{shown}", 0
-        passed, first = 0, ""
-        for args, answer, output in zip(self._cases, self._answers, outputs, strict=True):
-            kind, value = output if isinstance(output, list) and len(output) == 2 else ("error", "no result")
-            if kind == "ok" and value == answer and type(value) is type(answer):
-                passed += 1
-            elif not first:
-                call = _call(args)
-                got = f"raised {_clip(str(value))}" if kind != "ok" else f"returned {_clip(repr(value))}"
-                first = f"First failure: {call} {got}; expected {answer!r}.{shown}"
-        return first, passed
+        return judge(run, self._cases, self._answers, self.timeout_s)
 
     def run_program(self, program: str) -> Run:
         """Run `program` on this episode's cases in a child process under the env's limits."""
-        payload = json.dumps({"program": program, "cases": self._cases}).encode()
-        limits = [str(int(self.timeout_s) + 1), str(self.memory_mb)]
-        results_r, results_w = os.pipe()
-        with tempfile.TemporaryDirectory(prefix="rollart-code-") as cwd:
-            try:
-                proc = subprocess.Popen(
-                    [self.python, "-I", "-c", HARNESS, *limits, str(results_w)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(results_w,),
-                    cwd=cwd,
-                    env={"PATH": os.defpath},
-                    start_new_session=True,
-                )
-            finally:
-                os.close(results_w)
-            try:
-                return self._collect(proc, payload, results_r)
-            finally:
-                os.close(results_r)
-                _kill_group(proc)
-                if proc.stdout is not None:
-                    proc.stdout.close()
+        return run_cases(
+            program,
+            self._cases,
+            python=self.python,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            output_chars=self.output_chars,
+        )
 
-    def _collect(self, proc: subprocess.Popen[bytes], payload: bytes, results_r: int) -> Run:
-        """Feed the child, read its output (keeping the tail) and its report until both end or the time is up."""
-        assert proc.stdin is not None and proc.stdout is not None
-        deadline = time.monotonic() + self.timeout_s
+
+def judge(
+    run: Run, cases: list[list[Any]], answers: list[Any], timeout_s: float, *, function: str = "solve"
+) -> tuple[str, int]:
+    """(what went wrong, tests passed) from one run of a program on `cases`, whose right results are
+    `answers`: a result passes when it equals its answer and has its type (1 is not 1.0 nor True).
+    What went wrong is "" when every test passed, else a message for the model: the first failing
+    case, or that the program did not load, timed out or crashed, with the end of its output."""
+    shown = f"\nIts output (the end):\n{run.output}" if run.output.strip() else ""
+    if run.timed_out:
+        return f"The program did not finish within {timeout_s:g} s.{shown}", 0
+    report = run.report
+    if report is None:
+        how = f"signal {-run.returncode}" if run.returncode < 0 else f"exit code {run.returncode}"
+        return f"The program crashed ({how}) before reporting.{shown}", 0
+    if "load_error" in report:
+        return f"The program failed to load: {_clip(str(report['load_error']))}{shown}", 0
+    outputs = report.get("outputs")
+    if not isinstance(outputs, list) or len(outputs) != len(cases):
+        return f"The program's results were lost.{shown}", 0
+    passed, first = 0, ""
+    for args, answer, output in zip(cases, answers, outputs, strict=True):
+        kind, value = output if isinstance(output, list) and len(output) == 2 else ("error", "no result")
+        if kind == "ok" and value == answer and type(value) is type(answer):
+            passed += 1
+        elif not first:
+            call = _call(args, function)
+            got = f"raised {_clip(str(value))}" if kind != "ok" else f"returned {_clip(repr(value))}"
+            first = f"First failure: {call} {got}; expected {answer!r}.{shown}"
+    return first, passed
+
+
+def run_cases(
+    program: str,
+    cases: list[list[Any]],
+    *,
+    python: str = sys.executable,
+    timeout_s: float,
+    memory_mb: int,
+    output_chars: int,
+    function: str = "solve",
+) -> Run:
+    """Run `program` in a child process (`python -I -c HARNESS`) and call its `function` on each case's
+    arguments, under the limits: `timeout_s` of wall time, then its process group is killed; an
+    address space of `memory_mb`; its stdout and stderr kept to their last `output_chars`."""
+    payload = json.dumps({"program": program, "cases": cases, "function": function}).encode()
+    limits = [str(int(timeout_s) + 1), str(memory_mb)]
+    results_r, results_w = os.pipe()
+    with tempfile.TemporaryDirectory(prefix="rollart-code-") as cwd:
         try:
-            proc.stdin.write(payload)  # read whole by the harness before anything else runs
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died first; its exit says how
-        output, report = bytearray(), bytearray()
-        keep = max(self.output_chars, 1) * 4  # bytes enough for that many characters of UTF-8
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ, output)
-            selector.register(results_r, selectors.EVENT_READ, report)
-            while selector.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    _kill_group(proc)
-                    return Run(None, -signal.SIGKILL, True, self._tail(output))
-                for key, _ in selector.select(left):
-                    chunk = os.read(key.fd, 1 << 16)
-                    if not chunk:
-                        selector.unregister(key.fileobj)
-                    elif key.data is output:
-                        output += chunk
-                        del output[:-keep]
-                    elif len(report) <= RESULTS_BYTES:
-                        report += chunk
+            proc = subprocess.Popen(
+                [python, "-I", "-c", HARNESS, *limits, str(results_w)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(results_w,),
+                cwd=cwd,
+                env={"PATH": os.defpath},
+                start_new_session=True,
+            )
+        finally:
+            os.close(results_w)
         try:
-            code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:  # its pipes closed, yet it runs on
+            return _collect(proc, payload, results_r, timeout_s, output_chars)
+        finally:
+            os.close(results_r)
             _kill_group(proc)
-            return Run(None, -signal.SIGKILL, True, self._tail(output))
-        return Run(_decode(report), code, False, self._tail(output))
+            if proc.stdout is not None:
+                proc.stdout.close()
 
-    def _tail(self, output: bytearray) -> str:
-        text = output.decode(errors="replace")
-        return text if len(text) <= self.output_chars else "..." + text[-self.output_chars :]
+
+def _collect(proc: subprocess.Popen[bytes], payload: bytes, results_r: int, timeout_s: float, output_chars: int) -> Run:
+    """Feed the child, read its output (keeping the tail) and its report until both end or the time is up."""
+    assert proc.stdin is not None and proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    try:
+        proc.stdin.write(payload)  # read whole by the harness before anything else runs
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died first; its exit says how
+    output, report = bytearray(), bytearray()
+    keep = max(output_chars, 1) * 4  # bytes enough for that many characters of UTF-8
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, output)
+        selector.register(results_r, selectors.EVENT_READ, report)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _kill_group(proc)
+                return Run(None, -signal.SIGKILL, True, _tail(output, output_chars))
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                elif key.data is output:
+                    output += chunk
+                    del output[:-keep]
+                elif len(report) <= RESULTS_BYTES:
+                    report += chunk
+    try:
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:  # its pipes closed, yet it runs on
+        _kill_group(proc)
+        return Run(None, -signal.SIGKILL, True, _tail(output, output_chars))
+    return Run(_decode(report), code, False, _tail(output, output_chars))
+
+
+def _tail(output: bytearray, output_chars: int) -> str:
+    text = output.decode(errors="replace")
+    return text if len(text) <= output_chars else "..." + text[-output_chars:]
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

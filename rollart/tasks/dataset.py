@@ -10,10 +10,12 @@ trajectory; a file changed in place is read again); its splits are kept the same
 
 Each row is a problem: the prompt is a field of it (`prompt_field`, default "question") or a
 `str.format` template over its fields ("Solve: {question}"), and the reference answer is
-`answer_field` (default "answer"), which every row must have. The rows split into `train` and
-`heldout` by a hash of each row's index and `split_seed` (`held_out`): the two never share a row,
-and every process, on any host, splits a file the same way. `heldout_fraction` of the rows (about:
-each row is held out with that chance) or exactly `heldout_size` of them go to `heldout`.
+`answer_field` (default "answer"), which every row must have: its text, or JSON for a value that
+is neither a string nor a number (a list of tests for the `code_tests` reward, docs/rewards.md).
+The rows split into `train` and `heldout` by a hash of each row's index and `split_seed`
+(`held_out`): the two never share a row, and every process, on any host, splits a file the same
+way. `heldout_fraction` of the rows (about: each row is held out with that chance) or exactly
+`heldout_size` of them go to `heldout`.
 
 One turn. `reset(seed)` takes a row of the split from the seed: consecutive seeds walk the split
 in an order shuffled by `split_seed`, each row once per `len(split)` seeds, and the same seed gives
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import os
 import random
 import string
@@ -90,6 +93,17 @@ def quick_match(given: str, reference: str) -> bool:
         return Fraction(a) == Fraction(b)
     except (ValueError, ZeroDivisionError):
         return False
+
+
+def answer_text(value: Any) -> str:
+    """A row's answer as the reference text: a string stripped, a number as its plain text (12 -> "12"),
+    anything else (a list, an object, a bool) as JSON, which a reward such as `code_tests` parses;
+    a value JSON has no form for (a Parquet timestamp) as its text within the JSON."""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, default=str)
 
 
 def _trim(text: str) -> str:
@@ -217,7 +231,7 @@ def _split(path: Path, file: _File, choice: _Choice) -> _Split:
         raise _fail(f"the {choice.split!r} split of {path} is empty ({n} rows, {how}, split_seed={seed})")
     random.Random(seed).shuffle(rows)
     answers = file.rows[choice.answer_field][:]  # a list (indexing the column goes row by row)
-    made = _Split(tuple(rows), tuple(str(answers[i]).strip() for i in rows))
+    made = _Split(tuple(rows), tuple(answer_text(answers[i]) for i in rows))
     with _lock:
         _splits[key] = made
     return made

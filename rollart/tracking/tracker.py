@@ -3,8 +3,9 @@
 A line's numbers are flattened into tags joined by "/" (`tasks/frozen_lake/success_rate`,
 `generator_busy/gen-0`); bools, strings and lists are left out. The x-axis is the line's `step`.
 The baseline line (`{"baseline": true, "tasks": ...}`, the random policy measured before step 1)
-is step 0, its tags under `baseline/` (`baseline/tasks/frozen_lake/success_rate`); a line with
-neither is not tracked.
+is step 0, its tags under `baseline/` (`baseline/tasks/frozen_lake/success_rate`); a held-out
+evaluation's line (`{"eval": true, "step": S, ...}`) is at step S, its tags under `eval/`; a line with
+none of these is not tracked.
 
 Every call into a tracker library happens on one worker thread, in order: opening the sinks (at
 construction), each line, closing them. `log` only hands a line over, so the trainer's event loop
