@@ -9,10 +9,10 @@ never below 0) and `word` 95%, one sentence of adding or taking away ("Ana has 3
 How many apples does Ana have now?"). Small on purpose, for the default run's ~0.6M-parameter model on two CPU
 cores: a held-out row asks, in other words (another name, other things, the other form), a sum some
 training rows ask too, so held-out accuracy says whether the model reads the operation and the numbers out
-of a question it has not seen (what it learned in 150 steps: benchmarks/results/dataset_run). The direct forms have 36 and 21
-questions to give; word problems 4,480. The same seed writes the same bytes: the file in the
-repository is this script's output with the defaults, and `tests/unit/test_dataset_env.py` checks that
-it still is.
+of a question it has not seen (what it learned in 150 steps: benchmarks/results/dataset_run). The
+direct forms have 36 and 21 questions to give; word problems 4,480. The same seed writes the same
+bytes: the file in the repository is this script's output with the defaults, and
+`tests/unit/test_dataset_env.py` checks that it still is.
 """
 
 from __future__ import annotations
