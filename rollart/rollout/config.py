@@ -138,14 +138,18 @@ class EvalSpec(msgspec.Struct, **_STRUCT):
     every: int = 10
     """Steps between evaluations."""
     problems: int = 32
-    """Seeds 0 .. problems - 1 of each eval task (the same problems every time)."""
+    """Problems per eval task: seeds `first_seed` .. `first_seed + problems - 1` (the same every round)."""
+    first_seed: int = 1_000_000_000
+    """The first eval seed. Training draws its seeds upward from `rollout.seed * 1_000_003`, so from 10**9
+    on a generated task's eval problems are none it trains on (a dataset's split keeps its rows apart
+    whatever the seed: seed i takes row i mod its size)."""
     k: int = 4
     """Sampled tries per problem for pass@k; 0: greedy only."""
     tasks: list[EvalTaskSpec] = []
 
     def validate(self, train: list[TaskSpec]) -> list[tuple[str, str]]:
         problems: list[tuple[str, str]] = []
-        for key, low in (("every", 1), ("problems", 1), ("k", 0)):
+        for key, low in (("every", 1), ("problems", 1), ("k", 0), ("first_seed", 0)):
             if getattr(self, key) < low:
                 problems.append((f"eval.{key}", f"expected an integer >= {low}; got {getattr(self, key)}"))
         if not self.tasks:

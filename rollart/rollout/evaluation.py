@@ -2,7 +2,7 @@
 
 `run.rollout.eval` (`EvalSpec`) names held-out twins of training tasks (a dataset's `split: heldout`).
 Before the first step, every `every` steps and after the last, the trainer starts a round: for each eval
-task, one group per problem (seeds 0 .. problems - 1, the same problems every round) of 1 + k
+task, one group per problem (`problems` seeds from `first_seed`, the same every round) of 1 + k
 trajectories, the first greedy (`GroupTask.greedy`), the others sampled as the run samples. The groups
 are handed out ahead of training work and outside admission (a round is small, and training work waits
 for nobody), never trained on, and never aborted as stale: a round measures the policy of the version
@@ -121,7 +121,7 @@ class Evaluator:
         evaluation = Round(step, version)
         prefix = f"i{self.incarnation}." if self.incarnation else ""
         for task in self.tasks:
-            for seed in range(self.spec.problems):
+            for seed in range(self.spec.first_seed, self.spec.first_seed + self.spec.problems):
                 group = GroupTask(
                     group_id=f"{prefix}e{step}.{task}.{seed}",
                     task=task,

@@ -75,6 +75,7 @@ def test_eval_settings_that_cannot_work_are_refused_by_name() -> None:
     problems = dict(bad.validate())
     assert problems["eval.every"] == "expected an integer >= 1; got 0"
     assert problems["eval.k"] == "expected an integer >= 0; got -1"
+    assert "eval.first_seed" not in problems
     assert problems["eval.tasks[0].of"] == "no training task 'nope' (tasks: ['arith'])"
     assert problems["eval.tasks[1].name"] == "task name 'arith' is taken"
     assert "mode: train" in problems["eval"]  # rollout-only has no policy that changes
@@ -91,7 +92,8 @@ def test_eval_a_round_gives_pass_at_1_greedy_and_pass_at_k_sampled() -> None:
     groups = [evaluator.grant("env-0") for _ in range(3)]
     assert evaluator.grant("env-0") is None
     assert all(g is not None and g.evaluation and g.greedy == 1 and g.group_size == 3 for g in groups)
-    assert [g.seed for g in groups if g is not None] == [0, 1, 2]  # the same problems every round
+    # the same problems every round, above the seeds training draws
+    assert [g.seed for g in groups if g is not None] == [10**9, 10**9 + 1, 10**9 + 2]
     ids = [g.group_id for g in groups if g is not None]
     evaluator.done(back(ids[0], True, False, False))  # greedy solved it; no sampled try did
     evaluator.done(back(ids[1], False, False, True))  # one sampled try of two did
