@@ -4,6 +4,7 @@
 |---|---|
 | `base` | `Env` (reset/step in text), `EnvFailure`, the format-penalty rule, `parse_choice` |
 | `answers` | `last_boxed`: the answer in a reply, one rule for envs and rewards |
+| `programs` | `run_cases`, `judge`: a program run on test cases under limits, and graded (`code`, `code_tests`) |
 | `registry` | `register_env`, `make_env`, `run.env_modules` |
 | `adapters` | the `gem:<id>` and `gym:<id>` families (GEM and Gymnasium envs, if those are installed) |
 | `handle` | `EnvHandle`: an env as a trajectory drives it (async, failures contained) |

@@ -6,7 +6,7 @@
 - `math_verify`: the response's answer against the reference as mathematics, by Hugging Face's
   `math_verify` (`parse` and `verify`: "1/2", "0.5" and `\\frac{1}{2}` are one answer); 1.0 or 0.0;
 - `code_tests`: the reply's program run against the reference's tests (a dataset's coding problems)
-  in a child process under limits, by `rollart.tasks.code_exec`; the fraction of tests passed;
+  in a child process under limits, by `rollart.envs.programs`; the fraction of tests passed;
 - `env-reward`: the environment's own reward, passed through (games such as FrozenLake);
 - `tiny-rm`: a tiny, seeded, *untrained* torch network over the response's bytes. It stands in
   for a reward model so that the pool's model-serving path (a torch model built once per worker,
@@ -24,9 +24,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from rollart.envs.answers import last_boxed
+from rollart.envs.programs import extract_program, judge, run_cases
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput
 from rollart.rewards.worker import in_reward_worker
-from rollart.tasks.code_exec import extract_program, judge, run_cases
 
 if TYPE_CHECKING:
     import torch
@@ -102,7 +102,7 @@ def code_tests(item: ScoreInput) -> ScoreOutput:
     The reference is JSON: a list of cases `{"args": [...], "expected": value}`, or
     `{"tests": [...], "function": "name"}` to call another function than `solve`. The program is
     the reply's last ```python block (`extract_program`); it runs in a child process
-    (`rollart.tasks.code_exec.run_cases`: `python -I`, its own process group, `CODE_TESTS_TIMEOUT_S`,
+    (`rollart.envs.programs.run_cases`: `python -I`, its own process group, `CODE_TESTS_TIMEOUT_S`,
     `CODE_TESTS_MEMORY_MB`), which calls the function on each case's arguments; a result passes
     when it equals `expected` and has its type (`judge`: 1 is not 1.0). In a reward worker the child
     inherits the worker's sandbox. A program that never names the function scores 0.0 with
