@@ -117,7 +117,7 @@ def test_dataset_env_split_of_the_shipped_file_is_golden() -> None:
     heldout = dataset(SHIPPED, split="heldout")
     assert len(heldout) == 102 and len(dataset(SHIPPED)) == 898
     assert sorted(rows_of(heldout))[:5] == [3, 7, 18, 23, 24]
-    assert heldout.reset(0)[0] == "Kim has 5 marbles and gives away 5. How many marbles does Kim have now?"
+    assert heldout.reset(0)[0] == "Noor has 5 coins and gets 1 more. How many coins does Noor have now?"
 
 
 def test_dataset_env_quick_check_takes_the_same_answer_in_other_words() -> None:
@@ -215,8 +215,8 @@ def test_dataset_env_topology_example_loads_and_its_task_plays(monkeypatch: pyte
     monkeypatch.chdir(ROOT)  # the file's path is relative to the working directory, as a node's
     env = make_env(task.env, **task.env_kwargs)
     obs, info = env.reset(seed=0)
-    assert obs == "Leo has 4 coins and gives away 1. How many coins does Leo have now?" and info["split"] == "train"
-    assert env.step("3")[1] == 1.0
+    assert obs == "Ivo has 5 books and gives away 5. How many books does Ivo have now?" and info["split"] == "train"
+    assert env.step("0")[1] == 1.0
 
 
 def test_dataset_env_importing_envs_and_the_topology_imports_neither_datasets_nor_math_verify() -> None:
@@ -235,6 +235,6 @@ async def test_dataset_env_runs_in_an_env_worker_process_under_its_limits() -> N
         runner = await pool.open("dataset", {"path": str(SHIPPED), "split": "heldout"}, timeout_s=60)
         obs, info = await runner.reset(0)
         assert (obs, info["row"]) == (dataset(SHIPPED, split="heldout").reset(0)[0], 222)
-        *_, info = await runner.step("\\boxed{0}")
+        *_, info = await runner.step("\\boxed{6}")
         assert info["success"] is True and runner.pid != os.getpid()
         await runner.close()
