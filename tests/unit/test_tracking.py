@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
+from google.protobuf.message import DecodeError
 from structlog.testing import capture_logs
 
 from rollart.engines.training import TrainerSpec
@@ -142,6 +144,23 @@ def wandb_records(path: Path) -> Iterator[Any]:
             pieces = b""
 
 
+def written_records(path: Path, timeout_s: float = 60.0) -> list[Any]:
+    """The records of a `.wandb` file once its writer has written the run's `exit` record. W&B's
+    service process writes the file through a buffer and may close it after `finish()` has returned
+    (CI once read it on a loaded machine with no `run` record in it yet, 2026-12-03)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = list(wandb_records(path))
+        except DecodeError:  # a record cut off where the writer has not reached yet
+            records = []
+        kinds = [record.WhichOneof("record_type") for record in records]
+        if "exit" in kinds:
+            return records
+        assert time.monotonic() < deadline, f"no exit record in {path} after {timeout_s} s: {kinds}"
+        time.sleep(0.5)
+
+
 def test_wandb_offline_run_in_the_run_folder_holds_each_step(tmp_path: Path, wandb_home: Path) -> None:
     run = RunDir(tmp_path / "run")
     spec = TrackingSpec(tensorboard=False, wandb=WandbSpec(project="rollart-test", tags=["unit"]))
@@ -150,9 +169,10 @@ def test_wandb_offline_run_in_the_run_folder_holds_each_step(tmp_path: Path, wan
     assert not logs, logs  # a sink that failed says why here (it failed once in a full unit run, 2026-12-02)
     [offline] = list(run.wandb.glob("offline-run-*"))
     [file] = list(offline.glob("run-*.wandb"))
+    records = written_records(file)
     history: dict[int, dict[str, float]] = {}
     names = []
-    for record in wandb_records(file):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             history[items.pop("_step")] = {tag: value for tag, value in items.items() if not tag.startswith("_")}
