@@ -19,6 +19,11 @@ cyclic collector's passes over a heap that grows with the cluster land on whiche
 allocates (measured here: LLMProxy._pick 2.1 us per call at 100x, 7.5 us at 1000x with the
 default thresholds; 3.0 and 1.9 us with the simulation's).
 
+A second table times one `LLMProxy._pick` alone, for a task with measured calls (routed by predicted
+finish time) and for one without (by class), with 10 to 10,000 generators of each class behind one
+proxy, each with its own measured service time and reported backlog: what one turn's routing costs at
+any cluster size.
+
 CPU time is cProfile's tottime of the scheduler's own files (rollart/rollout/dispenser.py, proxy.py,
 buffer.py) and the harness's process time, both per trajectory and per turn, with the ratio to
 1x. The in-process simulation's curve (benchmarks/results/paper/scale.md) runs the same code among
@@ -36,6 +41,7 @@ import gc
 import logging
 import math
 import pstats
+import random
 import sys
 import time
 from pathlib import Path
@@ -73,7 +79,10 @@ class InstantSession:
 
     async def request(self, msg: Generate, *, timeout: float) -> Generated:
         await asyncio.sleep(0)
-        return Generated(msg.request_id, [7, 8], [-0.1, -0.1], [0, 0], "length", len(msg.prompt_ids), self.name)
+        # A load report as a busy engine gives one, so the finish-time router's backlog is exercised.
+        return Generated(
+            msg.request_id, [7, 8], [-0.1, -0.1], [0, 0], "length", len(msg.prompt_ids), self.name, 0.001, 8, 2
+        )
 
 
 def trajectory(tid: str, group: str, version: int) -> Trajectory:
@@ -202,6 +211,47 @@ def measure(factor: int) -> dict[str, Any]:
     }
 
 
+PICKS = 20_000
+POOLS = (10, 100, 1000, 10_000)
+
+
+def pick_cost(per_class: int) -> dict[str, float]:
+    """Microseconds per `_pick` with `per_class` generators of each class behind one proxy: for a task with
+    measured calls (finish time) and one without (class routing)."""
+    rng = random.Random(per_class)
+    refs = [
+        GeneratorRef(f"gen-{kind}-{i}", kind, InstantSession(f"gen-{kind}-{i}"), in_flight=rng.randrange(8))  # type: ignore[arg-type]
+        for kind in ("compute", "bandwidth")
+        for i in range(per_class)
+    ]
+    proxy = LLMProxy(refs, TaskProfiler({"game": "prefill-heavy"}, ratio=4.0), timeout_s=30.0)
+    now = time.monotonic()
+    for ref in refs:
+        reply = Generated("r", [1], [0.0], [0], "stop", 8, ref.name, 0.0, rng.randrange(1, 64), rng.randrange(8))
+        proxy._record(ref, "game", rng.uniform(0.5, 2.0), reply, now)
+    costs = {}
+    for label, task in (("finish_time_us", "game"), ("class_us", "unmeasured")):
+        began = time.process_time()
+        for i in range(PICKS):
+            proxy._pick(f"t{i % 64}", task, "compute", set())
+        costs[label] = 1e6 * (time.process_time() - began) / PICKS
+    return costs
+
+
+def pick_table(costs: dict[int, dict[str, float]]) -> str:
+    base = costs[POOLS[0]]
+    lines = [
+        "| generators per class | finish-time pick, us | vs 10 | class pick, us | vs 10 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for n, c in costs.items():
+        lines.append(
+            f"| {n:,} | {c['finish_time_us']:.2f} | {c['finish_time_us'] / base['finish_time_us']:.2f} "
+            f"| {c['class_us']:.2f} | {c['class_us'] / base['class_us']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(points: list[dict[str, Any]]) -> str:
     base = points[0]
     lines = [
@@ -232,6 +282,10 @@ def main() -> None:
         print(f"{factor}x: {points[-1]}", flush=True)
     body = table(points)
     print(body)
+    pick_cost(POOLS[0])  # warm-up
+    picks = {n: pick_cost(n) for n in POOLS}
+    picks_body = pick_table(picks)
+    print(picks_body)
     command = "python benchmarks/scheduler.py" + (" --quick" if args.quick else "")
     args.out.write_text(
         "# The scheduler alone as the cluster grows\n\n"
@@ -242,7 +296,10 @@ def main() -> None:
         f"({REPLICAS_PER_NODE} per generator node), batch 2F groups of {GROUP}, alpha 1, {BATCHES} batches, "
         f"{TURNS} turns per trajectory, generators answering at once; gc thresholds {GC_THRESHOLD} as in the "
         "in-process simulation; CPU by cProfile\n\n"
-        f"{body}\n"
+        f"{body}\n\n"
+        f"One `LLMProxy._pick` alone ({PICKS:,} picks, process time), generators with measured service times "
+        "and reported backlogs:\n\n"
+        f"{picks_body}\n"
     )
     print(f"wrote {args.out}")
 

@@ -65,6 +65,9 @@ class GenerationResult(msgspec.Struct, frozen=True, kw_only=True, array_like=Tru
     finish_reason: FinishReason
     prompt_tokens: int
     """How many prompt tokens were processed (for measuring a task's prefill/decode profile)."""
+    queued_s: float = 0.0
+    """Seconds the request waited in the engine's queue before it started; 0 where the engine does not
+    say (the router then counts the wait as part of the call's service time)."""
 
 
 class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):

@@ -111,7 +111,7 @@ class EnvHostNode(NodeDaemon):
         """Every task this env-host may be given: the training tasks and their held-out twins."""
         initial = {task.name: task.profile or "decode-heavy" for task in self.tasks.values()}
         self.profiler = TaskProfiler(initial, routing.profile_ratio)
-        self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s)
+        self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s, routing=routing.routing)
         self.backoff = Backoff.for_retries(self.cfg)
 
     def over(self) -> bool:

@@ -115,6 +115,26 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+SLOW_ENV = "ROLLART_SLOW_GENERATOR"
+"""`NAME:SECONDS[,NAME:SECONDS...]`: the named generators wait that long before each generation, as a slower
+engine would take longer: how the routing of a run is checked against a slow generator."""
+
+
+def slowdown(value: str, node: str) -> float:
+    """Seconds `node` is slowed by, from `ROLLART_SLOW_GENERATOR`'s value (0.0 when it is not named)."""
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, seconds = item.rpartition(":")
+        try:
+            delay = float(seconds)
+        except ValueError:
+            delay = -1.0
+        if not sep or not name or delay < 0:
+            raise ConfigError(f"{SLOW_ENV}: expected NAME:SECONDS[,NAME:SECONDS...] with SECONDS >= 0; got {item!r}")
+        if name == node:
+            return delay
+    return 0.0
+
+
 class GeneratorNode(NodeDaemon):
     role = Role.GENERATOR
 
@@ -131,6 +151,10 @@ class GeneratorNode(NodeDaemon):
         )
         self.receiver.relay_as(self.identity, self.secret, self.cfg, self.tls)  # relay chains pass through generators
         self.ucx_port = 0
+        self.slowed_s = slowdown(os.environ.get(SLOW_ENV, ""), self.spec.name)
+        """Seconds this node waits before each generation (`ROLLART_SLOW_GENERATOR`, for routing checks)."""
+        if self.slowed_s:
+            log.warning("generator.slowed", seconds=self.slowed_s, why=f"{SLOW_ENV} names this node")
 
     @property
     def on_gpu(self) -> bool:
@@ -248,6 +272,8 @@ class GeneratorNode(NodeDaemon):
             await self.receiver.wait_version(msg.min_version, timeout=float("inf"))  # the deadline bounds it
         assert self.engine is not None
         params = msgspec.convert(msg, SamplingParams, from_attributes=True)  # its sampling fields, by name
+        if self.slowed_s:
+            await asyncio.sleep(self.slowed_s)  # as if its engine were that much slower (queued_s stays 0)
         try:
             result = await self.engine.generate(msg.request_id, msg.prompt_ids, params, key=msg.trajectory_id)
         except asyncio.CancelledError:
@@ -258,6 +284,7 @@ class GeneratorNode(NodeDaemon):
         if result.finish_reason == "abort":
             self.aborted += 1
         self.served += 1
+        load = self.engine.load()  # piggybacked for the env-hosts' routers: no poll needed
         return Generated(
             request_id=msg.request_id,
             token_ids=result.token_ids,
@@ -266,6 +293,9 @@ class GeneratorNode(NodeDaemon):
             finish_reason=result.finish_reason,
             prompt_tokens=result.prompt_tokens,
             generator=self.spec.name,
+            queued_s=result.queued_s,
+            running=load.running,
+            waiting=load.waiting,
         )
 
     async def drain_work(self) -> None:

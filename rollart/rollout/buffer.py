@@ -3,8 +3,10 @@
 Every trajectory is stamped with the policy version that *started* it (the trainer's version at
 its first generation call). When the policy is at version n, the buffer holds only groups whose
 every trajectory started at n - alpha or later: `put` refuses an older group and `drop_stale`
-removes the ones a version bump left behind. `take` hands out a batch, oldest first, as soon as
-`batch_groups` groups are there.
+removes the ones a version bump left behind. `take` hands out a batch as soon as `batch_groups`
+groups are there: the groups that started earliest (closest to going stale), in arrival order among
+equals. A long group that finished after younger ones is trained before a version bump drops it,
+where taking by arrival would leave it behind to go stale.
 
 With `dynamic_sampling` (DAPO's dynamic sampling) a group whose rewards are all equal, so whose
 group-relative advantage is zero everywhere, does not count toward the batch: `take` waits for
@@ -83,12 +85,15 @@ class SampleBuffer:
         return len(self._groups) >= self.batch_groups or len(self._uniform) >= self.max_uniform
 
     async def take(self) -> list[GroupDone]:
-        """Wait for `batch_groups` groups and return them, oldest first (with dynamic sampling, the
-        uniform groups waiting follow them)."""
+        """Wait for `batch_groups` groups and return them, earliest started first (with dynamic sampling,
+        the uniform groups waiting follow them)."""
         while not self.ready():
             self._changed.clear()
             await self._changed.wait()
-        batch = [self._groups.popleft() for _ in range(min(self.batch_groups, len(self._groups)))]
+        by_start = sorted(self._groups, key=started_at)  # stable: arrival order among equal starts
+        batch = by_start[: self.batch_groups]
+        taken = {id(group) for group in batch}
+        self._groups = collections.deque(group for group in self._groups if id(group) not in taken)
         batch += self._uniform
         self._uniform.clear()
         self.taken += len(batch)

@@ -14,6 +14,7 @@ import msgspec
 from rollart.envexec.config import EnvWorkersSpec
 
 Profile = Literal["prefill-heavy", "decode-heavy"]
+Routing = Literal["finish-time", "class"]
 
 _STRUCT = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
 
@@ -226,6 +227,11 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     group_attempts: int = 3
     """Tries of one task and seed: when a try fails and this many were made, the seed is given up
     for a fresh one, so a task instance that breaks its env every time does not hold a slot forever."""
+    routing: Routing = "finish-time"
+    """How an env-host picks a generator for each turn (`rollart.rollout.proxy`): `finish-time`, where the
+    turn is predicted to finish first (its task's measured service time there, plus that generator's
+    backlog), the hardware class its profile prefers breaking ties and overruled when backlogged; or
+    `class`, the paper's: the preferred class always, least loaded within it, others only when it is down."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""

@@ -1,13 +1,30 @@
 """LLMProxy: where each generation call of a trajectory goes, in the env-host.
 
-The route for one call, in order:
+With `rollout.routing: finish-time` (the default) a call goes to the generator where it is
+predicted to **finish first**:
+
+    finish(g) = service(g, task) + backlog(g) * mean service(g) / running(g)
+
+- `service(g, task)`: how long this task's calls took on `g` once started, measured here (an
+  exponentially weighted mean of the call's time minus the `queued_s` the generator reports);
+  unmeasured on `g`: the mean of the task on `g`'s hardware class, else the task's mean anywhere,
+  doubled (`OFF_CLASS_PRIOR`) off the class its profile prefers (below). So hardware class is a
+  preference: a call leaves its class when the class is backlogged by more than a call's worth;
+- `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
+  sent to it since, at the rate it works them off (Little's law over its running requests);
+- **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is cached
+  there) while that one's estimate is within `STICKY_MARGIN` of the best;
+- **candidates**: every generator of a class of up to `EXACT_POOL`, else two drawn at random, from
+  the preferred class and from the others, and the sticky one: a pick costs the same at any size.
+
+Before a task has a measured call, and with `routing: class`, the route is the paper's:
 1. **hardware affinity**: the task's profile picks the class: prefill-heavy -> `compute`
    generators, decode-heavy -> `bandwidth` ones. The profile starts as the topology (or the
    environment) says and is then *measured*: prompt tokens per generated token, per task;
 2. **failover**: when no generator of that class is up, any generator will do (but a class whose
    sessions are all still connecting, as at start-up, is waited for up to `CONNECT_WAIT_S` first);
-3. **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is
-   cached there) unless that one is much busier than the least busy;
+3. **stickiness**: a trajectory stays on the generator of its previous turn unless that one has
+   `STICKY_SLACK` more calls in flight than the least busy;
 4. **least loaded**: otherwise the generator with the fewest calls in flight from this env-host,
    or, in a class of more than `EXACT_POOL` generators, the less loaded of two drawn at random
    (the "power of two choices": a pick costs the same however large the cluster, and the load stays
@@ -33,7 +50,7 @@ from rollart.protocol import Session, State
 from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.messages import Generate, Generated
 from rollart.protocol.retry import Backoff
-from rollart.rollout.config import Profile
+from rollart.rollout.config import Profile, Routing
 
 log = structlog.get_logger("rollart.rollout.proxy")
 
@@ -46,6 +63,13 @@ CONNECT_WAIT_S = 30.0
 MIN_SAMPLES = 4
 EXACT_POOL = 8
 """Up to this many generators in a pool, a pick scans them all for the least loaded; beyond, it draws two."""
+EWMA_WEIGHT = 0.2
+"""Weight of the newest call in a service-time mean."""
+OFF_CLASS_PRIOR = 2.0
+"""A task's service time on a class it has not run on is guessed as its mean elsewhere times this, off
+its preferred class (and times 1 on it)."""
+STICKY_MARGIN = 0.25
+"""A sticky generator is kept while its predicted finish is within this fraction of the best one's."""
 
 
 class GenerationFailed(RollartError):
@@ -64,6 +88,33 @@ class GeneratorRef:
     avoid_until: float = 0.0
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
     """Calls served, by the task profile they were routed as."""
+    service_s: dict[str, float] = field(default_factory=dict)
+    """Per task: mean seconds its calls took here once started (exponentially weighted)."""
+    mean_service_s: float = 0.0
+    """The same over every task."""
+    running: int = 0
+    """Requests running on the generator, as its last reply to this env-host said."""
+    waiting: int = 0
+    """Requests queued on it, not yet started, as its last reply said."""
+    sent_since_report: int = 0
+    """Calls sent to it from here since that reply."""
+    reported_at: float = 0.0
+    """When that reply came (the loop's clock)."""
+
+    def record(self, task: str, service_s: float, result: Generated, now: float) -> None:
+        """What a finished call measured: its service time, and the load the generator reported."""
+        self.service_s[task] = _ewma(self.service_s.get(task), service_s)
+        self.mean_service_s = _ewma(self.mean_service_s or None, service_s)
+        self.running, self.waiting, self.sent_since_report = result.running, result.waiting, 0
+        self.reported_at = now
+
+    def backlog_s(self, now: float) -> float:
+        """Predicted wait before a call sent now starts here: the queue its last reply reported, worked
+        off since at the rate its running requests finish (Little's law), and the calls sent here since,
+        which joined that queue if any of it is left."""
+        per_call = self.mean_service_s / max(1, self.running)
+        left = max(0.0, self.waiting * per_call - (now - self.reported_at))
+        return left + self.sent_since_report * per_call if left > 0 else 0.0
 
 
 class TaskProfiler:
@@ -108,6 +159,7 @@ class LLMProxy:
         profiler: TaskProfiler,
         *,
         timeout_s: float,
+        routing: Routing = "finish-time",
         attempts: int = 6,
         backoff_base_s: float = 0.1,
         backoff_cap_s: float = 2.0,
@@ -117,6 +169,16 @@ class LLMProxy:
         self.by_class: dict[str, list[GeneratorRef]] = collections.defaultdict(list)
         for generator in generators:
             self.by_class[generator.hardware].append(generator)
+        classes = [*self.by_class, *CLASS_FOR.values()]
+        self.outside = {hardware: [g for g in generators if g.hardware != hardware] for hardware in classes}
+        """Per class, the generators of every other class (the candidates that overrule a preference)."""
+        self.routing = routing
+        self.class_service_s: dict[tuple[str, str], float] = {}
+        """Per (task, hardware class): mean service seconds of the task's calls on that class."""
+        self.task_service_s: dict[str, float] = {}
+        """Per task: mean service seconds anywhere."""
+        self.overruled = 0
+        """Calls sent outside their preferred class while it had a usable generator."""
         self._started: set[str] = set()
         """Classes with a generator past its first connection: no start-up wait for them again."""
         self.profiler = profiler
@@ -127,12 +189,46 @@ class LLMProxy:
         self.reissued = 0
         self.cancelled = 0
 
-    def _pick(self, trajectory_id: str, want: str, excluded: set[str]) -> GeneratorRef | None:
+    def _pick(self, trajectory_id: str, task: str, want: str, excluded: set[str]) -> GeneratorRef | None:
         now = time.monotonic()
 
         def usable(g: GeneratorRef) -> bool:
             return g.session.state is State.UP and g.avoid_until <= now and g.name not in excluded
 
+        if self.routing == "finish-time" and task in self.task_service_s:
+            return self._pick_first_finish(trajectory_id, task, want, usable)
+        return self._pick_by_class(trajectory_id, want, usable)
+
+    def estimate_s(self, g: GeneratorRef, task: str, want: str, now: float) -> float:
+        """Predicted seconds until a call of `task` sent at `now` (the loop's clock) would finish on `g`
+        (the task has a measured call)."""
+        service = g.service_s.get(task)
+        if service is None:
+            service = self.class_service_s.get((task, g.hardware))
+        if service is None:
+            service = self.task_service_s[task] * (1.0 if g.hardware == want else OFF_CLASS_PRIOR)
+        return service + g.backlog_s(now)
+
+    def _pick_first_finish(
+        self, trajectory_id: str, task: str, want: str, usable: Callable[[GeneratorRef], bool]
+    ) -> GeneratorRef | None:
+        candidates = _drawn(self.by_class.get(want, []), usable) + _drawn(self.outside[want], usable)
+        if not candidates:
+            return None
+        now = _now()
+        scored = [(self.estimate_s(g, task, want, now), g.in_flight, random.random(), g) for g in candidates]
+        best_s, _, _, best = min(scored, key=lambda entry: entry[:3])
+        sticky = self.by_name.get(self.sticky.get(trajectory_id, ""))
+        near = best_s * (1 + STICKY_MARGIN)
+        if sticky is not None and usable(sticky) and self.estimate_s(sticky, task, want, now) <= near:
+            best = sticky
+        if best.hardware != want and self.by_class.get(want):
+            self.overruled += 1
+        return best
+
+    def _pick_by_class(
+        self, trajectory_id: str, want: str, usable: Callable[[GeneratorRef], bool]
+    ) -> GeneratorRef | None:
         # The wanted class first; every generator only when none of it is usable (failover).
         failover = False
         best = _least_loaded(self.by_class.get(want, []), usable)
@@ -173,11 +269,13 @@ class LLMProxy:
         excluded: set[str] = set()
         last_error = "no generator is up"
         for attempt in range(self.attempts):
-            generator = self._pick(request.trajectory_id, want, excluded)
+            generator = self._pick(request.trajectory_id, task, want, excluded)
             if generator is None:
                 excluded.clear()  # every one failed once: try them again after the backoff
             else:
                 generator.in_flight += 1
+                generator.sent_since_report += 1
+                sent_at = _now()
                 try:
                     result = await self._call(generator, request)
                 except (RequestTimeout, SessionLost, RemoteError, UnexpectedReply, _Down) as exc:
@@ -193,6 +291,8 @@ class LLMProxy:
                     self.sticky[request.trajectory_id] = generator.name
                     generator.calls[profile] += 1
                     self.profiler.record(task, result.prompt_tokens, len(result.token_ids))
+                    now = _now()
+                    self._record(generator, task, max(0.0, now - sent_at - result.queued_s), result, now)
                     return result
                 finally:
                     generator.in_flight -= 1
@@ -216,10 +316,19 @@ class LLMProxy:
             call.cancel()
             down.cancel()
 
+    def _record(self, generator: GeneratorRef, task: str, service_s: float, result: Generated, now: float) -> None:
+        if result.finish_reason == "abort":
+            return  # cut short: says nothing of what a whole call takes
+        generator.record(task, service_s, result, now)
+        key = (task, generator.hardware)
+        self.class_service_s[key] = _ewma(self.class_service_s.get(key), service_s)
+        self.task_service_s[task] = _ewma(self.task_service_s.get(task), service_s)
+
     def forget(self, trajectory_id: str) -> None:
         self.sticky.pop(trajectory_id, None)
 
     def describe(self) -> dict[str, object]:
+        now = _now()
         return {
             "generators": {
                 g.name: {
@@ -228,13 +337,39 @@ class LLMProxy:
                     "in_flight": g.in_flight,
                     "failures": g.failures,
                     "calls": dict(g.calls),
+                    "service_s": {task: round(seconds, 3) for task, seconds in g.service_s.items()},
+                    "backlog_s": round(g.backlog_s(now), 3),
                 }
                 for g in self.generators
             },
             "tasks": self.profiler.describe(),
+            "routing": self.routing,
+            "overruled": self.overruled,
             "reissued": self.reissued,
             "cancelled": self.cancelled,
         }
+
+
+def _now() -> float:
+    """The running loop's clock (simulated time in the in-process simulations), else the monotonic one."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+def _ewma(mean: float | None, value: float) -> float:
+    return value if mean is None else mean + EWMA_WEIGHT * (value - mean)
+
+
+def _drawn(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], bool]) -> list[GeneratorRef]:
+    """The usable generators of `pool` to score: all of a pool of up to `EXACT_POOL`, else two drawn at
+    random (scanning for usable ones only when neither drawn is)."""
+    if len(pool) > EXACT_POOL:
+        drawn = [g for g in random.sample(pool, 2) if usable(g)]
+        if drawn:
+            return drawn
+    return [g for g in pool if usable(g)]
 
 
 def _least_loaded(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], bool]) -> GeneratorRef | None:

@@ -59,6 +59,10 @@ class _Request:
     """Whether it ends with EOS (before max_tokens) rather than by length."""
     rng: random.Random
     done: asyncio.Future[GenerationResult]
+    arrived_s: float = 0.0
+    """Simulated time it reached the engine."""
+    queued_s: float = 0.0
+    """Simulated seconds it waited before a replica admitted it."""
     generated: int = 0
     """Tokens decoded so far; the ids themselves are drawn when the request ends."""
     versions: list[tuple[int, int]] = field(default_factory=list)
@@ -183,6 +187,7 @@ class SimEngine:
             stop=target < params.max_tokens,
             rng=rng,
             done=asyncio.get_running_loop().create_future(),
+            arrived_s=self.clock.now(),
         )
         if request.kv_tokens > self.cost.kv_capacity_tokens:
             raise InvalidRequest(
@@ -252,6 +257,7 @@ class SimEngine:
                 versions=[version for version, count in request.versions for _ in range(count)],
                 finish_reason=reason,
                 prompt_tokens=request.prompt_tokens,
+                queued_s=request.queued_s / self.clock.speedup,  # in the loop's seconds, as callers time calls
             )
         )
 
@@ -275,6 +281,7 @@ class SimEngine:
             if replica.kv_used + head.kv_tokens > self.cost.kv_capacity_tokens:
                 break
             self._waiting.popleft()
+            head.queued_s = max(0.0, replica.timeline - head.arrived_s)  # its prefill starts at the replica's time
             replica.running[head.request_id] = head
             replica.kv_used += head.kv_tokens
             self._running += 1

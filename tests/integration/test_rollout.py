@@ -36,12 +36,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def rollout_yaml(
-    model: Path, *, steps: int, alpha: int = 1, redundancy: int = 1, lake_env: str = "frozen-lake", extra: str = ""
+    model: Path,
+    *,
+    steps: int,
+    alpha: int = 1,
+    redundancy: int = 1,
+    lake_env: str = "frozen-lake",
+    extra: str = "",
+    routing: str = "finish-time",
 ) -> str:
     return f"""  model: {{path: {model}}}
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 2, idle_timeout_s: 2}}
   rollout:
+    routing: {routing}
     tasks:
       - {{name: lake, env: {lake_env}, profile: prefill-heavy, max_turns: 3, max_tokens_per_turn: 12{extra}}}
       - {{name: reverse, env: copy-reverse, reward: exact-answer, profile: decode-heavy, max_tokens_per_turn: 40}}
@@ -113,7 +121,10 @@ def check_trajectory(t: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(300)
 def test_rollout_only_run_collects_complete_groups_and_routes_by_profile(tmp_path: Path, tiny_model: Path) -> None:
-    topology, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=rollout_yaml(tiny_model, steps=3))
+    # The paper's class routing, whose every turn goes to its task's class (finish-time routing may
+    # overrule the class: tests/unit/test_proxy_routing.py, tests/integration/test_sim_mode.py).
+    extra_run = rollout_yaml(tiny_model, steps=3, routing="class")
+    topology, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=extra_run)
     run_to_completion(topology)
     run_dir = tmp_path / "run"
     records = batches(run_dir)

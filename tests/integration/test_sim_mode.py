@@ -4,7 +4,10 @@ with simulated engines, environments and reward timed by their models."""
 
 from __future__ import annotations
 
+import collections
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +15,12 @@ import pytest
 
 from rollart.errors import ConfigError
 from rollart.launch.inprocess import InProcessRun, check_inprocess, run_inprocess
+from rollart.nodes.generator import SLOW_ENV
 from rollart.sim.config import SimSpec
 from rollart.sim.hardware import MODELS, CostModel, EngineShape, transfer_s
 from rollart.topology import load_topology
-from tests.integration.test_rollout import HARDWARE, NODES, batches, check_trajectory, run_to_completion
-from tests.support import write_topology
+from tests.integration.test_rollout import HARDWARE, NODES, batches, check_trajectory, log_events, run_to_completion
+from tests.support import ROOT, node_env, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +28,8 @@ SPEEDUP = 20.0
 MATH_TOKENS = 600
 
 
-def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "") -> str:
+def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "", routing: str = "class") -> str:
+    """`routing: class` unless told: `check_simulated` checks that each task went to its class, as the paper routes."""
     return f"""  model: {{path: {model}}}
   generator: {{backend: sim, max_num_seqs: 128}}
   sim:
@@ -32,6 +37,7 @@ def sim_yaml(model: Path, speedup: float = SPEEDUP, sim_extra: str = "") -> str:
     model: qwen3-8b{sim_extra}
     engines: {{compute: {{gpu: H800, gpus: 1}}, bandwidth: {{gpu: H20, gpus: 1}}}}
   rollout:
+    routing: {routing}
     tasks:
       - name: lake
         env: sim
@@ -157,3 +163,32 @@ def test_the_shipped_simulation_topology_is_valid() -> None:
     from rollart.launch.inprocess import check_inprocess
 
     check_inprocess(load_topology(Path(__file__).resolve().parents[2] / "configs" / "sim-paper.yaml"))
+
+
+@pytest.mark.timeout(300)
+def test_a_slowed_generator_is_sent_less_work_by_the_finish_time_router(tmp_path: Path) -> None:
+    """Real node processes; two generators of one class, one slowed by `ROLLART_SLOW_GENERATOR` (each of its
+    calls waits 0.2 s first, about ten times what a turn takes here): the env-hosts' routers send it few turns."""
+    from rollart.tiny.model import ensure_tiny_model
+
+    model = ensure_tiny_model(tmp_path / "model", seed=0)
+    nodes = {"trainer": "trainer", "gen-fast": "generator", "gen-slow": "generator", "env-0": "env-host"}
+    nodes["reward"] = "reward-gateway"
+    hardware = {"gen-fast": "compute", "gen-slow": "compute"}
+    topology, _ = write_topology(tmp_path, nodes, hardware=hardware, extra_run=sim_yaml(model, routing="finish-time"))
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
+    result = subprocess.run(  # noqa: PLW1510 - the exit code is what is checked
+        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
+        cwd=ROOT,
+        env={**env, SLOW_ENV: "gen-slow:0.2"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    turns = collections.Counter(
+        g for r in batches(tmp_path / "run") for t in r["group"]["trajectories"] for g in t["generators"]
+    )
+    assert turns["gen-fast"] + turns["gen-slow"] == sum(turns.values()) > 0
+    assert turns["gen-slow"] < 0.2 * sum(turns.values()), turns
+    assert log_events(tmp_path / "run", "gen-slow", "generator.slowed")  # it said so, loudly

@@ -1,14 +1,28 @@
 """LLMProxy's pick of a generator for one call: class, failover, stickiness, least loaded, and what
-a pick costs in a large class (two generators looked at, not all of them)."""
+a pick costs in a large class (two generators looked at, not all of them); then routing by predicted
+finish time once a task has measured calls (`routing: finish-time`)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import statistics
-from typing import cast
+import time
+from typing import Any, cast
+
+import pytest
 
 from rollart.protocol import Session, State
-from rollart.rollout.proxy import EXACT_POOL, STICKY_SLACK, GeneratorRef, LLMProxy, TaskProfiler
+from rollart.protocol.messages import Generate, Generated
+from rollart.rollout.proxy import (
+    EXACT_POOL,
+    OFF_CLASS_PRIOR,
+    STICKY_MARGIN,
+    STICKY_SLACK,
+    GeneratorRef,
+    LLMProxy,
+    TaskProfiler,
+)
 
 
 class Looked:
@@ -36,10 +50,12 @@ def proxy(refs: list[GeneratorRef]) -> LLMProxy:
     return LLMProxy(refs, TaskProfiler({}, ratio=4.0), timeout_s=1.0)
 
 
-def picks(p: LLMProxy, want: str, n: int = 200, trajectory: str = "t") -> collections.Counter[str]:
+def picks(
+    p: LLMProxy, want: str, n: int = 200, trajectory: str = "t", task: str = "unmeasured"
+) -> collections.Counter[str]:
     chosen = collections.Counter[str]()
     for _ in range(n):
-        g = p._pick(trajectory, want, set())
+        g = p._pick(trajectory, task, want, set())
         chosen[g.name if g else "none"] += 1
     return chosen
 
@@ -96,5 +112,117 @@ def test_state_reads_are_what_a_pick_looks_at() -> None:
     """The fake session above counts what `_pick` reads; a guard that the count means something."""
     p = proxy(generators("compute", [0, 1, 2]))
     Looked.reads = 0
-    p._pick("t", "compute", set())
+    p._pick("t", "unmeasured", "compute", set())
     assert Looked.reads == 3  # a small class: every generator is looked at
+
+
+# -- routing by predicted finish time ------------------------------------------------------------
+
+
+def measured(p: LLMProxy, g: GeneratorRef, task: str, service_s: float, *, running: int = 1, waiting: int = 0) -> None:
+    """`g` served a call of `task` in `service_s` once started, and then reported this load."""
+    p._record(g, task, service_s, reply(running=running, waiting=waiting), time.monotonic())
+
+
+def reply(*, running: int = 0, waiting: int = 0, queued_s: float = 0.0, finish: str = "stop") -> Generated:
+    return Generated("r", [1], [0.0], [0], finish, 10, "g", queued_s=queued_s, running=running, waiting=waiting)
+
+
+def test_finish_time_sends_a_call_outside_its_class_when_the_class_is_backlogged() -> None:
+    refs = generators("bandwidth", [0]) + generators("compute", [0])
+    band, comp = refs
+    p = proxy(refs)
+    measured(p, band, "math", 10.0, running=10)
+    measured(p, comp, "math", 15.0)
+    assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}  # 10 s against 15 s
+    assert p.overruled == 0
+    # 20 queued behind 10 running calls of ~10 s: a new call starts in ~20 s, finishes in ~30 s there.
+    measured(p, band, "math", 10.0, running=10, waiting=20)
+    assert band.backlog_s(band.reported_at) == pytest.approx(20.0)
+    assert band.backlog_s(band.reported_at + 15.0) == pytest.approx(5.0)  # worked off meanwhile
+    assert band.backlog_s(band.reported_at + 25.0) == 0.0
+    assert set(picks(p, "bandwidth", task="math", n=20)) == {"compute-0"}
+    assert p.overruled == 20
+    # Calls sent there since its last report join its queue: the estimate rises with each.
+    before = band.backlog_s(band.reported_at)
+    band.sent_since_report += 5
+    assert band.backlog_s(band.reported_at) == pytest.approx(before * 25 / 20)
+
+
+def test_a_class_a_task_never_ran_on_is_guessed_at_twice_its_time_elsewhere() -> None:
+    refs = generators("bandwidth", [0]) + generators("compute", [0])
+    band, comp = refs
+    p = proxy(refs)
+    measured(p, band, "math", 10.0, running=10, waiting=5)  # backlog 5 s: 15 s against the guess of 20 s
+    assert p.estimate_s(comp, "math", "bandwidth", time.monotonic()) == pytest.approx(10.0 * OFF_CLASS_PRIOR)
+    assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}
+    measured(p, band, "math", 10.0, running=10, waiting=15)  # backlog 15 s: 25 s against 20 s
+    assert set(picks(p, "bandwidth", task="math")) == {"compute-0"}
+    # Once measured on the other class, the measurement replaces the guess; its class's mean serves
+    # its class-mates that have not run the task.
+    measured(p, comp, "math", 12.0)
+    more = generators("compute", [0], prefix="compute-new")[0]
+    p2 = proxy([band, comp, more])
+    p2.task_service_s, p2.class_service_s = p.task_service_s, p.class_service_s
+    guess = p2.estimate_s(more, "math", "bandwidth", time.monotonic())
+    assert guess == pytest.approx(p.class_service_s[("math", "compute")])
+
+
+def test_a_task_without_a_measured_call_and_routing_class_go_by_class() -> None:
+    refs = generators("bandwidth", [5]) + generators("compute", [0])
+    p = proxy(refs)
+    assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}  # nothing measured yet
+    measured(p, refs[0], "math", 10.0, running=10, waiting=50)
+    assert set(picks(p, "bandwidth", task="math")) == {"compute-0"}
+    p.routing = "class"
+    assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}
+
+
+def test_finish_time_keeps_a_trajectory_on_its_generator_within_the_margin() -> None:
+    refs = generators("compute", [0, 0])
+    p = proxy(refs)
+    measured(p, refs[0], "game", 1.0)
+    measured(p, refs[1], "game", 1.0 + STICKY_MARGIN * 0.9)
+    p.sticky["t"] = "compute-1"
+    assert set(picks(p, "compute", task="game")) == {"compute-1"}
+    measured(p, refs[1], "game", 3.0)  # its mean moves past the margin
+    assert set(picks(p, "compute", task="game")) == {"compute-0"}
+
+
+def test_finish_time_picks_look_at_a_few_generators_however_many_there_are() -> None:
+    refs = generators("compute", [0] * 1000) + generators("bandwidth", [0] * 1000)
+    p = proxy(refs)
+    measured(p, refs[0], "game", 1.0)
+    Looked.reads = 0
+    picks(p, "compute", n=500, task="game", trajectory="")
+    assert Looked.reads <= 4 * 500  # two drawn from the class, two from the others
+
+
+def test_an_aborted_call_measures_nothing() -> None:
+    refs = generators("compute", [0])
+    p = proxy(refs)
+    p._record(refs[0], "game", 0.01, reply(finish="abort"), time.monotonic())
+    assert "game" not in p.task_service_s and refs[0].service_s == {}
+
+
+class Answers:
+    """A session whose requests answer after `delay_s` of loop time, saying `queued_s` of it was queueing."""
+
+    state = State.UP
+
+    def __init__(self, delay_s: float, queued_s: float) -> None:
+        self.delay_s, self.queued_s = delay_s, queued_s
+        self.down = asyncio.Event()
+
+    async def request(self, msg: Any, timeout: float) -> Generated:
+        await asyncio.sleep(self.delay_s)
+        return reply(running=3, waiting=1, queued_s=self.queued_s)
+
+
+async def test_a_call_is_timed_on_the_loop_clock_less_the_queueing_the_generator_reports() -> None:
+    ref = GeneratorRef("gen", "compute", cast(Session, Answers(delay_s=0.2, queued_s=0.15)))
+    p = proxy([ref])
+    await p.generate("game", Generate("r", "t", [1, 2], max_tokens=4))
+    assert ref.service_s["game"] == pytest.approx(0.05, abs=0.04)
+    assert (ref.running, ref.waiting, ref.sent_since_report) == (3, 1, 0)
+    assert p.task_service_s["game"] == ref.service_s["game"]

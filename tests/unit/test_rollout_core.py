@@ -82,6 +82,15 @@ async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
     assert [g.group_id for g in batch] == ["g1", "g2"] and len(buffer) == 1
 
 
+async def test_buffer_take_hands_out_the_groups_that_started_earliest_first() -> None:
+    buffer = SampleBuffer(batch_groups=2, alpha=2)
+    for gid, start in [("young", 3), ("old", 1), ("middle", 2), ("also-young", 3)]:
+        buffer.put(group(gid, start, 3), version=3)
+    batch = await asyncio.wait_for(buffer.take(), 1)
+    assert [g.group_id for g in batch] == ["old", "middle"]  # a bump to 4 would have dropped "old"
+    assert [g.group_id for g in buffer.peek()] == ["young", "also-young"]  # the rest keep arrival order
+
+
 def rewarded(gid: str, *rewards: float, started: int = 0) -> GroupDone:
     done = group(gid, *[started] * len(rewards))
     scored = zip(done.trajectories, rewards, strict=True)

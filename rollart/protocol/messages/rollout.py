@@ -40,6 +40,12 @@ class Generated(msgspec.Struct, tag="generated", **_WIRE):
     finish_reason: str
     prompt_tokens: int
     generator: str
+    queued_s: float = 0.0
+    """Seconds the request waited on the generator before it started (0: the engine does not say)."""
+    running: int = 0
+    """Requests running on the generator when it answered (its engines' `EngineLoad`)."""
+    waiting: int = 0
+    """Requests queued there, not yet started, when it answered."""
 
 
 class TaskWanted(Request["GroupTask | NoTask"], tag="task?", **_WIRE):
