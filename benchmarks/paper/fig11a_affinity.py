@@ -76,6 +76,9 @@ def main() -> None:
         help="no simulated trainer (a batch costs nothing): step time is the rollout's own throughput",
     )
     parser.add_argument("--out", type=Path, default=None, help="default fig11a.md (fig11a-rollout.md)")
+    parser.add_argument(
+        "--only", default="", help="run only the configurations whose name contains this (no report is written)"
+    )
     args = parser.parse_args()
     name = "fig11a-rollout.md" if args.rollout_only else "fig11a.md"
     args.out = args.out or ROOT / "benchmarks" / "results" / "paper" / name
@@ -83,12 +86,16 @@ def main() -> None:
     began = time.monotonic()
     measured = {}
     for name, engines in CONFIGS.items():
+        if args.only not in name:
+            continue
         print(f"{name} ...", flush=True)
         spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=1)
         if args.rollout_only:
             spec["sim"]["trainer"] = None
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
+    if args.only:
+        return
     better = min((measured[name] for name in SINGLE), key=lambda r: r.mean_step_s)
     lines = [
         "| rollout GPUs | cost per hour | step s | generator busy | speed-up vs the better single kind | paper |",

@@ -7,9 +7,12 @@ predicted to **finish first**:
 
 - `service(g, task)`: how long this task's calls took on `g` once started, measured here (an
   exponentially weighted mean of the call's time minus the `queued_s` the generator reports);
-  unmeasured on `g`: the mean of the task on `g`'s hardware class, else the task's mean anywhere,
-  doubled (`OFF_CLASS_PRIOR`) off the class its profile prefers (below). So hardware class is a
-  preference: a call leaves its class when the class is backlogged by more than a call's worth;
+  unmeasured on `g`: the mean of the task on `g`'s hardware class. A class the task has never run on
+  is tried once (its estimate is the task's mean elsewhere, so the first call that finds its own class
+  slower goes there and measures it), and `EXPLORE` of the calls go to a random candidate so that
+  every class's means stay current: a class slowed by its own load (a continuous-batching engine
+  admits everything and decodes slower, rather than queueing) is seen as slow only against a
+  measurement of the others;
 - `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
   sent to it since, at the rate it works them off (Little's law over its running requests);
 - **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is cached
@@ -65,9 +68,11 @@ EXACT_POOL = 8
 """Up to this many generators in a pool, a pick scans them all for the least loaded; beyond, it draws two."""
 EWMA_WEIGHT = 0.2
 """Weight of the newest call in a service-time mean."""
-OFF_CLASS_PRIOR = 2.0
-"""A task's service time on a class it has not run on is guessed as its mean elsewhere times this, off
-its preferred class (and times 1 on it)."""
+OFF_CLASS = 1.1
+"""Estimates off a task's preferred class are this much longer: the class its profile prefers wins near-ties."""
+EXPLORE = 0.02
+"""Fraction of finish-time picks that go to a random candidate instead of the best: measurements of every
+class stay current."""
 STICKY_MARGIN = 0.25
 """A sticky generator is kept while its predicted finish is within this fraction of the best one's."""
 
@@ -179,6 +184,8 @@ class LLMProxy:
         """Per task: mean service seconds anywhere."""
         self.overruled = 0
         """Calls sent outside their preferred class while it had a usable generator."""
+        self.explored = 0
+        """Calls sent to a random candidate (`EXPLORE`)."""
         self._started: set[str] = set()
         """Classes with a generator past its first connection: no start-up wait for them again."""
         self.profiler = profiler
@@ -205,9 +212,9 @@ class LLMProxy:
         service = g.service_s.get(task)
         if service is None:
             service = self.class_service_s.get((task, g.hardware))
-        if service is None:
-            service = self.task_service_s[task] * (1.0 if g.hardware == want else OFF_CLASS_PRIOR)
-        return service + g.backlog_s(now)
+        if service is None:  # never run on this class: as fast as anywhere until one call says otherwise
+            service = self.task_service_s[task]
+        return (service + g.backlog_s(now)) * (1.0 if g.hardware == want else OFF_CLASS)
 
     def _pick_first_finish(
         self, trajectory_id: str, task: str, want: str, usable: Callable[[GeneratorRef], bool]
@@ -215,6 +222,12 @@ class LLMProxy:
         candidates = _drawn(self.by_class.get(want, []), usable) + _drawn(self.outside[want], usable)
         if not candidates:
             return None
+        if len(candidates) > 1 and random.random() < EXPLORE:
+            best = random.choice(candidates)
+            self.explored += 1
+            if best.hardware != want and self.by_class.get(want):
+                self.overruled += 1
+            return best
         now = _now()
         scored = [(self.estimate_s(g, task, want, now), g.in_flight, random.random(), g) for g in candidates]
         best_s, _, _, best = min(scored, key=lambda entry: entry[:3])
@@ -345,6 +358,7 @@ class LLMProxy:
             "tasks": self.profiler.describe(),
             "routing": self.routing,
             "overruled": self.overruled,
+            "explored": self.explored,
             "reissued": self.reissued,
             "cancelled": self.cancelled,
         }
