@@ -35,9 +35,9 @@ SYSTEM_PROMPT = "Use the calculator, then answer with the number."
 class ProblemSettings:
     """Which problems the agent is given (the same for its warm-up)."""
 
-    ops: str = "+-"
+    ops: str = "+"
     """The operations drawn from, each equally often: some of `+ - * /`."""
-    max_number: int = 9
+    max_number: int = 3
     """Operands from 1 to this (the dividend of `/` is the divisor times such a number)."""
 
     def __post_init__(self) -> None:

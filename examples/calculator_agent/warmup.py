@@ -1,7 +1,7 @@
 """Format warm-up for the calculator agent: supervised steps that teach a model built from scratch the shape of
 an episode (call the calculator, then answer with a number), never how to solve a problem.
 
-    python examples/calculator_agent/warmup.py MODEL_DIR [--steps 120] [--answer result|random] [--ops +-]
+    python examples/calculator_agent/warmup.py MODEL_DIR [--steps 120] [--answer result|random] [--ops +]
 
 builds the BPE test model in MODEL_DIR when it has none (`rollart.models.qwen3_bpe`) and trains it in place on
 generated transcripts, printing the loss of each step. RL cannot be expected to find Qwen3's tool-call format
@@ -28,9 +28,9 @@ then to end the episode with a bare number, and (`--answer result`) that this nu
 said: how a tool's output is used, as the default warm-up teaches which moves move. The format takes about 100
 steps of 8 transcripts; that copy takes more than 260 (README.md, "What the warm-up teaches").
 What it does not: which numbers and which operation a question asks for. The expression never depends on the
-question, so the answer is right only by chance (about 1 in 15 with `+-` up to 9, the same rate as a random
-answer): the warmed-up model's success rate is that chance, and reading the question into the expression is
-left to RL. The operands are drawn independently, not kept apart from the question's: a rule that avoided
+question, so the answer is right only by chance (about 1 in 5 with `+` up to 3, 1 in 15 with `+-` up to 9, as
+a random answer): the warmed-up model's success rate is that chance, and reading the question into the
+expression is left to RL. The operands are drawn independently, not kept apart from the question's: a rule that avoided
 the question's numbers would teach the model to avoid them.
 """
 
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import msgspec
 from calculator import NAME, TOOL, number_text, result_text
 from problems import Problem, ProblemSettings, make_problem, opening
 
@@ -175,13 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", choices=["result", "random"], default="result")
     parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
     parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
+    parser.add_argument("--hidden-size", type=int, help="of a model built here (default: the BPE test model's)")
+    parser.add_argument("--layers", type=int, help="of a model built here (default: the BPE test model's)")
     args = parser.parse_args(argv)
 
-    from rollart.models.qwen3_bpe import build_qwen3_bpe_model
+    from rollart.models.qwen3_bpe import DEFAULT_SIZES, build_qwen3_bpe_model
 
     if not (args.model_dir / "config.json").exists():
-        print(f"building the BPE test model in {args.model_dir}", flush=True)
-        build_qwen3_bpe_model(args.model_dir, seed=args.seed)
+        sizes = msgspec.structs.replace(
+            DEFAULT_SIZES,
+            hidden_size=args.hidden_size or DEFAULT_SIZES.hidden_size,
+            num_layers=args.layers or DEFAULT_SIZES.num_layers,
+        )
+        print(f"building the BPE test model in {args.model_dir} ({sizes})", flush=True)
+        build_qwen3_bpe_model(args.model_dir, seed=args.seed, sizes=sizes)
+    elif args.hidden_size or args.layers:
+        parser.error(f"{args.model_dir} already holds a model: --hidden-size and --layers apply to one built here")
     settings = ProblemSettings(ops=args.ops, max_number=args.max_number)
     print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
     summary = warm_up(

@@ -159,6 +159,9 @@ def supervised_warmup(
     }
     marker_path = model_dir / MARKER_FILE
     marker = json.loads(marker_path.read_text()) if marker_path.exists() else {}
+    if "format_warmup" in marker:  # warmed up again: the earlier warm-ups stay on record, oldest first
+        previous = marker["format_warmup"]
+        summary["earlier"] = [*previous.pop("earlier", []), previous]
     marker["format_warmup"] = summary
     marker_path.write_text(json.dumps(marker, indent=2) + "\n")
     return summary

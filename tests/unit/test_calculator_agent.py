@@ -153,7 +153,7 @@ async def test_calculator_agent_warmup_transcripts_call_the_tool_then_answer_and
     renderer: ChatRenderer, answer: str
 ) -> None:
     warmup = example("warmup")
-    settings = problems.ProblemSettings()
+    settings = problems.ProblemSettings(ops="+-", max_number=9)  # room enough for a coincidence to be rare
     same_as_problem = 0
     for seed in range(30):
         problem = problems.make_problem(seed, settings)
@@ -340,5 +340,8 @@ def test_calculator_agent_warmup_cli_trains_the_model_in_place_and_records_what_
     assert marker["kind"] == "rollart-qwen3-bpe"  # what the build wrote is kept
     taught = marker["format_warmup"]
     assert (taught["steps"], taught["transcripts_per_step"], taught["policy"]) == (2, 2, warmup.POLICY)
-    assert (taught["answer"], taught["ops"], taught["max_number"]) == ("random", "+", 9)
+    assert (taught["answer"], taught["ops"], taught["max_number"]) == ("random", "+", 3)
+    assert warmup.main([str(model), "--steps", "1", "--transcripts", "2", "--ops", "+"]) == 0
+    again = json.loads((model / "rollart-model.json").read_text())["format_warmup"]
+    assert again["steps"] == 1 and again["earlier"] == [taught]  # a second warm-up keeps the first on record
     assert 0 < taught["final_loss"] < 20 and "never a solution" in taught["what"]
