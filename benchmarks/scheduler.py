@@ -6,7 +6,8 @@ Run from the repository root (about a minute):
     .venv/bin/python benchmarks/scheduler.py            # writes benchmarks/results/scheduler.md
     .venv/bin/python benchmarks/scheduler.py --quick    # 1x, 10x, 100x only
 
-What one growth factor F runs, in one asyncio loop: 2F env-hosts, each with its own LLMProxy over
+What one growth factor F runs, in one asyncio loop: 2F env-hosts, each with its own LLMProxy
+(`routing: finish-time`) over
 every generator node (F engines of each class, 64 per node, as benchmarks/paper/scale.py lays them
 out), a Dispenser and SampleBuffer of batch 2F groups of 8 at alpha 1, and 4 batches of groups:
 each group granted to an env-host by the dispenser (waiting for room like the trainer's grants),
@@ -130,6 +131,7 @@ async def run(factor: int) -> dict[str, int]:
             [GeneratorRef(s.name, s.name.split("-")[1], s) for s in sessions],  # type: ignore[arg-type]
             TaskProfiler({"game": "prefill-heavy", "math": "decode-heavy"}, ratio=4.0),
             timeout_s=30.0,
+            routing="finish-time",
         )
         for name in env_hosts
     }
@@ -224,7 +226,7 @@ def pick_cost(per_class: int) -> dict[str, float]:
         for kind in ("compute", "bandwidth")
         for i in range(per_class)
     ]
-    proxy = LLMProxy(refs, TaskProfiler({"game": "prefill-heavy"}, ratio=4.0), timeout_s=30.0)
+    proxy = LLMProxy(refs, TaskProfiler({"game": "prefill-heavy"}, ratio=4.0), timeout_s=30.0, routing="finish-time")
     now = time.monotonic()
     for ref in refs:
         reply = Generated("r", [1], [0.0], [0], "stop", 8, ref.name, 0.0, rng.randrange(1, 64), rng.randrange(8))

@@ -77,10 +77,17 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help="default fig11a.md (fig11a-rollout.md)")
     parser.add_argument(
+        "--routing",
+        choices=["class", "finish-time"],
+        default="class",
+        help="rollout.routing (default: class, the paper's); finish-time writes fig11a[-rollout]-finish-time.md",
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
-    name = "fig11a-rollout.md" if args.rollout_only else "fig11a.md"
+    name = ("fig11a-rollout" if args.rollout_only else "fig11a") + ("-finish-time" if args.routing != "class" else "")
+    name += ".md"
     args.out = args.out or ROOT / "benchmarks" / "results" / "paper" / name
     model = tiny_tokenizer_model()
     began = time.monotonic()
@@ -90,6 +97,7 @@ def main() -> None:
             continue
         print(f"{name} ...", flush=True)
         spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=1)
+        spec["rollout"]["routing"] = args.routing
         if args.rollout_only:
             spec["sim"]["trainer"] = None
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True)
@@ -127,7 +135,7 @@ def main() -> None:
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
         "`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, alpha 1, "
-        f"{trainer}), rollout GPUs as in the table; in-process, virtual clock; {args.steps} "
+        f"{trainer}, routing: {args.routing}), rollout GPUs as in the table; in-process, virtual clock; {args.steps} "
         "batches per run, step time = mean gap between batches after the first"
     )
     title = "Fig. 11a: hardware-affinity routing at equal cost (simulation)"

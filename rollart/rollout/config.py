@@ -227,11 +227,14 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     group_attempts: int = 3
     """Tries of one task and seed: when a try fails and this many were made, the seed is given up
     for a fresh one, so a task instance that breaks its env every time does not hold a slot forever."""
-    routing: Routing = "finish-time"
-    """How an env-host picks a generator for each turn (`rollart.rollout.proxy`): `finish-time`, where the
-    turn is predicted to finish first (its task's measured service time there, plus that generator's
-    backlog), the hardware class its profile prefers breaking ties and overruled when backlogged; or
-    `class`, the paper's: the preferred class always, least loaded within it, others only when it is down."""
+    routing: Routing = "class"
+    """How an env-host picks a generator for each turn (`rollart.rollout.proxy`): `class`, the paper's: the
+    class the task's profile prefers always, least loaded within it, others only when it is down; or
+    `finish-time`, where the turn is predicted to finish first (its task's measured service time there,
+    plus that generator's backlog), the preferred class winning near-ties. Measured in the paper's
+    simulated shape (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an
+    undersized class (the paper's mix, 0.67x -> 1.02x of H800 only) but costs a well-sized mix
+    throughput (1.27x -> 1.10x), so it is not the default yet."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""

@@ -1,7 +1,7 @@
 """LLMProxy: where each generation call of a trajectory goes, in the env-host.
 
-With `rollout.routing: finish-time` (the default) a call goes to the generator where it is
-predicted to **finish first**:
+With `rollout.routing: finish-time` a call goes to the generator where it is predicted to
+**finish first** (the default, `class`, is the paper's routing, further below):
 
     finish(g) = service(g, task) + backlog(g) * mean service(g) / running(g)
 
@@ -15,6 +15,8 @@ predicted to **finish first**:
   measurement of the others;
 - `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
   sent to it since, at the rate it works them off (Little's law over its running requests);
+- **hardware class** is a preference: estimates off the class the task's profile prefers are
+  `OFF_CLASS` longer, so the class wins near-ties and loses when backlogged or slower;
 - **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is cached
   there) while that one's estimate is within `STICKY_MARGIN` of the best;
 - **candidates**: every generator of a class of up to `EXACT_POOL`, else two drawn at random, from
@@ -164,7 +166,7 @@ class LLMProxy:
         profiler: TaskProfiler,
         *,
         timeout_s: float,
-        routing: Routing = "finish-time",
+        routing: Routing = "class",
         attempts: int = 6,
         backoff_base_s: float = 0.1,
         backoff_cap_s: float = 2.0,

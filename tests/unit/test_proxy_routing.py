@@ -47,7 +47,8 @@ def generators(hardware: str, loads: list[int], *, up: bool = True, prefix: str 
 
 
 def proxy(refs: list[GeneratorRef]) -> LLMProxy:
-    return LLMProxy(refs, TaskProfiler({}, ratio=4.0), timeout_s=1.0)
+    """Routing by finish time: a task without a measured call is routed by class all the same."""
+    return LLMProxy(refs, TaskProfiler({}, ratio=4.0), timeout_s=1.0, routing="finish-time")
 
 
 def picks(
