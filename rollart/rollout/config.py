@@ -233,8 +233,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     `finish-time`, where the turn is predicted to finish first (its task's measured service time there,
     plus that generator's backlog), the preferred class winning near-ties. Measured in the paper's
     simulated shape (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an
-    undersized class (the paper's mix, 0.67x -> 1.02x of H800 only) but costs a well-sized mix
-    throughput (1.27x -> 1.10x), so it is not the default yet."""
+    undersized class (the paper's mix, 0.67x -> 1.07x of H800 only) but costs well-sized mixes
+    throughput (the best mix 1.27x -> 1.13x), so it is not the default yet."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
