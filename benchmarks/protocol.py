@@ -668,20 +668,24 @@ def _raw_receiver(pipe: Pipe, certs: str, tls: bool, stripes: int, nbytes: int) 
         if tls:
             sock = _raw_context(certs, "bench-server", server=True).wrap_socket(sock, server_side=True)
         socks.append(sock)
-    part = nbytes // stripes
     view = memoryview(bytearray(nbytes))  # reused, as (d)'s receiver does
     with contextlib.suppress(ConnectionError):
         while True:
             before = cpu_seconds()
-            threads = [
-                threading.Thread(target=_recv_exactly, args=(sock, view[i * part : (i + 1) * part]))
-                for i, sock in enumerate(socks)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            _striped(_recv_exactly, socks, view)
             socks[0].sendall(_F64.pack(cpu_seconds() - before))
+
+
+def _striped(work: Callable[[socket.socket, memoryview], None], socks: list[socket.socket], view: memoryview) -> None:
+    """`work(sock, its slice of view)` for each socket, each in a thread of its own; returns when all are done."""
+    part = len(view) // len(socks)
+    threads = [
+        threading.Thread(target=work, args=(sock, view[i * part : (i + 1) * part])) for i, sock in enumerate(socks)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def _send_slice(sock: socket.socket, view: memoryview) -> None:
@@ -719,16 +723,8 @@ def bench_raw_sockets(certs: str, sizes: Sizes) -> list[Result]:
             benches.append((Result(key, what, "GiB/s", len(payload)), socks))
         for round_ in range(sizes.bulk_rounds + 1):  # the first is a warm-up
             for result, socks in benches:
-                part = len(payload) // len(socks)
                 t0, cpu0 = time.perf_counter(), cpu_seconds()
-                threads = [
-                    threading.Thread(target=_send_slice, args=(sock, payload[i * part : (i + 1) * part]))
-                    for i, sock in enumerate(socks)
-                ]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
+                _striped(_send_slice, socks, payload)
                 answer = memoryview(bytearray(_F64.size))
                 _recv_exactly(socks[0], answer)
                 seconds, sender_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0

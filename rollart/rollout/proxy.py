@@ -392,11 +392,7 @@ def _least_loaded(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], boo
     """The usable generator of `pool` with the fewest calls in flight (ties broken at random); in a
     pool larger than `EXACT_POOL`, the less loaded of two drawn at random, scanning only if neither
     of them is usable."""
-    if len(pool) > EXACT_POOL:
-        drawn = [g for g in random.sample(pool, 2) if usable(g)]
-        if drawn:
-            return min(drawn, key=lambda g: g.in_flight)
-    candidates = [g for g in pool if usable(g)]
+    candidates = _drawn(pool, usable)
     if not candidates:
         return None
     least = min(g.in_flight for g in candidates)
