@@ -97,6 +97,9 @@ def test_trainer_group_training_run_checkpoints_and_every_node_exits_cleanly(
     """Two trainer nodes of one rank each: the primary trains, pushes and checkpoints (every rank
     writes its shard into the run folder), the member shows its rank, and a stop drains all."""
     yaml = training_yaml(tiny_model, steps=STEPS, checkpoint_every=1, trainer="backend: fsdp2")
+    # The member waits for the primary to stop its ranks for its drain timeout less a second; the
+    # primary's stop (a checkpoint with every rank, then `stop`) took over 4 s on a loaded 2-core CI.
+    yaml += "  drain_timeout_s: 20\n"
     cluster = make_cluster(clusters, tmp_path, yaml, nodes=NODES | {"trainer-b": "trainer"}, fields=GROUP)
     cluster.start()
     cluster.wait_healthy()
