@@ -123,15 +123,28 @@ async def render(transcript: Transcript, renderer: ChatRenderer, task: TaskSpec 
     return prompt + history.ids, [0] * len(prompt) + history.mask
 
 
+def weigh_answer(mask: list[int], weight: float) -> list[float]:
+    """The loss weights of a rendered transcript: its final reply's tokens (the last run of the model's own,
+    its end of turn included) weigh `weight`, the tool call's 1."""
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    return [float(m) * (weight if start <= i < end else 1.0) for i, m in enumerate(mask)]
+
+
 def batch_of(
-    transcripts: int, settings: ProblemSettings, answer: Answer
+    transcripts: int, settings: ProblemSettings, answer: Answer, answer_weight: float = 1.0
 ) -> Callable[[ChatRenderer, random.Random], Rows]:
     """A `supervised_warmup` batch maker: `transcripts` episodes on problems of random seeds."""
 
     def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
         async def play() -> Rows:
             problems = [make_problem(rng.randrange(2**31), settings) for _ in range(transcripts)]
-            return [await render(draw(problem, rng, settings, answer), renderer) for problem in problems]
+            rows = [await render(draw(problem, rng, settings, answer), renderer) for problem in problems]
+            return [(ids, weigh_answer(mask, answer_weight)) for ids, mask in rows]
 
         return asyncio.run(play())
 
@@ -147,6 +160,7 @@ def warm_up(
     seed: int = 0,
     settings: ProblemSettings = DEFAULT_SETTINGS,
     answer: Answer = "result",
+    answer_weight: float = 1.0,
     log_every: int = 10,
 ) -> dict[str, Any]:
     """Warm up the model in `model_dir` in place (see the module docstring); returns the summary it records."""
@@ -159,8 +173,9 @@ def warm_up(
         "answer": answer,
         "ops": settings.ops,
         "max_number": settings.max_number,
+        "answer_weight": answer_weight,
     }
-    batch = batch_of(transcripts, settings, answer)
+    batch = batch_of(transcripts, settings, answer, answer_weight)
     return supervised_warmup(model_dir, batch, steps=steps, lr=lr, seed=seed, about=about, log_every=log_every)
 
 
@@ -176,8 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", choices=["result", "random"], default="result")
     parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
     parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
+    parser.add_argument(
+        "--answer-weight", type=float, default=1.0, help="of the final reply's tokens in the loss (the call's: 1)"
+    )
     parser.add_argument("--hidden-size", type=int, help="of a model built here (default: the BPE test model's)")
     parser.add_argument("--layers", type=int, help="of a model built here (default: the BPE test model's)")
+    parser.add_argument(
+        "--untied", action="store_true", help="a model built here gets an output layer of its own (README.md)"
+    )
     args = parser.parse_args(argv)
 
     from rollart.models.qwen3_bpe import DEFAULT_SIZES, build_qwen3_bpe_model
@@ -187,11 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             DEFAULT_SIZES,
             hidden_size=args.hidden_size or DEFAULT_SIZES.hidden_size,
             num_layers=args.layers or DEFAULT_SIZES.num_layers,
+            tie_embeddings=not args.untied,
         )
         print(f"building the BPE test model in {args.model_dir} ({sizes})", flush=True)
         build_qwen3_bpe_model(args.model_dir, seed=args.seed, sizes=sizes)
-    elif args.hidden_size or args.layers:
-        parser.error(f"{args.model_dir} already holds a model: --hidden-size and --layers apply to one built here")
+    elif args.hidden_size or args.layers or args.untied:
+        parser.error(f"{args.model_dir} holds a model already: --hidden-size, --layers, --untied are for building one")
     settings = ProblemSettings(ops=args.ops, max_number=args.max_number)
     print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
     summary = warm_up(
@@ -202,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         settings=settings,
         answer=args.answer,
+        answer_weight=args.answer_weight,
         log_every=1,
     )
     print(json.dumps(summary, indent=2))

@@ -172,6 +172,11 @@ class Qwen3BpeSizes(msgspec.Struct, frozen=True, kw_only=True):
     intermediate_size: int = 1536
     max_position_embeddings: int = 4096
     rope_theta: float = 1_000_000.0
+    tie_embeddings: bool = True
+    """The output layer shares the input embedding (Qwen3's small checkpoints do). Untied, a model trained from
+    scratch on targets that are interchangeable (random operands, random answers) keeps their tokens apart as
+    inputs: tied, those tokens' embeddings are pulled together as outputs and the model can no longer tell them
+    apart where it reads them (examples/calculator_agent/README.md)."""
     pad_vocab_to: int = 128
     """The embedding has a multiple of this many rows, some past the tokenizer, as Qwen3's (151,936 rows for
     151,669 tokens) has: code that takes `len(tokenizer)` for the vocabulary size is caught."""
@@ -258,7 +263,7 @@ def build_qwen3_bpe_model(out_dir: Path, *, seed: int = 0, sizes: Qwen3BpeSizes 
         max_window_layers=sizes.num_layers,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": sizes.rope_theta},
-        tie_word_embeddings=True,
+        tie_word_embeddings=sizes.tie_embeddings,
         bos_token_id=token_id[ENDOFTEXT],
         eos_token_id=token_id[IM_END],
     )

@@ -45,8 +45,9 @@ tiny model built and warmed up by an older RollArt, whose marker names another o
 again (`warmup_outdated`)."""
 
 
-Rows = list[tuple[list[int], list[int]]]
-"""Token-id sequences to train on, each with its mask of the tokens to learn (1) or only to read (0)."""
+Rows = list[tuple[list[int], Sequence[float]]]
+"""Token-id sequences to train on, each with its mask of the tokens to learn (1, or another weight in the loss)
+or only to read (0)."""
 
 
 def random_episode(task: TaskSpec, renderer: ChatRenderer, rng: random.Random) -> Rows:

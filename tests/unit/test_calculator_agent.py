@@ -179,6 +179,19 @@ async def test_calculator_agent_warmup_transcripts_call_the_tool_then_answer_and
     assert same_as_problem <= 3  # by chance only (about 1 in 60 with +- up to 9)
 
 
+async def test_calculator_agent_warmup_weighs_the_final_reply_alone(renderer: ChatRenderer) -> None:
+    warmup = example("warmup")
+    settings = problems.ProblemSettings()
+    transcript = warmup.draw(problems.make_problem(3, settings), random.Random(3), settings)
+    ids, mask = await warmup.render(transcript, renderer)
+    weights = warmup.weigh_answer(mask, 4.0)
+    assert [w == 0 for w in weights] == [m == 0 for m in mask]
+    heavy = [i for i, w in enumerate(weights) if w == 4.0]
+    assert renderer.decode([ids[i] for i in heavy]).startswith(transcript.answer)  # the answer and its end of turn
+    assert heavy == list(range(len(ids) - len(heavy), len(ids))) and ids[-1] == renderer.turn_end_id
+    assert weights.count(1.0) == sum(mask) - len(heavy) > 10  # the tool call, at 1
+
+
 # -- agent.py, run as the env-host runs it ------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -32,6 +33,7 @@ from rollart.models.qwen3_bpe import (
     PRETOKENIZE_REGEX,
     QWEN3_CHAT_TEMPLATE,
     Qwen3BpeSizes,
+    build_qwen3_bpe_model,
     train_tokenizer,
 )
 from rollart.tasks import CopyReverseEnv, FrozenLakeEnv, SokobanEnv
@@ -79,6 +81,17 @@ def test_qwen3_bpe_model_has_real_qwen3_shape_in_bfloat16(qwen3_bpe_dir: Path, t
     assert 20e6 <= parameters <= 50e6
     marker = json.loads((qwen3_bpe_dir / MARKER_FILE).read_text())
     assert marker["preset"] == "qwen3-bpe" and marker["seed"] == 0 and marker["parameters"] == parameters
+
+
+def test_qwen3_bpe_model_untied_has_an_output_layer_of_its_own(tmp_path: Path) -> None:
+    sizes = msgspec.structs.replace(SMALL, hidden_size=64, num_layers=1, intermediate_size=128, tie_embeddings=False)
+    folder = build_qwen3_bpe_model(tmp_path / "untied", sizes=sizes)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert embedding.data_ptr() != head.data_ptr() and not torch.equal(embedding, head)
+    marker = json.loads((folder / MARKER_FILE).read_text())
+    assert marker["tie_embeddings"] is False and marker["parameters"] == sum(p.numel() for p in model.parameters())
 
 
 def test_qwen3_bpe_tokenizer_has_qwen3_added_tokens_and_roles(tokenizer: Any) -> None:
