@@ -18,14 +18,18 @@ Per loss token, with A the token's advantage:
     r         = exp(new - prox)
     surrogate = min(r * A, clip(r, 1 - clip_eps, 1 + clip_eps_high) * A)
     loss_t    = -w * surrogate + kl_coef * k3(ref) + anchor_coef * k3(prox),
-                k3(x) = exp(x - new) - (x - new) - 1
+                k3(x) = min(exp(d) - d - 1, K3_MAX),  d = clamp(x - new, +-K3_LOG_RATIO_MAX)
 
 w corrects for staleness (the data came from mu, not pi_prox); truncating it at tis_cap bounds its
 variance when mu gave a token far less probability than pi_prox does. The trust region is taken
 around pi_prox, the recent weights, not around the stale mu: clipping pi_theta / mu instead, stale
 data can sit outside the clip range before any update and its tokens then get no gradient, while
 others may move as far as the staleness allows. When mu == pi_prox (fully on-policy) w = 1 and this
-is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL(pi_theta || pi_ref).
+is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL(pi_theta || pi_ref),
+bounded as verl's `low_var_kl` is: it grows as exp(x - new) where pi_theta gives a token far less
+probability than pi_ref, and one such token (an early Adam step moves every weight by about lr) made a
+batch's mean KL 541 and its gradient norm 1354 (examples/calculator_agent/README.md); a token past the
+bound gets no KL gradient.
 The anchor is the same estimator against pi_prox on every generated token, zero-advantage ones
 included: a task whose groups are all solved gets no policy gradient, and without it nothing holds
 its behaviour while other tasks' updates move the shared weights.
@@ -273,6 +277,18 @@ class LossStats:
         }
 
 
+K3_LOG_RATIO_MAX = 20.0
+"""k3's log-ratio is clamped to this either way (verl's `low_var_kl`'s bounds)."""
+K3_MAX = 10.0
+"""k3 is capped here (module docstring)."""
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi_theta || pi_x) per token from log(pi_x / pi_theta), bounded."""
+    d = log_ratio.clamp(-K3_LOG_RATIO_MAX, K3_LOG_RATIO_MAX)
+    return (torch.exp(d) - d - 1).clamp(max=K3_MAX)
+
+
 def grpo_loss(
     new_logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor,
@@ -312,14 +328,12 @@ def grpo_loss(
     per_token = policy
     kl = zero
     if ref_logprobs is not None:
-        log_ref_ratio = torch.where(on, ref_logprobs.detach().to(dtype) - new_logprobs, zero)
-        kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1) * mask
+        kl = k3(torch.where(on, ref_logprobs.detach().to(dtype) - new_logprobs, zero)) * mask
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
     anchor = zero
     if cfg.anchor_coef > 0:
-        log_prox_ratio = torch.where(on, prox - new_logprobs, zero)
-        anchor = (torch.exp(log_prox_ratio) - log_prox_ratio - 1) * mask
+        anchor = k3(torch.where(on, prox - new_logprobs, zero)) * mask
         per_token = per_token + cfg.anchor_coef * anchor
     loss = per_token.sum() / total_tokens
     with torch.no_grad():

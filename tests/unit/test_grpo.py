@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import (
+    K3_MAX,
     GRPOConfig,
     PackedBatch,
     group_advantages,
     grpo_loss,
+    k3,
     pack_batch,
     staleness,
     token_logprobs,
@@ -160,6 +162,19 @@ def test_the_kl_term_is_k3_to_the_reference_policy() -> None:
     assert stats0.means()["kl"] == pytest.approx(1 - math.log(2))
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(new, prox, batch, cfg, total_tokens=1)
+
+
+def test_the_kl_term_is_bounded_where_the_policy_gives_a_token_far_less_than_the_reference() -> None:
+    """Unbounded, k3 grows as e^(ref - new): a token whose probability fell by 9 nats alone weighs 8,000."""
+    new = torch.tensor([[0.0, -9.0, math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    batch = row_batch(mask=[0.0, 1.0, 1.0], behaviour=[0.0, -9.0, math.log(0.5)], advantages=[0.0, 0.0, 0.0])
+    loss, stats = grpo_loss(new, new.detach(), batch, GRPOConfig(kl_coef=0.1), total_tokens=2, ref_logprobs=ref)
+    assert stats.means()["kl"] == pytest.approx((K3_MAX + 1 - math.log(2)) / 2)
+    loss.backward()
+    assert new.grad is not None  # the capped token gets no KL gradient; the other one its own
+    assert new.grad[0].tolist() == pytest.approx([0.0, 0.0, 0.1 * (1 - 2) / 2])
+    assert k3(torch.tensor([1e4, -1e4, 0.0])).tolist() == pytest.approx([K3_MAX, K3_MAX, 0.0])
 
 
 def test_the_anchor_is_k3_to_the_steps_starting_policy_on_zero_advantage_tokens_too() -> None:
