@@ -4,7 +4,7 @@
 
 One problem per episode seed (`ROLLART_EPISODE_SEED`): the same seed gives the same problem on every machine
 and every Python (`random.Random(seed)`), so the G episodes of a group solve the same one. The problems are
-kept tiny on purpose, for a ~29M-parameter model learning from scratch on a CPU: one operation, one sentence
+kept tiny on purpose, for a 10M-parameter model learning from scratch on a CPU: one operation, one sentence
 per operation (a fixed template, a few names and things), operands from 1 to `max_number` (the answer of
 `-` is never below 0, of `/` always whole). Which operations and how large the numbers are is set by the
 agent's environment (`CALCULATOR_OPS`, `CALCULATOR_MAX_NUMBER`, `ProblemSettings.from_environ`); the
