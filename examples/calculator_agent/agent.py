@@ -13,9 +13,11 @@ up to `MAX_TURNS` times, it asks the model for its next turn with the calculator
   and the error as a user message, and the next turn;
 - plain text: the final answer, the last number in it.
 
-At the end it reports its reward, 1.0 when the answer is right and 0.0 otherwise, with `success` and the
-answer (`POST <base_url>/rollart/report`), and exits 0. An episode closed under it (cancelled, too stale, the
-run over: HTTP 409) ends it with status 2 and one line on stderr.
+At the end it reports its reward, 1.0 when the answer is right and came after a call the calculator
+evaluated, 0.0 otherwise (the task is to solve the problem with the tool: a guess without it, even a right
+one, scores nothing), with `success` and the answer (`POST <base_url>/rollart/report`), and exits 0. An
+episode closed under it (cancelled, too stale, the run over: HTTP 409) ends it with status 2 and one line on
+stderr.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ MODEL = "policy"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def solve(client: openai.OpenAI, problem: Problem) -> str | None:
-    """The model's final answer to `problem` (the last number of its final reply), or None without one."""
+def solve(client: openai.OpenAI, problem: Problem) -> tuple[str | None, bool]:
+    """The model's final answer to `problem` (the last number of its final reply, or None without one), and
+    whether the calculator evaluated one of its calls before it."""
     messages: list[Any] = [*opening(problem)]  # OpenAI chat messages, as plain dicts
     tools: list[Any] = [TOOL]
+    evaluated = False
     for _ in range(MAX_TURNS):
         try:
             response = client.chat.completions.create(model=MODEL, messages=messages, tools=tools)
@@ -53,12 +57,12 @@ def solve(client: openai.OpenAI, problem: Problem) -> str | None:
             continue
         except openai.BadRequestError as exc:
             if exc.code in ("turn_limit", "context_length_exceeded"):  # the task's budget is spent
-                return None
+                return None, evaluated
             raise
         message = response.choices[0].message
         if not message.tool_calls:
             numbers = NUMBER.findall(message.content or "")
-            return numbers[-1] if numbers else None
+            return (numbers[-1] if numbers else None), evaluated
         # The reply as the endpoint returned it, then one result per call: the same sequence goes on.
         calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls if c.type == "function"]
         messages.append(
@@ -71,10 +75,13 @@ def solve(client: openai.OpenAI, problem: Problem) -> str | None:
                 ],
             }
         )
+        results = [run_tool(name, arguments) for _, name, arguments in calls]
+        evaluated = evaluated or any(not result.startswith("error") for result in results)
         messages += [
-            {"role": "tool", "tool_call_id": i, "content": run_tool(name, arguments)} for i, name, arguments in calls
+            {"role": "tool", "tool_call_id": i, "content": result}
+            for (i, _, _), result in zip(calls, results, strict=True)
         ]
-    return None
+    return None, evaluated
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -96,8 +103,8 @@ def main() -> int:
     client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY; a retry would be another turn
     problem = make_problem(int(os.environ["ROLLART_EPISODE_SEED"]), ProblemSettings.from_environ(os.environ))
     try:
-        answer = solve(client, problem)
-        right = is_right(answer, problem)
+        answer, evaluated = solve(client, problem)
+        right = evaluated and is_right(answer, problem)
         report = {"reward": 1.0 if right else 0.0, "success": right, "answer": answer}
         client.post("/rollart/report", cast_to=object, body=report)
     except openai.ConflictError as exc:  # 409: the episode was closed; nothing more to do or say

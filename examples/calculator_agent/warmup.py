@@ -173,6 +173,7 @@ def warm_up(
         "answer": answer,
         "ops": settings.ops,
         "max_number": settings.max_number,
+        "max_second": settings.max_second,
         "answer_weight": answer_weight,
     }
     batch = batch_of(transcripts, settings, answer, answer_weight)
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", choices=["result", "random"], default="result")
     parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
     parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
+    parser.add_argument("--max-second", type=int, help="as CALCULATOR_MAX_SECOND (default: --max-number)")
     parser.add_argument(
         "--answer-weight", type=float, default=1.0, help="of the final reply's tokens in the loss (the call's: 1)"
     )
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen3_bpe_model(args.model_dir, seed=args.seed, sizes=sizes)
     elif args.hidden_size or args.layers or args.untied:
         parser.error(f"{args.model_dir} holds a model already: --hidden-size, --layers, --untied are for building one")
-    settings = ProblemSettings(ops=args.ops, max_number=args.max_number)
+    settings = ProblemSettings(ops=args.ops, max_number=args.max_number, max_second=args.max_second)
     print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
     summary = warm_up(
         args.model_dir,

@@ -263,7 +263,7 @@ async def test_calculator_agent_plays_a_scripted_model_and_its_tokens_are_the_wa
     episode = open_episode(renderer, scripted)
     code, stderr = await run_agent(endpoint, episode, seed)
     assert code == 0, stderr
-    right = float(transcript.answer) == problem.answer
+    right = float(transcript.answer) == problem.answer  # the call is evaluated: the answer counts
     assert episode.report is not None
     assert (episode.report.reward, episode.report.success) == (float(right), right)
     assert episode.report.answer == transcript.answer
@@ -293,6 +293,35 @@ async def test_calculator_agent_solves_with_the_calculator_and_shows_a_broken_ca
     text = renderer.decode(episode.history.ids)
     assert "Error: the model's tool call cannot be used: tool call 1 is not JSON" in text
     assert f"<tool_response>\n{problem.answer}\n</tool_response>" in text
+
+
+@pytest.mark.integration
+async def test_calculator_agent_scores_nothing_for_a_right_guess_without_the_calculator(
+    renderer: ChatRenderer, endpoint: AgentEndpoint
+) -> None:
+    """A broken call, its error, then the right number: right, but not solved with the tool."""
+    from tests.integration.test_agent_endpoint import Scripted
+
+    problem = problems.make_problem(3)
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}\n</tool_call>'
+    episode = open_episode(renderer, Scripted(renderer, broken, str(problem.answer)))
+    code, stderr = await run_agent(endpoint, episode, 3)
+    assert code == 0, stderr
+    assert episode.report is not None and (episode.report.reward, episode.report.success) == (0.0, False)
+    assert episode.report.answer == str(problem.answer) and episode.turns == 2
+
+
+def test_calculator_problems_with_a_small_second_number() -> None:
+    settings = problems.ProblemSettings(max_number=7, max_second=2)
+    assert settings == problems.ProblemSettings.from_environ(
+        {"CALCULATOR_MAX_NUMBER": "7", "CALCULATOR_MAX_SECOND": "2"}
+    )
+    drawn = [problems.make_problem(seed, settings).numbers for seed in range(400)]
+    assert {a for a, _ in drawn} == set(range(1, 8)) and {b for _, b in drawn} == {1, 2}
+    # Unset, the second is drawn as the first: the same problems as before the setting existed.
+    assert problems.make_problem(5) == problems.make_problem(5, problems.ProblemSettings(max_second=3))
+    with pytest.raises(ValueError, match="max_second"):
+        problems.ProblemSettings(max_second=0)
 
 
 @pytest.mark.integration
