@@ -27,9 +27,8 @@ data can sit outside the clip range before any update and its tokens then get no
 others may move as far as the staleness allows. When mu == pi_prox (fully on-policy) w = 1 and this
 is exactly PPO-clip. k3 is Schulman's non-negative, low-variance estimator of KL(pi_theta || pi_ref),
 bounded as verl's `low_var_kl` is: it grows as exp(x - new) where pi_theta gives a token far less
-probability than pi_ref, and one such token (an early Adam step moves every weight by about lr) made a
-batch's mean KL 541 and its gradient norm 1354 (examples/calculator_agent/README.md); a token past the
-bound gets no KL gradient.
+probability than pi_ref, and such tokens made a batch's mean KL 541 and its gradient norm 1354 after one
+step (benchmarks/results/calculator_agent/README.md); a token past the bound gets no KL gradient.
 The anchor is the same estimator against pi_prox on every generated token, zero-advantage ones
 included: a task whose groups are all solved gets no policy gradient, and without it nothing holds
 its behaviour while other tasks' updates move the shared weights.
