@@ -75,12 +75,9 @@ def solve(client: openai.OpenAI, problem: Problem) -> tuple[str | None, bool]:
                 ],
             }
         )
-        results = [run_tool(name, arguments) for _, name, arguments in calls]
-        evaluated = evaluated or any(not result.startswith("error") for result in results)
-        messages += [
-            {"role": "tool", "tool_call_id": i, "content": result}
-            for (i, _, _), result in zip(calls, results, strict=True)
-        ]
+        results = [(i, run_tool(name, arguments)) for i, name, arguments in calls]
+        evaluated = evaluated or any(not result.startswith("error") for _, result in results)
+        messages += [{"role": "tool", "tool_call_id": i, "content": result} for i, result in results]
     return None, evaluated
 
 
