@@ -84,8 +84,10 @@ class TrainerNode(NodeDaemon):
         self.version = 0
         self.batches = 0
         self.trained_s = 0.0
-        self.wait_s = 0.0
         """Seconds spent in training steps (for `/status` busy)."""
+        self.wait_s = 0.0
+        self.untrained: list[GroupDone] = []
+        """The batch taken and not yet trained on: a checkpoint keeps its groups to run again."""
         self.done = False
         self.finished = asyncio.Event()
         """Set with `done`: the last batch is taken."""
@@ -175,12 +177,14 @@ class TrainerNode(NodeDaemon):
         assert self.rollout is not None
         while self.rollout.steps is None or self.batches < self.rollout.steps:
             waiting, ready = time.perf_counter(), self.buffer.ready()
-            batch = await self.buffer.take()
+            batch = self.untrained = await self.buffer.take()
             self.wait_s = time.perf_counter() - waiting
             self.dispenser.pace(batch_was_ready=ready)
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             await steps.step(batch)
+            if self.draining:  # no step after the drain's checkpoint; the node cancels this task
+                await asyncio.Event().wait()
         await steps.finish()
         self.done = True
         self.finished.set()

@@ -54,6 +54,9 @@ class TrainerCore(Protocol):
 
     version: int
     batches: int
+    draining: bool
+    untrained: list[GroupDone]
+    """The batch taken and not yet trained on."""
     trained_s: float
     wait_s: float
     """How long the trainer waited for the last batch to fill."""
@@ -138,11 +141,14 @@ class TrainStep:
         core.dispenser.held = sync
         core.dispenser.changed()
         async with self._lock:
+            if core.draining:  # the drain's checkpoint keeps the batch (`untrained`) to run again
+                return
             stats = await learner.train(batch, version=core.version)
             stats["time_wait_s"] = core.wait_s
             stats["lookahead"] = core.dispenser.ahead
             core.trained_s += stats["train_s"]
             core.batches += 1
+            core.untrained = []
             await core.bump_version()
             # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
             await asyncio.to_thread(learner.publish, core.version)
@@ -180,7 +186,8 @@ class TrainStep:
         async with self._lock:
             if core.batches == self.last_checkpoint_step:
                 return
-            buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in core.buffer.peek()]
+            waiting = [*core.untrained, *core.buffer.peek()]
+            buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in waiting]
             await self.learner.checkpoint(
                 step=core.batches, version=core.version, dispenser=core.dispenser.state_dict(buffered)
             )
@@ -206,7 +213,7 @@ class TrainStep:
         await self.learner.close()
 
     async def drain(self) -> None:
-        if self.learner.engine is not None and self.core.batches > self.last_checkpoint_step:
+        if self.learner.engine is not None:  # after the step in flight, if any (`_checkpoint` waits for it)
             await self._checkpoint()
         await self.learner.saved()
         await self.learner.close_trackers()  # the node cancels the work after a drain: `close` may not come
