@@ -85,6 +85,35 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     """Policy version of the weights in use."""
 
 
+BUSY_WINDOW_S = 10.0
+"""`RecentBusy` covers between this and twice this of the clock it is given."""
+
+
+class RecentBusy:
+    """An engine's busy fraction over its last `window_s` to 2 * `window_s`, from `EngineLoad.busy_fraction`
+    (since the engine started): busy seconds are that fraction times the time up, and differences of them
+    cancel any offset between the engine's start and the first `update`."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._start: float | None = None
+        self._older = self._newer = (0.0, 0.0)
+        """(time, busy seconds) marks; the fraction is measured since `_older`."""
+
+    def update(self, fraction: float, now: float) -> float:
+        """The recent fraction, given the fraction since start at `now` (any clock, always the same one)."""
+        if self._start is None:
+            self._start = now
+            self._older = self._newer = (now, 0.0)
+        busy = fraction * (now - self._start)
+        if now - self._newer[0] >= self.window_s:
+            self._older, self._newer = self._newer, (now, busy)
+        since, busy_then = self._older
+        if now <= since:
+            return fraction
+        return min(1.0, max(0.0, (busy - busy_then) / (now - since)))
+
+
 class GenerationEngine(Protocol):
     """What the generator node drives."""
 

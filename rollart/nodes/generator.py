@@ -28,7 +28,7 @@ import msgspec
 import structlog
 
 from rollart import cpus
-from rollart.engines.base import SamplingParams
+from rollart.engines.base import RecentBusy, SamplingParams
 from rollart.engines.engine_set import EngineSet, slices
 from rollart.errors import ConfigError
 from rollart.models.checkpoint import engine_dtype
@@ -146,6 +146,8 @@ class GeneratorNode(NodeDaemon):
         self.aborted = 0
         self.engine_start_s: float | None = None
         self._engine_started: float | None = None
+        self.recent_busy = RecentBusy()
+        """On the loop's clock (simulated time in the in-process simulations), as the routers time calls."""
         self.receiver = WeightReceiver(
             self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weight_delta
         )
@@ -296,6 +298,7 @@ class GeneratorNode(NodeDaemon):
             queued_s=result.queued_s,
             running=load.running,
             waiting=load.waiting,
+            busy=round(self.recent_busy.update(load.busy_fraction, asyncio.get_running_loop().time()), 4),
         )
 
     async def drain_work(self) -> None:

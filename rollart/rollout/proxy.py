@@ -15,8 +15,17 @@ With `rollout.routing: finish-time` a call goes to the generator where it is pre
   measurement of the others;
 - `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
   sent to it since, at the rate it works them off (Little's law over its running requests);
-- **hardware class** is a preference: estimates off the class the task's profile prefers are
-  `OFF_CLASS` longer, so the class wins near-ties and loses when backlogged or slower;
+- **hardware class** is a preference the estimate overrules only where that pays: a call's candidates
+  are its preferred class's generators, and the other classes' too when every one of its own has a
+  queue, or (a fraction `spill` of its calls) when the class is saturated while another has room.
+  A continuous-batching engine does not queue when loaded, it slows down, and a call routed to the
+  generator that finishes it first (measured: routing every call by finish time) takes decode work
+  to the class that is quick at it while lightly loaded and costly per token, which a class routing
+  kept balanced would not (paper shape 48 H800 + 72 H20: 1.27x -> 1.07x). So each class's `spill`
+  follows the recent busy fractions the generators report with each reply: up by `SPILL_STEP` every
+  `SPILL_EVERY_S` while the class is `SATURATED` and another is `SPILL_GAP` less busy, down once the
+  two are within `SPILL_HOLD` (or it has room itself). Off-class estimates are also `OFF_CLASS`
+  longer, so the class wins near-ties;
 - **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is cached
   there) while that one's estimate is within `STICKY_MARGIN` of the best;
 - **candidates**: every generator of a class of up to `EXACT_POOL`, else two drawn at random, from
@@ -77,6 +86,16 @@ EXPLORE = 0.02
 class stay current."""
 STICKY_MARGIN = 0.25
 """A sticky generator is kept while its predicted finish is within this fraction of the best one's."""
+SATURATED = 0.9
+"""A hardware class this busy (its generators' recent busy fraction, on average) has no room to spare."""
+SPILL_GAP = 0.15
+"""Calls spill out of a saturated class while another is at least this much less busy..."""
+SPILL_HOLD = 0.05
+"""...and spill less once the gap is below this (between the two, the spill holds)."""
+SPILL_STEP = 0.05
+SPILL_MAX = 0.9
+SPILL_EVERY_S = 2.0
+"""How often (the loop's clock) the spill fractions move, by `SPILL_STEP`, within 0 and `SPILL_MAX`."""
 
 
 class GenerationFailed(RollartError):
@@ -103,6 +122,8 @@ class GeneratorRef:
     """Requests running on the generator, as its last reply to this env-host said."""
     waiting: int = 0
     """Requests queued on it, not yet started, as its last reply said."""
+    busy: float | None = None
+    """Its recent busy fraction, as its last reply said (None: never said)."""
     sent_since_report: int = 0
     """Calls sent to it from here since that reply."""
     reported_at: float = 0.0
@@ -114,6 +135,8 @@ class GeneratorRef:
         self.mean_service_s = _ewma(self.mean_service_s or None, service_s)
         self.running, self.waiting, self.sent_since_report = result.running, result.waiting, 0
         self.reported_at = now
+        if result.busy is not None:
+            self.busy = result.busy
 
     def backlog_s(self, now: float) -> float:
         """Predicted wait before a call sent now starts here: the queue its last reply reported, worked
@@ -188,6 +211,9 @@ class LLMProxy:
         """Calls sent outside their preferred class while it had a usable generator."""
         self.explored = 0
         """Calls sent to a random candidate (`EXPLORE`)."""
+        self.spill: dict[str, float] = dict.fromkeys(classes, 0.0)
+        """Per hardware class: the fraction of its calls whose candidates include the other classes."""
+        self._spill_moved_at = 0.0
         self._started: set[str] = set()
         """Classes with a generator past its first connection: no start-up wait for them again."""
         self.profiler = profiler
@@ -221,7 +247,10 @@ class LLMProxy:
     def _pick_first_finish(
         self, trajectory_id: str, task: str, want: str, usable: Callable[[GeneratorRef], bool]
     ) -> GeneratorRef | None:
-        candidates = _drawn(self.by_class.get(want, []), usable) + _drawn(self.outside[want], usable)
+        now = _now()
+        candidates = _drawn(self.by_class.get(want, []), usable)
+        if not candidates or random.random() < self.spill[want] or all(g.backlog_s(now) > 0 for g in candidates):
+            candidates += _drawn(self.outside[want], usable)
         if not candidates:
             return None
         if len(candidates) > 1 and random.random() < EXPLORE:
@@ -230,7 +259,6 @@ class LLMProxy:
             if best.hardware != want and self.by_class.get(want):
                 self.overruled += 1
             return best
-        now = _now()
         scored = [(self.estimate_s(g, task, want, now), g.in_flight, random.random(), g) for g in candidates]
         best_s, _, _, best = min(scored, key=lambda entry: entry[:3])
         sticky = self.by_name.get(self.sticky.get(trajectory_id, ""))
@@ -338,6 +366,28 @@ class LLMProxy:
         key = (task, generator.hardware)
         self.class_service_s[key] = _ewma(self.class_service_s.get(key), service_s)
         self.task_service_s[task] = _ewma(self.task_service_s.get(task), service_s)
+        if now - self._spill_moved_at >= SPILL_EVERY_S:
+            self._spill_moved_at = now
+            self._move_spill()
+
+    def _move_spill(self) -> None:
+        """Each class's spill follows how busy it is against the least busy other class: up while it is
+        saturated and that one has room, down once they are near level (or it has room itself)."""
+        busy = {
+            hardware: sum(reports) / len(reports)
+            for hardware, pool in self.by_class.items()
+            if (reports := [g.busy for g in pool if g.busy is not None])
+        }
+        for hardware, mine in busy.items():
+            others = [other for name, other in busy.items() if name != hardware]
+            if not others:
+                continue
+            gap, spill = mine - min(others), self.spill[hardware]
+            if mine >= SATURATED and gap >= SPILL_GAP:
+                spill = min(SPILL_MAX, spill + SPILL_STEP)
+            elif mine < SATURATED - SPILL_HOLD or gap < SPILL_HOLD:
+                spill = max(0.0, spill - SPILL_STEP)
+            self.spill[hardware] = spill
 
     def forget(self, trajectory_id: str) -> None:
         self.sticky.pop(trajectory_id, None)
@@ -359,6 +409,7 @@ class LLMProxy:
             },
             "tasks": self.profiler.describe(),
             "routing": self.routing,
+            "spill": {hardware: round(fraction, 3) for hardware, fraction in self.spill.items()},
             "overruled": self.overruled,
             "explored": self.explored,
             "reissued": self.reissued,

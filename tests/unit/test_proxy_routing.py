@@ -12,11 +12,17 @@ from typing import Any, cast
 
 import pytest
 
+from rollart.engines.base import RecentBusy
 from rollart.protocol import Session, State
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.proxy import (
     EXACT_POOL,
     OFF_CLASS,
+    SATURATED,
+    SPILL_GAP,
+    SPILL_HOLD,
+    SPILL_MAX,
+    SPILL_STEP,
     STICKY_MARGIN,
     STICKY_SLACK,
     GeneratorRef,
@@ -120,13 +126,32 @@ def test_state_reads_are_what_a_pick_looks_at() -> None:
 # -- routing by predicted finish time ------------------------------------------------------------
 
 
-def measured(p: LLMProxy, g: GeneratorRef, task: str, service_s: float, *, running: int = 1, waiting: int = 0) -> None:
+def measured(
+    p: LLMProxy,
+    g: GeneratorRef,
+    task: str,
+    service_s: float,
+    *,
+    running: int = 1,
+    waiting: int = 0,
+    busy: float | None = None,
+) -> None:
     """`g` served a call of `task` in `service_s` once started, and then reported this load."""
-    p._record(g, task, service_s, reply(running=running, waiting=waiting), time.monotonic())
+    p._record(g, task, service_s, reply(running=running, waiting=waiting, busy=busy), time.monotonic())
 
 
-def reply(*, running: int = 0, waiting: int = 0, queued_s: float = 0.0, finish: str = "stop") -> Generated:
-    return Generated("r", [1], [0.0], [0], finish, 10, "g", queued_s=queued_s, running=running, waiting=waiting)
+def reply(
+    *, running: int = 0, waiting: int = 0, queued_s: float = 0.0, finish: str = "stop", busy: float | None = None
+) -> Generated:
+    return Generated(
+        "r", [1], [0.0], [0], finish, 10, "g", queued_s=queued_s, running=running, waiting=waiting, busy=busy
+    )
+
+
+def spill_moves(p: LLMProxy, times: int) -> None:
+    """`times` periods of `SPILL_EVERY_S` pass."""
+    for _ in range(times):
+        p._move_spill()
 
 
 def test_finish_time_sends_a_call_outside_its_class_when_the_class_is_backlogged() -> None:
@@ -155,12 +180,16 @@ def test_a_class_a_task_never_ran_on_is_tried_and_then_judged_by_what_it_measure
     refs = generators("bandwidth", [0]) + generators("compute", [0])
     band, comp = refs
     p = proxy(refs)
-    measured(p, band, "math", 10.0, running=200)  # its own class, slowed by its load: no queue, only slow
+    # its own class, slowed by its load: no queue, only slow, and saturated while the other has room
+    measured(p, band, "math", 10.0, running=200, busy=1.0)
+    measured(p, comp, "game", 1.0, busy=0.3)
+    spill_moves(p, 30)
+    assert p.spill == {"bandwidth": SPILL_MAX, "compute": 0.0}
     now = time.monotonic()
     assert p.estimate_s(comp, "math", "bandwidth", now) == pytest.approx(10.0 * OFF_CLASS)  # as fast as there
     assert p.estimate_s(band, "math", "bandwidth", now) == pytest.approx(10.0)
     measured(p, comp, "math", 6.0)  # tried: faster, though off its class
-    assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 950
+    assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 1000 * SPILL_MAX - 50  # each spilled call
     for _ in range(20):  # the class caught up (its mean follows its calls): back to it
         measured(p, band, "math", 4.0, running=100)
     assert picks(p, "bandwidth", task="math", n=1000)["bandwidth-0"] > 950
@@ -170,6 +199,33 @@ def test_a_class_a_task_never_ran_on_is_tried_and_then_judged_by_what_it_measure
     p2.task_service_s, p2.class_service_s = p.task_service_s, p.class_service_s
     guess = p2.estimate_s(more, "math", "bandwidth", time.monotonic())
     assert guess == pytest.approx(p.class_service_s[("math", "compute")] * OFF_CLASS)
+
+
+def test_a_saturated_class_spills_while_another_has_room_and_stops_once_they_are_level() -> None:
+    refs = generators("bandwidth", [0]) + generators("compute", [0])
+    band, comp = refs
+    p = proxy(refs)
+    measured(p, band, "math", 10.0, running=100)
+    measured(p, comp, "math", 5.0)  # quicker for one call: not a reason to leave a class with room
+    assert picks(p, "bandwidth", task="math", n=1000)["bandwidth-0"] > 950
+    spill_moves(p, 5)
+    assert p.spill["bandwidth"] == 0.0  # nothing said how busy they are
+    measured(p, band, "math", 10.0, running=100, busy=SATURATED)
+    measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_GAP)
+    spill_moves(p, 4)
+    assert p.spill == {"bandwidth": pytest.approx(4 * SPILL_STEP), "compute": 0.0}
+    spilled = picks(p, "bandwidth", task="math", n=4000)["compute-0"] / 4000
+    assert 4 * SPILL_STEP - 0.05 < spilled < 4 * SPILL_STEP + 0.05
+    measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_GAP / 2)  # between the thresholds: it holds
+    spill_moves(p, 4)
+    assert p.spill["bandwidth"] == pytest.approx(4 * SPILL_STEP)
+    measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_HOLD / 2)  # near level: it comes back
+    spill_moves(p, 10)
+    assert p.spill["bandwidth"] == 0.0
+    measured(p, band, "math", 10.0, running=100, busy=SATURATED - 2 * SPILL_HOLD)
+    measured(p, comp, "game", 1.0, busy=0.1)
+    spill_moves(p, 10)
+    assert p.spill["bandwidth"] == 0.0  # room of its own: no spill however idle the other
 
 
 def test_a_task_without_a_measured_call_and_routing_class_go_by_class() -> None:
@@ -230,3 +286,14 @@ async def test_a_call_is_timed_on_the_loop_clock_less_the_queueing_the_generator
     assert ref.service_s["game"] == pytest.approx(0.05, abs=0.04)
     assert (ref.running, ref.waiting, ref.sent_since_report) == (3, 1, 0)
     assert p.task_service_s["game"] == ref.service_s["game"]
+
+
+def test_a_generator_reports_how_busy_it_was_lately_not_since_it_started() -> None:
+    recent = RecentBusy(window_s=10.0)
+    assert recent.update(1.0, 100.0) == 1.0  # nothing measured yet: the fraction since start
+    assert recent.update(1.0, 110.0) == 1.0
+    assert recent.update(0.5, 120.0) == 0.0  # idle for the last 10 s, though busy half the time since start
+    assert recent.update(10 / 25, 125.0) == 0.0
+    assert recent.update(10 / 30, 130.0) == 0.0
+    assert recent.update(20 / 40, 140.0) == pytest.approx(1.0)  # busy again
+    assert recent.update(25 / 45, 145.0) == pytest.approx(1.0)

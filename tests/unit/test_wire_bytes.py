@@ -80,10 +80,11 @@ PINNED: list[tuple[Channel[Any], Any, str]] = [
         Generate("r", "t", [1, 2], 8, 0.5, 0.9, [3], 11, 2),
         "9aa367656ea172a17492010208cb3fe0000000000000cb3feccccccccccccd91030b02",
     ),
+    # busy (none) appended (routing's spill by how busy each class is): old peers skip it
     (
         APP,
         Generated("r", [4, 5], [-0.5, -0.25], [1, 1], "stop", 2, "gen-0"),
-        "9ba967656e657261746564a17292040592cbbfe0000000000000cbbfd0000000000000920101a473746f7002a567656e2d30cb00000000000000000000",
+        "9ca967656e657261746564a17292040592cbbfe0000000000000cbbfd0000000000000920101a473746f7002a567656e2d30cb00000000000000000000c0",
     ),
     (APP, TaskWanted("env-0", 2.0), "93a57461736b3fa5656e762d30cb4000000000000000"),
     # greedy 0 and evaluation false appended (held-out evaluation): old peers skip them

@@ -46,6 +46,8 @@ class Generated(msgspec.Struct, tag="generated", **_WIRE):
     """Requests running on the generator when it answered (its engines' `EngineLoad`)."""
     waiting: int = 0
     """Requests queued there, not yet started, when it answered."""
+    busy: float | None = None
+    """The fraction of its recent time (the last 10-20 s) its engines spent generating (None: not said)."""
 
 
 class TaskWanted(Request["GroupTask | NoTask"], tag="task?", **_WIRE):
