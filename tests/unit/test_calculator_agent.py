@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -126,7 +127,15 @@ def test_calculator_agent_config_matches_the_agent_and_its_warmup() -> None:
     assert (ROOT / task.agent.command[1]).is_file()
     assert task.chat_options() == warmup.TASK.chat_options()  # the warm-up renders the run's prompts
     assert task.max_turns is not None and task.max_turns >= agent.MAX_TURNS
-    assert problems.ProblemSettings.from_environ(task.agent.env) == problems.ProblemSettings()  # warmup's default
+    # The problems are those the model was warmed up on: the warm-up command in the config's header.
+    header = [line for line in (ROOT / "configs" / "agent.yaml").read_text().splitlines() if line.startswith("#")]
+    flags = dict(re.findall(r"--(ops|max-number|max-second) (\S+)", " ".join(header)))
+    warmed = problems.ProblemSettings(
+        ops=flags["ops"],
+        max_number=int(flags["max-number"]),
+        max_second=int(flags["max-second"]) if "max-second" in flags else None,
+    )
+    assert problems.ProblemSettings.from_environ(task.agent.env) == warmed
 
 
 # -- the warm-up's transcripts ------------------------------------------------------------------------
