@@ -91,6 +91,8 @@ class TrainerNode(NodeDaemon):
         self.done = False
         self.finished = asyncio.Event()
         """Set with `done`: the last batch is taken."""
+        self.closed = asyncio.Event()
+        """Set once the work has closed the run after its last step (the engine and its ranks stopped)."""
         self.last_rewards: list[float] = []
         self._env_host_sessions: dict[str, str] = {}
         rollout = self.topology.run.rollout
@@ -171,6 +173,7 @@ class TrainerNode(NodeDaemon):
             await self._consume(self.steps)
             leases.cancel()
             await self.steps.close()
+        self.closed.set()
 
     async def _consume(self, steps: StepStrategy) -> None:
         """Take batches as they complete and hand each to the mode's step, until the last one."""
@@ -282,7 +285,12 @@ class TrainerNode(NodeDaemon):
 
     async def drain_work(self) -> None:
         if self.steps is not None:
-            await self.steps.drain()
+            if self.done:
+                # The run is over and the launcher drains every node: let the work close it (stop the
+                # ranks, which a trainer group's members wait for) rather than cancel it half way.
+                await self.closed.wait()
+            else:
+                await self.steps.drain()
             log.info(
                 "trainer.summary",
                 version=self.version,
