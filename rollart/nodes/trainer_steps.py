@@ -19,7 +19,6 @@ takes batches; a `StepStrategy` says what a batch is for:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +46,8 @@ SYNC_PUSH_TIMEOUT_S = 600.0
 """The synchronous baseline waits this long for every generator to load a version, then goes on."""
 FINAL_PUSH_S = 30.0
 """At the end of a run, how long the trainer waits for generators to load the last version."""
+FINAL_PUSH_POLL_S = 0.25
+"""...looking this often whether the node drains meanwhile."""
 
 
 class TrainerCore(Protocol):
@@ -207,8 +208,15 @@ class TrainStep:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()  # closing the engine is no failure
-        with contextlib.suppress(TimeoutError):  # let the last version land, within reason
-            await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_S)
+        # Let the last version land, within reason, and not once the node drains: the launcher drains
+        # every node when the run ends, generators go, and a trainer group's members wait for the ranks.
+        waited = 0.0
+        while waited < FINAL_PUSH_S and not self.core.draining:
+            try:
+                await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_POLL_S)
+                break
+            except TimeoutError:
+                waited += FINAL_PUSH_POLL_S
         await self.learner.publisher.close()
         await self.learner.close()
 
