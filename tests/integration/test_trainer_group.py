@@ -159,6 +159,7 @@ def test_trainer_group_under_rollart_run_trains_to_the_end_and_stops_cleanly(tmp
     """The local launcher starts the member like any node; the run ends when the primary is done."""
     nodes = NODES | {"trainer-b": "trainer"}
     run_yaml = training_yaml(tiny_model, steps=2, trainer="backend: fsdp2")
+    run_yaml += "  drain_timeout_s: 20\n"  # the primary's close stopped the ranks 3.3 s after the drain here
     topology, _ = write_topology(tmp_path, nodes, hardware=HARDWARE, extra_run=run_yaml, fields=GROUP)
     proc = rollart_run(topology)
     try:
