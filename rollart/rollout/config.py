@@ -231,10 +231,11 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """How an env-host picks a generator for each turn (`rollart.rollout.proxy`): `class`, the paper's: the
     class the task's profile prefers always, least loaded within it, others only when it is down; or
     `finish-time`, where the turn is predicted to finish first (its task's measured service time there,
-    plus that generator's backlog), the preferred class winning near-ties. Measured in the paper's
-    simulated shape (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an
-    undersized class (the paper's mix, 0.67x -> 1.07x of H800 only) but costs well-sized mixes
-    throughput (the best mix 1.27x -> 1.13x), so it is not the default yet."""
+    plus that generator's backlog) within its preferred class, which it leaves only when that class
+    queues or is saturated while another has room. Measured in the paper's simulated shape
+    (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an undersized class
+    (the paper's mix, 0.67x -> 1.03x of H800 only) but costs the best-sized mix throughput (1.27x ->
+    1.18x), so it is not the default yet."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
