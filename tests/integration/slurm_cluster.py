@@ -105,13 +105,13 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         self._spawn(["slurmctld", "-D", "-i"])
         for name in NODES:
             self._spawn(["slurmd", "-D", "-N", name])
-        wait_for(self._idle, 60, "every Slurm node idle")
+        wait_for(self.idle, 60, "every Slurm node idle")
 
     def _spawn(self, command: list[str]) -> None:
         with (self.folder / "logs" / f"{command[0]}.out").open("ab") as log:  # the child keeps its own copy
             self.procs.append(subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT))
 
-    def _idle(self) -> bool:
+    def idle(self) -> bool:
         out = self.run("sinfo", "--noheader", "--Node", "--format=%N %t").stdout.split()
         return out.count("idle") == len(NODES)
 

@@ -27,7 +27,9 @@ from tests.integration import slurm_cluster
 from tests.integration.cluster import HARDWARE, NODES, training_yaml
 from tests.support import ROOT, http, node_env, wait_for, write_topology
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+"""Longer than the waits inside a test (step 1 in 240 s, the job's end in 300 s), so that a slow job
+fails with the wait's own message and the job's output, not pytest-timeout's stack dump."""
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,9 @@ class Job:
         self.id = ""
 
     def submit(self) -> str:
+        # The previous test's job may still be completing on its nodes (KillWait): this one would
+        # queue behind it, and its own waits would count that time.
+        wait_for(self.slurm.idle, slurm_cluster.KILL_WAIT_S + 30, "every Slurm node idle before the job")
         self.id = self.slurm.sbatch(self.script)
         return self.id
 
@@ -85,7 +90,12 @@ class Job:
         return body  # type: ignore[no-any-return]
 
     def wait_steps(self, steps: int, timeout: float) -> None:
-        wait_for(lambda: self.status("trainer").get("rollout", {}).get("batches", 0) >= steps, timeout, f"step {steps}")
+        try:
+            wait_for(
+                lambda: self.status("trainer").get("rollout", {}).get("batches", 0) >= steps, timeout, f"step {steps}"
+            )
+        except AssertionError as e:
+            raise AssertionError(f"{e}; job {self.slurm.job(self.id)}:\n{self.output()[-3000:]}") from None
 
     def output(self) -> str:
         path = self.run_dir / f"slurm-{self.id}.out"
