@@ -16,8 +16,9 @@ With `rollout.routing: finish-time` a call goes to the generator where it is pre
 - `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
   sent to it since, at the rate it works them off (Little's law over its running requests);
 - **hardware class** is a preference the estimate overrules only where that pays: a call's candidates
-  are its preferred class's generators, and the other classes' too when every one of its own has a
-  queue, or (a fraction `spill` of its calls) when the class is saturated while another has room.
+  are its preferred class's generators, and those of the other classes with room (no queue, not
+  `SATURATED`) when every one of its own has a queue, or all of the others' (a fraction `spill` of its
+  calls) when the class is saturated while another has room.
   A continuous-batching engine does not queue when loaded, it slows down, and a call routed to the
   generator that finishes it first (measured: routing every call by finish time) takes decode work
   to the class that is quick at it while lightly loaded and costly per token, which a class routing
@@ -249,8 +250,10 @@ class LLMProxy:
     ) -> GeneratorRef | None:
         now = _now()
         candidates = _drawn(self.by_class.get(want, []), usable)
-        if not candidates or random.random() < self.spill[want] or all(g.backlog_s(now) > 0 for g in candidates):
+        if not candidates or random.random() < self.spill[want]:
             candidates += _drawn(self.outside[want], usable)
+        elif all(g.backlog_s(now) > 0 for g in candidates):  # the class queues: others with room may take it
+            candidates += [g for g in _drawn(self.outside[want], usable) if _has_room(g, now)]
         if not candidates:
             return None
         if len(candidates) > 1 and random.random() < EXPLORE:
@@ -423,6 +426,12 @@ def _now() -> float:
         return asyncio.get_running_loop().time()
     except RuntimeError:
         return time.monotonic()
+
+
+def _has_room(g: GeneratorRef, now: float) -> bool:
+    """Whether `g` would start a call at once and is not saturated: a backlogged class's calls may go there
+    (to a busy one, a continuous-batching engine that slows everything it runs, they would not)."""
+    return g.backlog_s(now) == 0 and (g.busy is None or g.busy < SATURATED)
 
 
 def _ewma(mean: float | None, value: float) -> float:

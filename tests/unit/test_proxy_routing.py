@@ -170,6 +170,13 @@ def test_finish_time_sends_a_call_outside_its_class_when_the_class_is_backlogged
     p.overruled = 0
     assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 950
     assert p.overruled > 950
+    # Not to a class with no room: a saturated generator slows whatever it takes on.
+    measured(p, comp, "math", 15.0, busy=SATURATED)
+    measured(p, band, "math", 10.0, running=10, waiting=20)
+    assert picks(p, "bandwidth", task="math", n=1000)["bandwidth-0"] > 950
+    measured(p, comp, "math", 15.0, busy=SATURATED - SPILL_GAP)
+    measured(p, band, "math", 10.0, running=10, waiting=20)
+    assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 950
     # Calls sent there since its last report join its queue: the estimate rises with each.
     before = band.backlog_s(band.reported_at)
     band.sent_since_report += 5
