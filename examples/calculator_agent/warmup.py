@@ -13,7 +13,9 @@ Each transcript is one episode as `agent.py` plays it, for a problem from the ge
 
 1. the agent's opening (system prompt, the question) with the calculator among the `tools`;
 2. the model's tool call, `calculator` with the expression of **another** problem drawn independently (random
-   operands in the task's range and a random one of its operations: the right shape and nothing else);
+   operands in the task's range and a random one of its operations: the right shape and nothing else), or with
+   `--operands question` the question's two numbers, in its order, joined by a random one of the task's
+   operations (the tool is given what the question says; which operation it asks for, never);
 3. the calculator's result for that expression, as a `tool` message;
 4. the model's final answer, a number: with `--answer result` (the default) the calculator's result, with
    `--answer random` the answer of yet another independent problem.
@@ -31,7 +33,10 @@ What it does not: which numbers and which operation a question asks for. The exp
 question, so the answer is right only by chance (about 1 in 5 with `+` up to 3, 1 in 15 with `+-` up to 9, as
 a random answer): the warmed-up model's success rate is that chance, and reading the question into the
 expression is left to RL. The operands are drawn independently, not kept apart from the question's: a rule that avoided
-the question's numbers would teach the model to avoid them.
+the question's numbers would teach the model to avoid them. With `--operands question` the call takes the
+question's numbers, and which operation the words ask for is left to RL: the operation is drawn uniformly and
+independently of the question, so the warmed-up model is right about as often as a random operation is (1 in 3
+with `+-*`, a little more where two operations agree, as 2 + 2 and 2 * 2).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from rollart.rollout.render import ChatRenderer
 from rollart.tiny.warmup import Rows, supervised_warmup
 
 Answer = Literal["result", "random"]
+Operands = Literal["random", "question"]
 POLICY = "calculator-transcripts"
 """Recorded in the model's marker file (`format_warmup.policy`, beside `answer`)."""
 DEFAULT_SETTINGS = ProblemSettings()
@@ -88,9 +94,20 @@ def tool_call_text(expression: str) -> str:
     return '<tool_call>\n{"name": "' + NAME + '", "arguments": ' + arguments + "}\n</tool_call>"
 
 
-def draw(problem: Problem, rng: random.Random, settings: ProblemSettings, answer: Answer = "result") -> Transcript:
-    """The random valid policy's episode on `problem`: nothing it says depends on the problem."""
-    expression = make_problem(rng.randrange(2**31), settings).expression
+def draw(
+    problem: Problem,
+    rng: random.Random,
+    settings: ProblemSettings,
+    answer: Answer = "result",
+    operands: Operands = "random",
+) -> Transcript:
+    """The random valid policy's episode on `problem`: nothing it says depends on the problem, but for
+    `operands="question"` the call's two numbers (its operation is still drawn at random)."""
+    if operands == "question":
+        a, b = problem.numbers
+        expression = f"{a} {rng.choice(settings.ops)} {b}"
+    else:
+        expression = make_problem(rng.randrange(2**31), settings).expression
     result = result_text({"expression": expression})
     final = result if answer == "result" else number_text(make_problem(rng.randrange(2**31), settings).answer)
     return Transcript(problem, expression, result, final)
@@ -136,14 +153,18 @@ def weigh_answer(mask: list[int], weight: float) -> list[float]:
 
 
 def batch_of(
-    transcripts: int, settings: ProblemSettings, answer: Answer, answer_weight: float = 1.0
+    transcripts: int,
+    settings: ProblemSettings,
+    answer: Answer,
+    answer_weight: float = 1.0,
+    operands: Operands = "random",
 ) -> Callable[[ChatRenderer, random.Random], Rows]:
     """A `supervised_warmup` batch maker: `transcripts` episodes on problems of random seeds."""
 
     def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
         async def play() -> Rows:
             problems = [make_problem(rng.randrange(2**31), settings) for _ in range(transcripts)]
-            rows = [await render(draw(problem, rng, settings, answer), renderer) for problem in problems]
+            rows = [await render(draw(problem, rng, settings, answer, operands), renderer) for problem in problems]
             return [(ids, weigh_answer(mask, answer_weight)) for ids, mask in rows]
 
         return asyncio.run(play())
@@ -161,14 +182,21 @@ def warm_up(
     settings: ProblemSettings = DEFAULT_SETTINGS,
     answer: Answer = "result",
     answer_weight: float = 1.0,
+    operands: Operands = "random",
     log_every: int = 10,
 ) -> dict[str, Any]:
     """Warm up the model in `model_dir` in place (see the module docstring); returns the summary it records."""
+    call = (
+        "the question's numbers joined by a random operation"
+        if operands == "question"
+        else "an expression independent of the problem"
+    )
     about = {
         "transcripts_per_step": transcripts,
-        "what": "tool-call transcripts: a call with an expression independent of the problem, then "
+        "what": f"tool-call transcripts: a call with {call}, then "
         + ("its result as the answer" if answer == "result" else "a random number as the answer")
-        + " (format only, never a solution)",
+        + " (never which operation the question asks for)",
+        "operands": operands,
         "policy": POLICY,
         "answer": answer,
         "ops": settings.ops,
@@ -176,7 +204,7 @@ def warm_up(
         "max_second": settings.max_second,
         "answer_weight": answer_weight,
     }
-    batch = batch_of(transcripts, settings, answer, answer_weight)
+    batch = batch_of(transcripts, settings, answer, answer_weight, operands)
     return supervised_warmup(model_dir, batch, steps=steps, lr=lr, seed=seed, about=about, log_every=log_every)
 
 
@@ -190,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0, help="of the transcripts, and of the model's weights if built")
     parser.add_argument("--answer", choices=["result", "random"], default="result")
+    parser.add_argument(
+        "--operands",
+        choices=["random", "question"],
+        default="random",
+        help="of the tool call: another problem's, or the question's own joined by a random operation",
+    )
     parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
     parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
     parser.add_argument("--max-second", type=int, help="as CALCULATOR_MAX_SECOND (default: --max-number)")
@@ -227,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         settings=settings,
         answer=args.answer,
         answer_weight=args.answer_weight,
+        operands=args.operands,
         log_every=1,
     )
     print(json.dumps(summary, indent=2))

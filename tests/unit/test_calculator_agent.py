@@ -136,6 +136,11 @@ def test_calculator_agent_config_matches_the_agent_and_its_warmup() -> None:
         max_second=int(flags["max-second"]) if "max-second" in flags else None,
     )
     assert problems.ProblemSettings.from_environ(task.agent.env) == warmed
+    # ... into the folder the run loads.
+    from rollart.topology import load_topology
+
+    (folder,) = re.findall(r"warmup\.py (\S+)", " ".join(header))
+    assert load_topology(ROOT / "configs" / "agent.yaml").run.model.path == folder
 
 
 # -- the warm-up's transcripts ------------------------------------------------------------------------
@@ -186,6 +191,31 @@ async def test_calculator_agent_warmup_transcripts_call_the_tool_then_answer_and
         assert f"<tool_response>\n{transcript.result}\n</tool_response>" in text
         assert ids[-1] == renderer.turn_end_id and mask[-1] == 1  # the model ends its turn itself
     assert same_as_problem <= 3  # by chance only (about 1 in 60 with +- up to 9)
+
+
+async def test_calculator_agent_warmup_with_question_operands_calls_its_numbers_with_a_random_operation(
+    renderer: ChatRenderer,
+) -> None:
+    warmup = example("warmup")
+    settings = problems.ProblemSettings(ops="+-*", max_number=7, max_second=2)
+    operations = []
+    for seed in range(1, 41):  # the draws have seeds of their own (make_problem draws its operation from the seed)
+        problem = problems.make_problem(seed, settings)
+        transcript = warmup.draw(problem, random.Random(seed + 10_000), settings, operands="question")
+        a, op, b = transcript.expression.split()
+        assert (int(a), int(b)) == problem.numbers  # the question's numbers, in its order
+        # The operation is the same draw whatever the problem asks: nothing of the question's words in it.
+        other = warmup.draw(
+            problems.make_problem(seed + 1000, settings), random.Random(seed + 10_000), settings, operands="question"
+        )
+        assert other.expression.split()[1] == op
+        operations.append((op, problem.expression.split()[1]))
+        ids, mask = await warmup.render(transcript, renderer)
+        call, final = assistant_text(renderer, ids, mask)
+        _, (parsed,) = parse_tool_calls(call, allowed={"calculator"})
+        assert parsed.arguments == {"expression": transcript.expression} and final == transcript.result
+    assert {op for op, _ in operations} == set(settings.ops)
+    assert sum(op == asked for op, asked in operations) < 25  # right by chance only (about 1 in 3)
 
 
 async def test_calculator_agent_warmup_weighs_the_final_reply_alone(renderer: ChatRenderer) -> None:
@@ -395,4 +425,4 @@ def test_calculator_agent_warmup_cli_trains_the_model_in_place_and_records_what_
     assert warmup.main([str(model), "--steps", "1", "--transcripts", "2", "--ops", "+"]) == 0
     again = json.loads((model / "rollart-model.json").read_text())["format_warmup"]
     assert again["steps"] == 1 and again["earlier"] == [taught]  # a second warm-up keeps the first on record
-    assert 0 < taught["final_loss"] < 20 and "never a solution" in taught["what"]
+    assert 0 < taught["final_loss"] < 20 and "never which operation" in taught["what"]
