@@ -132,6 +132,19 @@ def unknown_env(name: str) -> str | None:
     return " ".join(parts)
 
 
+def env_kwargs_problem(name: str, kwargs: dict[str, Any]) -> str | None:
+    """What is wrong with `kwargs` for the registered env `name`, as `make_env` would say it (None: nothing
+    known: they fit, or `name` is a family's or unknown, which `unknown_env` tells)."""
+    factory = _envs.get(name)
+    if factory is None:
+        return None
+    try:
+        _check_kwargs(name, factory, (), kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def make_env(name: str, **kwargs: Any) -> Env:
     """Build the env registered as `name` (or `prefix:id`) with `kwargs`."""
     problem = unknown_env(name)

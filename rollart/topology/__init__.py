@@ -22,7 +22,7 @@ import yaml
 
 from rollart.engines.config import GeneratorSpec
 from rollart.engines.training import RankLayout, TrainerSpec
-from rollart.envs.registry import unknown_env
+from rollart.envs.registry import env_kwargs_problem, unknown_env
 from rollart.errors import ConfigError
 from rollart.models.presets import preset, unknown_preset
 from rollart.protocol.config import SessionConfig
@@ -306,6 +306,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     if run.rollout is not None:
         problems += [(f"run.rollout.{field}", problem) for field, problem in run.rollout.validate()]
         problems += _check_env_names(run.rollout.tasks, run.env_modules)
+        problems += _check_reward_names(run.rollout.tasks, run.reward_modules)
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
     problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
     problems += [(f"run.generator.{field}", problem) for field, problem in run.generator.validate()]
@@ -370,7 +371,32 @@ def _check_env_names(tasks: list[TaskSpec], env_modules: list[str]) -> list[tupl
         for key, name in (("env", task.env), ("env_kwargs.inner", task.env_kwargs.get("inner")))
         if isinstance(name, str) and task.agent is None
     ]
-    return [(at, problem) for at, name in named if (problem := unknown_env(name)) is not None]
+    problems = [(at, problem) for at, name in named if (problem := unknown_env(name)) is not None]
+    problems += [
+        (f"run.rollout.tasks[{i}].env_kwargs", problem)
+        for i, task in enumerate(tasks)
+        if task.agent is None and (problem := env_kwargs_problem(task.env, task.env_kwargs)) is not None
+    ]
+    return problems
+
+
+def _check_reward_names(tasks: list[TaskSpec], reward_modules: list[str]) -> list[tuple[str, str]]:
+    """Each task's reward function the gateway runs, against RollArt's built-ins (with `run.reward_modules`,
+    which may register any name in the gateway, nothing is checked): a typo is refused here, not by every
+    trajectory's scoring."""
+    if reward_modules:
+        return []
+    from rollart.rewards import get_reward
+
+    problems = []
+    for i, task in enumerate(tasks):
+        if task.agent is not None and task.agent.reward == "report":
+            continue  # the program reports its own
+        try:
+            get_reward(task.reward)
+        except ConfigError as exc:
+            problems.append((f"run.rollout.tasks[{i}].reward", str(exc)))
+    return problems
 
 
 def _check_restart(at: str, policy: RestartPolicy) -> list[tuple[str, str]]:

@@ -374,6 +374,27 @@ def test_every_env_name_is_checked_the_wrapped_ones_too() -> None:
     assert "unknown env 'gems:math'." in lines[2]
 
 
+def test_a_builtin_envs_keywords_and_a_tasks_reward_name_are_checked_at_load() -> None:
+    text = _tasks(
+        {"name": "a", "env": "frozen-lake", "env_kwargs": {"sise": 5}},
+        {"name": "b", "env": "frozen-lake", "env_kwargs": {"size": 5}, "reward": "math-verify"},
+        {"name": "c", "env": "agent", "agent": {"command": ["x"], "reward": "gateway"}, "reward": "exact_answer"},
+        {"name": "d", "env": "agent", "agent": {"command": ["x"]}, "reward": "its own report: not checked"},
+    )
+    lines = _error(text).splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "run.rollout.tasks[0].env_kwargs",
+        "run.rollout.tasks[1].reward",
+        "run.rollout.tasks[2].reward",
+    ]
+    assert "env 'frozen-lake': got an unexpected keyword argument 'sise'; it accepts: size" in lines[0]
+    assert "unknown reward function 'math-verify'" in lines[1] and "did you mean 'math_verify'?" in lines[1]
+    assert "did you mean 'exact-answer'?" in lines[2]
+    # A user's reward modules may register any name in the gateway: left to it.
+    user = parse_topology(_tasks({"name": "a", "env": "frozen-lake", "reward": "mine"}, reward_modules=["my_rewards"]))
+    assert user.run.rollout is not None and user.run.rollout.tasks[0].reward == "mine"
+
+
 def test_names_known_only_to_user_modules_or_families_are_left_to_the_env_host() -> None:
     # A family's id would need GEM or Gymnasium imported; a user module's names need its code run.
     families = parse_topology(_tasks({"name": "a", "env": "gym:NoSuchEnv-v0"}, {"name": "b", "env": "gem:x"}))
