@@ -81,6 +81,26 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: 
     return centred.masked_fill(same, 0.0)
 
 
+def ragged_group_advantages(
+    rewards: Sequence[Sequence[float]], *, normalize_std: bool = True, eps: float = 1e-6
+) -> list[list[float]]:
+    """`group_advantages` of groups of any sizes (a group cut at its deadline keeps fewer than G): each
+    group's against its own mean and std; groups of one size are computed together."""
+    sizes: dict[int, list[int]] = {}
+    for i, group in enumerate(rewards):
+        sizes.setdefault(len(group), []).append(i)
+    out: list[list[float]] = [[] for _ in rewards]
+    for members in sizes.values():
+        computed = group_advantages(
+            torch.tensor([list(rewards[i]) for i in members], dtype=torch.float32),
+            normalize_std=normalize_std,
+            eps=eps,
+        )
+        for i, row in zip(members, computed.tolist(), strict=True):
+            out[i] = row
+    return out
+
+
 class SequenceLike(Protocol):
     """A finished trajectory as `pack_batch` reads it (protocol.messages.Trajectory is one)."""
 

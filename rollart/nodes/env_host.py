@@ -52,7 +52,7 @@ from rollart.protocol.messages import (
 from rollart.protocol.retry import Backoff, RetriesExhausted, retry
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import RolloutSpec, SamplingSpec, TaskSpec
-from rollart.rollout.group import run_group
+from rollart.rollout.group import GroupDeadlines, run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.render import ChatRenderer
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
@@ -112,6 +112,8 @@ class EnvHostNode(NodeDaemon):
         initial = {task.name: task.profile or "decode-heavy" for task in self.tasks.values()}
         self.profiler = TaskProfiler(initial, routing.profile_ratio)
         self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s, routing=routing.routing)
+        self.deadlines = GroupDeadlines(routing.deadline_quantile)
+        """Each task's group deadline, learned here (`rollout.min_group_size`)."""
         self.backoff = Backoff.for_retries(self.cfg)
 
     def over(self) -> bool:
@@ -221,7 +223,8 @@ class EnvHostNode(NodeDaemon):
                 case GroupTask() as task:
                     if self.over():  # granted just before the trainer said the run is over
                         return
-                    outcome = await run_group(task, functools.partial(self._trajectory, spec, task, reward, None))
+                    play = functools.partial(self._trajectory, spec, task, reward, None)
+                    outcome = await run_group(task, play, self.deadlines)
                     if not self.run_done:
                         await self._hand_in(trainer, outcome)
 
@@ -254,6 +257,8 @@ class EnvHostNode(NodeDaemon):
         if isinstance(outcome, GroupDone):
             self.counts["groups_done"] += 1
             self.counts["cancelled_extras"] += outcome.cancelled
+            self.counts["groups_cut_at_deadline"] += outcome.cut > 0
+            self.counts["trajectories_cut_at_deadline"] += outcome.cut
         else:
             self.counts["groups_failed"] += 1
         try:

@@ -221,7 +221,7 @@ class Learner:
         a zero gradient (`rollout.dynamic_sampling` also has the buffer fill the batch with groups
         that have signal).
         """
-        from rollart.algorithms.grpo import group_advantages, pack_batch, staleness
+        from rollart.algorithms.grpo import pack_batch, ragged_group_advantages, staleness
 
         assert self.engine is not None
         engine = self.engine
@@ -230,13 +230,11 @@ class Learner:
         chosen = select_groups(rewards, anchors=cfg.anchor_groups if cfg.anchor_coef > 0 else 0)
 
         def step() -> dict[str, Any]:
-            import torch
-
             # The last version's packer may still read the weights: the optimizer must not change them yet.
             if self.stall_s:
                 self.stall_s[-1] += self.publisher.wait_packed()
 
-            advantages = group_advantages(torch.tensor(rewards), normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
+            advantages = ragged_group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
             counts = {
                 "groups_trained": float(len(chosen.signal)),
                 "groups_without_signal": float(chosen.without_signal),
@@ -247,7 +245,7 @@ class Learner:
                 skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
                 return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
             trajectories = [t for i in chosen.trained for t in batch[i].trajectories]
-            packed = pack_batch(trajectories, advantages[chosen.trained].flatten().tolist(), pad_id=engine.pad_id)
+            packed = pack_batch(trajectories, [a for i in chosen.trained for a in advantages[i]], pad_id=engine.pad_id)
             return counts | engine.train_step(packed, version=version)
 
         return await asyncio.to_thread(step)

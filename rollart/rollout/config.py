@@ -182,6 +182,15 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """G: trajectories per group (one prompt, G samples)."""
     redundancy: int = 1
     """R: extra trajectories started per group; the first G to finish make the group."""
+    min_group_size: int | None = None
+    """A group may finish with fewer than G trajectories, at least this many, once it is past its deadline:
+    the `deadline_quantile` of its task's trajectory times, learned on each env-host. The slowest of a
+    group's G then no longer holds the group (and its slot) up. None: every group waits for its G. The
+    bias: the trajectories cut are the slowest, so where time and reward go together (an episode that
+    gives up early is quick) the batch leans toward quick episodes; each kept trajectory's advantage is
+    taken against its own group's kept ones (`rollart.rollout.group`)."""
+    deadline_quantile: float = 0.9
+    """Of a task's trajectory times, the one a group's deadline is (with `min_group_size`)."""
     batch_groups: int = 4
     """Groups per training batch."""
     dynamic_sampling: bool = False
@@ -275,6 +284,11 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
         for key, low in lows:
             if getattr(self, key) < low:
                 problems.append((key, f"expected an integer >= {low}; got {getattr(self, key)}"))
+        if self.min_group_size is not None and not 2 <= self.min_group_size <= self.group_size:
+            problem = f"expected an integer from 2 (a group needs two to compare) to group_size ({self.group_size})"
+            problems.append(("min_group_size", f"{problem} or null; got {self.min_group_size}"))
+        if not 0 < self.deadline_quantile < 1:
+            problems.append(("deadline_quantile", f"expected a value in (0, 1); got {self.deadline_quantile}"))
         if self.groups_per_env_host < 1:
             problems.append(("groups_per_env_host", f"expected an integer >= 1; got {self.groups_per_env_host}"))
         if self.steps is not None and self.steps < 1:

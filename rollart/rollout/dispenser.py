@@ -176,6 +176,7 @@ class Dispenser:
             group_size=self.spec.group_size,
             redundancy=self.spec.redundancy,
             version=version() if callable(version) else version,
+            min_size=self.spec.min_group_size or 0,
         )
         self.leases[task.group_id] = Lease(task, env_host, self.clock(), attempt)
         self.granted += 1

@@ -16,6 +16,7 @@ from rollart.algorithms.grpo import (
     grpo_loss,
     k3,
     pack_batch,
+    ragged_group_advantages,
     staleness,
     token_logprobs,
 )
@@ -50,6 +51,17 @@ def test_group_advantages_centre_on_the_group_mean_and_divide_by_the_population_
     # group 1: mean 0.75, deviations -0.75 (x3), 2.25; variance (3 * 0.5625 + 5.0625) / 4 = 1.6875
     std = math.sqrt(1.6875)
     assert adv[1].tolist() == pytest.approx([-0.75 / std, -0.75 / std, -0.75 / std, 2.25 / std])
+
+
+def test_groups_cut_short_get_advantages_against_their_own_members() -> None:
+    rewards = [[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0], [2.0, 2.0]]
+    adv = ragged_group_advantages(rewards, eps=0.0)
+    whole = group_advantages(torch.tensor([rewards[0], rewards[2]]), eps=0.0).tolist()
+    assert adv[0] == pytest.approx(whole[0]) and adv[2] == pytest.approx(whole[1])  # in their places
+    # three of four kept: mean 1/3, population std sqrt(2) / 3
+    std = math.sqrt(2) / 3
+    assert adv[1] == pytest.approx([(2 / 3) / std, (-1 / 3) / std, (-1 / 3) / std])
+    assert adv[3] == [0.0, 0.0]  # equal rewards: nothing to prefer
 
 
 def test_group_advantages_add_eps_to_the_std() -> None:

@@ -11,7 +11,7 @@ from rollart.protocol.messages import GroupDone, GroupFailed, GroupTask, Traject
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.config import RolloutSpec, TaskSpec
 from rollart.rollout.dispenser import Dispenser
-from rollart.rollout.group import run_group
+from rollart.rollout.group import CALIBRATE_EVERY, MIN_SAMPLES, GroupDeadlines, run_group
 
 
 def trajectory(tid: str, started: int = 0, group: str = "g1") -> Trajectory:
@@ -274,6 +274,64 @@ async def test_group_fails_as_soon_as_g_cannot_be_reached() -> None:
     assert outcome.reason.startswith("0 of 2 trajectories finished") and "env of g1.1 broke" in outcome.reason
 
 
+def test_a_group_deadline_is_the_quantile_of_the_times_of_groups_run_without_one() -> None:
+    deadlines = GroupDeadlines(0.9)
+    assert deadlines.deadline_s("t") is None  # nothing known yet
+    deadlines.record("t", [float(i) for i in range(1, MIN_SAMPLES)])
+    assert deadlines.deadline_s("t") is None  # still too few
+    deadlines.record("t", [float(i) for i in range(MIN_SAMPLES, 101)])  # times 1..100
+    asked = [deadlines.deadline_s("t") for _ in range(4 * CALIBRATE_EVERY)]
+    assert asked.count(None) == 4  # one group in CALIBRATE_EVERY runs whole: its times stay unbiased
+    assert {d for d in asked if d is not None} == {90.0}
+    assert deadlines.deadline_s("other") is None  # per task
+
+
+async def test_a_group_past_its_deadline_is_done_with_at_least_min_size_and_cuts_the_rest() -> None:
+    deadlines = GroupDeadlines(0.5)
+    deadlines.record("t", [0.05] * MIN_SAMPLES)  # the deadline: 50 ms
+    deadlines.groups["t"] = 1  # not a calibrating group next
+    finish = {"g1.0": 0.0, "g1.1": 0.01, "g1.2": 0.02, "g1.3": 0.2, "g1.4": 5.0}  # two stragglers
+    cancelled: list[str] = []
+
+    async def one(tid: str) -> Trajectory:
+        try:
+            await asyncio.sleep(finish[tid])
+        except asyncio.CancelledError:
+            cancelled.append(tid)
+            raise
+        return trajectory(tid)
+
+    task = GroupTask("g1", "t", 1, group_size=5, redundancy=0, version=0, min_size=3)
+    outcome = await asyncio.wait_for(run_group(task, one, deadlines), 1)
+    assert isinstance(outcome, GroupDone)
+    assert sorted(t.trajectory_id for t in outcome.trajectories) == ["g1.0", "g1.1", "g1.2"]
+    assert sorted(cancelled) == ["g1.3", "g1.4"] and (outcome.cancelled, outcome.cut) == (2, 2)
+    # Fewer than min_size by the deadline: it waits for the min_size-th, then stops at once.
+    finish.update({"g1.1": 0.1, "g1.2": 0.15})
+    cancelled.clear()
+    outcome = await asyncio.wait_for(run_group(task, one, deadlines), 1)
+    assert isinstance(outcome, GroupDone)
+    assert sorted(t.trajectory_id for t in outcome.trajectories) == ["g1.0", "g1.1", "g1.2"]
+    # Without min_size (evaluation, or the run's default) the same group waits for all five.
+    whole = await asyncio.wait_for(run_group(msgspec.structs.replace(task, min_size=0), one, deadlines), 6)
+    assert isinstance(whole, GroupDone) and len(whole.trajectories) == 5 and whole.cut == 0
+
+
+async def test_a_calibrating_group_runs_whole_and_records_every_time() -> None:
+    deadlines = GroupDeadlines(0.5)
+
+    async def one(tid: str) -> Trajectory:
+        await asyncio.sleep(0.01 * int(tid.rsplit(".", 1)[1]))
+        return trajectory(tid)
+
+    task = GroupTask("g1", "t", 1, group_size=3, redundancy=1, version=0, min_size=2)
+    outcome = await asyncio.wait_for(run_group(task, one, deadlines), 1)
+    assert isinstance(outcome, GroupDone) and len(outcome.trajectories) == 3 and outcome.cut == 0
+    times = list(deadlines.times["t"])
+    assert len(times) == 4 and times == sorted(times)  # the extra's too, at its cancellation
+    assert times[0] < 0.01 + 0.05 and times[2] >= 0.02
+
+
 async def test_turn_barrier_releases_a_turn_when_every_live_trajectory_reached_it() -> None:
     from rollart.rollout.barrier import TurnBarrier
 
@@ -298,3 +356,10 @@ def test_rollout_settings_out_of_range_are_named() -> None:
         "group_attempts": "expected an integer >= 1; got 0",
         "task_wait_s": "expected a value in [0, 30]; got 31.0",
     }
+    problems = dict(spec(group_size=4, min_group_size=1, deadline_quantile=1.0).validate())
+    assert problems == {
+        "min_group_size": "expected an integer from 2 (a group needs two to compare) to group_size (4) or null; got 1",
+        "deadline_quantile": "expected a value in (0, 1); got 1.0",
+    }
+    assert dict(spec(group_size=4, min_group_size=5).validate()).keys() == {"min_group_size"}
+    assert not spec(group_size=4, min_group_size=4).validate()

@@ -71,6 +71,8 @@ class GroupTask(msgspec.Struct, tag="group-task", **_WIRE):
     """The first `greedy` trajectories sample at temperature 0, the rest as the run samples."""
     evaluation: bool = False
     """A held-out evaluation's group (`rollart.rollout.evaluation`): never trained on, never aborted as stale."""
+    min_size: int = 0
+    """Past its deadline the group may finish with this many trajectories (`rollout.min_group_size`); 0: G."""
 
 
 class NoTask(msgspec.Struct, tag="no-task", **_WIRE):
@@ -121,12 +123,14 @@ class Trajectory(msgspec.Struct, tag="trajectory", **_WIRE):
 
 
 class GroupDone(Request["GroupAck"], tag="group", **_WIRE):
-    """Env-host -> trainer: the first G finished trajectories of a group."""
+    """Env-host -> trainer: the first G finished trajectories of a group (fewer when it was cut at its deadline)."""
 
     group_id: str
     trajectories: list[Trajectory]
     cancelled: int = 0
     failed: int = 0
+    cut: int = 0
+    """Of `cancelled`, the trajectories cut at the group's deadline (`GroupTask.min_size`)."""
 
 
 class GroupFailed(Request["GroupAck"], tag="group-failed", **_WIRE):
