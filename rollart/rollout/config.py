@@ -243,8 +243,8 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     plus that generator's backlog) within its preferred class, which it leaves only when that class
     queues or is saturated while another has room. Measured in the paper's simulated shape
     (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an undersized class
-    (the paper's mix, 0.67x -> 1.03x of H800 only) but costs the best-sized mix throughput (1.27x ->
-    1.18x), so it is not the default yet."""
+    (the paper's mix, 0.67x -> 0.98x of H800 only) but costs the best-sized mix throughput (1.27x ->
+    1.21x), so it is not the default yet."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""
