@@ -46,7 +46,9 @@ Before a task has a measured call, and with `routing: class`, the route is the p
    nearly as even as with a full scan).
 
 A call that times out, or whose generator's session drops, is re-issued on another generator
-after a full-jitter backoff; a generator that failed is avoided for a short cool-down.
+after a full-jitter backoff; a generator that failed is avoided for a short cool-down. While no
+generator is up (the only one reconnecting), a call waits for one, up to its timeout, without
+using an attempt.
 """
 
 from __future__ import annotations
@@ -314,36 +316,54 @@ class LLMProxy:
         await self._first_connection(want)
         excluded: set[str] = set()
         last_error = "no generator is up"
-        for attempt in range(self.attempts):
+        attempt = 0
+        while attempt < self.attempts:
             generator = self._pick(request.trajectory_id, task, want, excluded)
             if generator is None:
                 excluded.clear()  # every one failed once: try them again after the backoff
+                # None up (a session reconnecting): waiting for one is no attempt, or a reconnect of the only
+                # generator would use every attempt up within its backoffs and lose the trajectory.
+                if not await self._one_up(self.timeout_s):
+                    last_error = f"no generator came up within {self.timeout_s} s"
+                    break
+                await asyncio.sleep(self.backoff.delay(attempt))  # one up, in its cool-down: wait it out
+                continue
+            attempt += 1
+            generator.in_flight += 1
+            generator.sent_since_report += 1
+            sent_at = _now()
+            try:
+                result = await self._call(generator, request)
+            except (RequestTimeout, SessionLost, RemoteError, UnexpectedReply, _Down) as exc:
+                last_error = f"{generator.name}: {exc}"
+                generator.failures += 1
+                generator.avoid_until = time.monotonic() + COOL_DOWN_S
+                excluded.add(generator.name)
+                self.reissued += 1
+                log.warning("proxy.reissue", trajectory=request.trajectory_id, generator=generator.name, error=str(exc))
             else:
-                generator.in_flight += 1
-                generator.sent_since_report += 1
-                sent_at = _now()
-                try:
-                    result = await self._call(generator, request)
-                except (RequestTimeout, SessionLost, RemoteError, UnexpectedReply, _Down) as exc:
-                    last_error = f"{generator.name}: {exc}"
-                    generator.failures += 1
-                    generator.avoid_until = time.monotonic() + COOL_DOWN_S
-                    excluded.add(generator.name)
-                    self.reissued += 1
-                    log.warning(
-                        "proxy.reissue", trajectory=request.trajectory_id, generator=generator.name, error=str(exc)
-                    )
-                else:
-                    self.sticky[request.trajectory_id] = generator.name
-                    generator.calls[profile] += 1
-                    self.profiler.record(task, result.prompt_tokens, len(result.token_ids))
-                    now = _now()
-                    self._record(generator, task, max(0.0, now - sent_at - result.queued_s), result, now)
-                    return result
-                finally:
-                    generator.in_flight -= 1
+                self.sticky[request.trajectory_id] = generator.name
+                generator.calls[profile] += 1
+                self.profiler.record(task, result.prompt_tokens, len(result.token_ids))
+                now = _now()
+                self._record(generator, task, max(0.0, now - sent_at - result.queued_s), result, now)
+                return result
+            finally:
+                generator.in_flight -= 1
             await asyncio.sleep(self.backoff.delay(attempt))
-        raise GenerationFailed(f"turn of {request.trajectory_id} failed {self.attempts} times; last: {last_error}")
+        raise GenerationFailed(f"turn of {request.trajectory_id} failed ({attempt} calls made); last: {last_error}")
+
+    async def _one_up(self, timeout_s: float) -> bool:
+        """Whether a generator's session is up, waiting up to `timeout_s` for one to come up."""
+        if any(g.session.state is State.UP for g in self.generators):
+            return True
+        waits = [asyncio.ensure_future(g.session.up.wait()) for g in self.generators]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            return bool(done)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def _call(self, generator: GeneratorRef, request: Generate) -> Generated:
         """The request, abandoned at once if the generator's session drops meanwhile."""

@@ -25,6 +25,7 @@ from rollart.rollout.proxy import (
     SPILL_STEP,
     STICKY_MARGIN,
     STICKY_SLACK,
+    GenerationFailed,
     GeneratorRef,
     LLMProxy,
     TaskProfiler,
@@ -293,6 +294,46 @@ async def test_a_call_is_timed_on_the_loop_clock_less_the_queueing_the_generator
     assert ref.service_s["game"] == pytest.approx(0.05, abs=0.04)
     assert (ref.running, ref.waiting, ref.sent_since_report) == (3, 1, 0)
     assert p.task_service_s["game"] == ref.service_s["game"]
+
+
+class Reconnecting:
+    """A session that drops during its first request and is up again `back_s` later (a reconnect)."""
+
+    def __init__(self, back_s: float) -> None:
+        self.back_s, self.calls, self.state = back_s, 0, State.UP
+        self.up, self.down = asyncio.Event(), asyncio.Event()
+        self.up.set()
+
+    async def request(self, msg: Any, timeout: float) -> Generated:
+        self.calls += 1
+        if self.calls == 1:
+            self.state = State.DOWN
+            self.up.clear()
+            self.down.set()
+            asyncio.get_running_loop().call_later(self.back_s, self._back)
+            await asyncio.Event().wait()  # its answer is lost with the connection
+        return reply()
+
+    def _back(self) -> None:
+        self.state = State.UP
+        self.down.clear()
+        self.up.set()
+
+
+async def test_a_call_waits_out_its_only_generators_reconnect_without_using_its_attempts() -> None:
+    session = Reconnecting(back_s=0.5)
+    ref = GeneratorRef("gen", "compute", cast(Session, session))
+    # Attempts that a reconnect would use up in a few ms of backoff.
+    p = LLMProxy([ref], TaskProfiler({}, ratio=4.0), timeout_s=5.0, attempts=3, backoff_base_s=0.001)
+    result = await asyncio.wait_for(p.generate("game", Generate("r", "t", [1, 2], max_tokens=4)), 10)
+    assert result.finish_reason == "stop" and session.calls == 2 and p.reissued == 1
+
+
+async def test_a_call_fails_once_no_generator_comes_up_within_its_timeout() -> None:
+    session = Reconnecting(back_s=60.0)
+    p = LLMProxy([GeneratorRef("gen", "compute", cast(Session, session))], TaskProfiler({}, ratio=4.0), timeout_s=0.3)
+    with pytest.raises(GenerationFailed, match=r"failed \(1 calls made\); last: no generator came up within 0\.3 s"):
+        await asyncio.wait_for(p.generate("game", Generate("r", "t", [1, 2], max_tokens=4)), 10)
 
 
 def test_a_generator_reports_how_busy_it_was_lately_not_since_it_started() -> None:
