@@ -46,9 +46,10 @@ Before a task has a measured call, and with `routing: class`, the route is the p
    nearly as even as with a full scan).
 
 A call that times out, or whose generator's session drops, is re-issued on another generator
-after a full-jitter backoff; a generator that failed is avoided for a short cool-down. While no
-generator is up (the only one reconnecting), a call waits for one, up to its timeout, without
-using an attempt.
+after a full-jitter backoff; a generator that failed is avoided for a short cool-down. A call
+whose session drops while no other generator is up waits for that session instead (it resumes
+with the call, nothing lost or run twice), and while no generator is up at all, a call waits for
+one, up to its timeout, without using an attempt.
 """
 
 from __future__ import annotations
@@ -353,6 +354,11 @@ class LLMProxy:
             await asyncio.sleep(self.backoff.delay(attempt))
         raise GenerationFailed(f"turn of {request.trajectory_id} failed ({attempt} calls made); last: {last_error}")
 
+    def _another_up(self, generator: GeneratorRef) -> bool:
+        """Whether a generator other than `generator` could take a call now (scanned: only when a session drops)."""
+        now = time.monotonic()
+        return any(g is not generator and g.session.state is State.UP and g.avoid_until <= now for g in self.generators)
+
     async def _one_up(self, timeout_s: float) -> bool:
         """Whether a generator's session is up, waiting up to `timeout_s` for one to come up."""
         if any(g.session.state is State.UP for g in self.generators):
@@ -366,12 +372,16 @@ class LLMProxy:
                 wait.cancel()
 
     async def _call(self, generator: GeneratorRef, request: Generate) -> Generated:
-        """The request, abandoned at once if the generator's session drops meanwhile."""
+        """The request, abandoned at once if the generator's session drops meanwhile and another generator
+        is up to take it; with none, the call waits on: a session that resumes delivers its answer (a
+        re-sent request would find the first still in flight there), one that ends raises `SessionLost`."""
         call = asyncio.ensure_future(generator.session.request(request, timeout=self.timeout_s))
         down = asyncio.ensure_future(generator.session.down.wait())
         try:
             try:
                 await asyncio.wait([call, down], return_when=asyncio.FIRST_COMPLETED)
+                if not call.done() and not self._another_up(generator):
+                    await asyncio.wait([call])
             except asyncio.CancelledError:
                 self.cancelled += 1  # the trajectory was cancelled: the generator is told to abort
                 raise

@@ -14,6 +14,7 @@ import pytest
 
 from rollart.engines.base import RecentBusy
 from rollart.protocol import Session, State
+from rollart.protocol.errors import RequestTimeout, SessionLost
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.proxy import (
     EXACT_POOL,
@@ -297,10 +298,11 @@ async def test_a_call_is_timed_on_the_loop_clock_less_the_queueing_the_generator
 
 
 class Reconnecting:
-    """A session that drops during its first request and is up again `back_s` later (a reconnect)."""
+    """A session that drops during its first request and is up again `back_s` later: `resumed`, the request
+    survives and is answered; else the peer had restarted and the request is lost with the old session."""
 
-    def __init__(self, back_s: float) -> None:
-        self.back_s, self.calls, self.state = back_s, 0, State.UP
+    def __init__(self, back_s: float, *, resumed: bool) -> None:
+        self.back_s, self.resumed, self.calls, self.state = back_s, resumed, 0, State.UP
         self.up, self.down = asyncio.Event(), asyncio.Event()
         self.up.set()
 
@@ -311,7 +313,13 @@ class Reconnecting:
             self.up.clear()
             self.down.set()
             asyncio.get_running_loop().call_later(self.back_s, self._back)
-            await asyncio.Event().wait()  # its answer is lost with the connection
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.up.wait()
+            except TimeoutError:
+                raise RequestTimeout(f"timed out after {timeout} s") from None
+            if not self.resumed:
+                raise SessionLost("the peer restarted")
         return reply()
 
     def _back(self) -> None:
@@ -320,18 +328,28 @@ class Reconnecting:
         self.up.set()
 
 
-async def test_a_call_waits_out_its_only_generators_reconnect_without_using_its_attempts() -> None:
-    session = Reconnecting(back_s=0.5)
+def lone(session: Reconnecting, timeout_s: float = 5.0) -> LLMProxy:
+    """A proxy of one generator on `session`, with attempts a reconnect would use up in a few ms of backoff."""
     ref = GeneratorRef("gen", "compute", cast(Session, session))
-    # Attempts that a reconnect would use up in a few ms of backoff.
-    p = LLMProxy([ref], TaskProfiler({}, ratio=4.0), timeout_s=5.0, attempts=3, backoff_base_s=0.001)
+    return LLMProxy([ref], TaskProfiler({}, ratio=4.0), timeout_s=timeout_s, attempts=3, backoff_base_s=0.001)
+
+
+async def test_a_call_on_the_only_generator_waits_for_its_session_to_resume_and_is_sent_once() -> None:
+    session = Reconnecting(back_s=0.3, resumed=True)
+    p = lone(session)
     result = await asyncio.wait_for(p.generate("game", Generate("r", "t", [1, 2], max_tokens=4)), 10)
-    assert result.finish_reason == "stop" and session.calls == 2 and p.reissued == 1
+    assert result.finish_reason == "stop" and (session.calls, p.reissued) == (1, 0)
+
+
+async def test_a_call_lost_with_its_only_generators_session_is_sent_again_once_it_is_back() -> None:
+    session = Reconnecting(back_s=0.3, resumed=False)
+    p = lone(session)
+    result = await asyncio.wait_for(p.generate("game", Generate("r", "t", [1, 2], max_tokens=4)), 10)
+    assert result.finish_reason == "stop" and (session.calls, p.reissued) == (2, 1)
 
 
 async def test_a_call_fails_once_no_generator_comes_up_within_its_timeout() -> None:
-    session = Reconnecting(back_s=60.0)
-    p = LLMProxy([GeneratorRef("gen", "compute", cast(Session, session))], TaskProfiler({}, ratio=4.0), timeout_s=0.3)
+    p = lone(Reconnecting(back_s=60.0, resumed=True), timeout_s=0.3)
     with pytest.raises(GenerationFailed, match=r"failed \(1 calls made\); last: no generator came up within 0\.3 s"):
         await asyncio.wait_for(p.generate("game", Generate("r", "t", [1, 2], max_tokens=4)), 10)
 
