@@ -297,6 +297,8 @@ class Learner:
             "stall_s": self.stall_s[-1] if self.stall_s else 0.0,
             **{key: round(value, 6) for key, value in stats.items()},
         }
+        if cut := sum(1 for group in batch if group.cut):
+            line["groups_cut"] = cut  # finished short at their deadline (`rollout.min_group_size`)
         line |= self._elsewhere(trajectories)
         links = (self.publisher.link_bytes, self.publisher.link_whole_bytes)
         line["weight_link_bytes"] = links[0] - self._links_counted[0]

@@ -401,10 +401,12 @@ async def test_the_learner_writes_metrics_jsonl_as_before_and_the_same_numbers_t
         tracking=TrackingSpec(),
     )
     for step in (1, 2):
-        learner.record(step, step, [group(step)], {"loss": 0.5 / step}, incarnation=0)
+        batch = [group(step)] if step == 1 else [msgspec.structs.replace(group(step), cut=1)]  # one short group
+        learner.record(step, step, batch, {"loss": 0.5 / step}, incarnation=0)
     await learner.close()
     lines = read_jsonl(run.metrics)
     assert [line["step"] for line in lines] == [1, 2]
+    assert "groups_cut" not in lines[0] and lines[1]["groups_cut"] == 1
     scalars = tensorboard_scalars(run.tensorboard)
     assert scalars["loss"] == [(line["step"], pytest.approx(line["loss"])) for line in lines]
     success_ma = [(line["step"], pytest.approx(line["tasks"]["frozen_lake"]["success_ma"])) for line in lines]
