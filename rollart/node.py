@@ -61,11 +61,12 @@ async def run_node(topology: Topology, name: str, *, exit_when_done: bool = Fals
     except ConfigError as exc:
         structlog.get_logger("rollart.node").warning("node.no_admin_token", detail=str(exc))
         token = None
+    others = topology.other_secrets(spec)
     # Read once, then gone from the environment: no process the node starts (reward workers, env
     # workers, vLLM's engine) inherits them.
-    for variable in (topology.run.secret_env, topology.run.admin_token_env):
+    for variable in topology.credential_variables():
         os.environ.pop(variable, None)
-    daemon = daemon_for(spec)(topology, spec, secret=secret, admin_token=token)
+    daemon = daemon_for(spec)(topology, spec, secret=secret, admin_token=token, other_secrets=others)
     if exit_when_done and isinstance(daemon, TrainerNode):
 
         async def drain_when_done() -> None:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
         topology.read_secret()  # fail here, with the config error, not inside the loop
+        topology.other_secrets(spec)
         check_visible_gpus(topology, spec)
     except ConfigError as exc:
         say_config_error(exc)

@@ -23,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import gc
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -41,7 +43,7 @@ from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode,
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import GroupDone
 from rollart.rewards.stats import PoolStats
-from rollart.topology import Role, Topology
+from rollart.topology import REWARD_SERVICE, NodeSpec, Role, Topology
 
 
 @dataclass
@@ -103,7 +105,7 @@ def check_inprocess(topology: Topology) -> None:
         problems.append(f"run.generator.backend: must be sim; got {run.generator.backend}")
     if run.sim.speedup != 1:
         problems.append(f"run.sim.speedup: must be 1 in-process (the loop's clock is simulated); got {run.sim.speedup}")
-    if run.sim.reward is None:
+    if run.sim.reward is None and run.reward_service is None:
         problems.append(
             "run.sim.reward: needed in-process, the reward pool's worker processes run in real time "
             "(for a rule-based reward: {placement: instant})"
@@ -131,7 +133,29 @@ def run_inprocess(
     `log`: where the nodes' JSON log lines go (a stream, or a file path; default stderr);
     `timeout_s`: a bound in simulated seconds; `keep_groups`: keep every batch's groups (their
     token lists take gigabytes at thousands of trajectories a batch), else only counts."""
-    check_inprocess(topology)
+    (done,), _ = run_inprocess_jobs(
+        [topology], log=log, log_level=log_level, timeout_s=timeout_s, keep_groups=keep_groups
+    )
+    return done
+
+
+def run_inprocess_jobs(
+    topologies: Sequence[Topology],
+    service: Topology | None = None,
+    *,
+    log: TextIO | Path | None = None,
+    log_level: str = "warning",
+    timeout_s: float = 1e7,
+    keep_groups: bool = True,
+) -> tuple[list[InProcessRun], PoolStats | None]:
+    """Run several topologies at once on one virtual clock, as `run_inprocess` runs one: training
+    runs sharing `service`'s reward gateway (each with `run.reward_service` at its node's host and
+    port, and named in its `run.reward_pool.jobs`). Returns each run's result, in order, and the
+    shared gateway's numbers when all are done (None without `service`)."""
+    for topology in topologies:
+        check_inprocess(topology)
+    if service is not None:
+        check_inprocess_service(service, topologies)
     if isinstance(log, Path):
         log.parent.mkdir(parents=True, exist_ok=True)
     previous, root = structlog.get_config(), logging.getLogger()
@@ -145,7 +169,7 @@ def run_inprocess(
         gc.set_threshold(*GC_THRESHOLD)
         try:
             with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
-                return runner.run(_run(topology, timeout_s, keep_groups))
+                return runner.run(_run_jobs(topologies, service, timeout_s, keep_groups))
         finally:
             gc.set_threshold(*thresholds)
             structlog.configure(**previous)
@@ -153,41 +177,109 @@ def run_inprocess(
             root.setLevel(level)
 
 
-async def _run(topology: Topology, timeout_s: float, keep_groups: bool) -> InProcessRun:
+def check_inprocess_service(service: Topology, jobs: Sequence[Topology]) -> None:
+    """Raise `ConfigError` naming what keeps `service` from being the shared gateway of `jobs` in-process."""
+    problems = []
+    if [node.role for node in service.nodes] != [Role.REWARD_GATEWAY]:
+        problems.append("nodes: a shared reward service in-process is one reward-gateway node")
+    if service.run.sim.reward is None:
+        problems.append("run.sim.reward: needed in-process (the reward pool's worker processes run in real time)")
+    served = {job.name for job in service.run.reward_pool.jobs}
+    gateway = service.nodes[0]
+    for topology in jobs:
+        wanted = topology.run.reward_service
+        if wanted is None:
+            problems.append(f"{topology.source}: run.reward_service is not set: it would not use the service")
+            continue
+        if (wanted.host, wanted.port) != (gateway.host, gateway.port):
+            where = f"{gateway.host}:{gateway.port}"
+            problems.append(
+                f"{topology.source}: run.reward_service is {wanted.host}:{wanted.port}; the service is {where}"
+            )
+        if (wanted.job or topology.run.name) not in served:
+            problems.append(
+                f"{topology.source}: its job {wanted.job or topology.run.name!r} is not in run.reward_pool.jobs"
+            )
+    if problems:
+        raise ConfigError(f"{service.source}: cannot serve these runs in-process:\n  " + "\n  ".join(problems))
+
+
+async def _run_jobs(
+    topologies: Sequence[Topology], service: Topology | None, timeout_s: float, keep_groups: bool
+) -> tuple[list[InProcessRun], PoolStats | None]:
+    """Run every topology in `topologies` until its trainer has taken its batches, each drained as it
+    finishes; `service`: a topology whose reward gateway they share (`run.reward_service`), drained last."""
     loop = asyncio.get_running_loop()
     started_cpu, started_wall, started = time.process_time(), time.monotonic(), loop.time()
-    network = MemoryNetwork(max_frame_bytes=topology.run.session.max_frame_bytes)
-    secret = secrets.token_bytes(32)
-    nodes = {
-        spec.name: DAEMONS[spec.role](topology, spec, secret=secret, admin_token=None, network=network)
-        for spec in topology.nodes
-    }
-    trainer = next(node for node in nodes.values() if isinstance(node, TrainerNode))
-    batches: list[Batch] = []
+    network = MemoryNetwork(max_frame_bytes=topologies[0].run.session.max_frame_bytes)
+    secret = secrets.token_bytes(32)  # every session in this process proves it, other runs' too
 
-    def on_batch(version: int, groups: list[GroupDone]) -> None:
-        trajectories = [t for group in groups for t in group.trajectories]
-        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
-        kept = groups if keep_groups else []
-        batches.append(Batch(loop.time() - started, version, len(trajectories), tokens, kept))
+    def build(topology: Topology) -> dict[str, NodeDaemon]:
+        return {
+            spec.name: DAEMONS[spec.role](
+                topology,
+                spec,
+                secret=secret,
+                admin_token=None,
+                network=network,
+                other_secrets={name: secret for name in _other_sessions(topology, spec)},
+            )
+            for spec in topology.nodes
+        }
 
-    trainer.on_batch = on_batch
-    async with asyncio.TaskGroup() as tg:
-        for node in nodes.values():
-            context = contextvars.copy_context()  # each node's log lines name it, as in its own process
-            context.run(structlog.contextvars.bind_contextvars, node=node.spec.name, role=node.role.value)
-            tg.create_task(node.run(), context=context)
-        async with asyncio.timeout(timeout_s):
-            await trainer.finished.wait()
-        sim_s = batches[-1].taken_at if batches else loop.time() - started
+    jobs = [build(topology) for topology in topologies]
+    shared = build(service) if service is not None else {}
+    batches: list[list[Batch]] = [[] for _ in jobs]
+    for nodes, kept in zip(jobs, batches, strict=True):
+        trainer = next(node for node in nodes.values() if isinstance(node, TrainerNode))
+        trainer.on_batch = functools.partial(_record, kept, started, keep_groups)
+
+    async def finish(nodes: dict[str, NodeDaemon], kept: list[Batch]) -> InProcessRun:
+        trainer = next(node for node in nodes.values() if isinstance(node, TrainerNode))
+        await trainer.finished.wait()
+        sim_s = kept[-1].taken_at if kept else loop.time() - started
         busy = {
             name: node.engine.load().busy_fraction
             for name, node in nodes.items()
             if isinstance(node, GeneratorNode) and node.engine is not None
         }
-        gateway = next((node for node in nodes.values() if isinstance(node, RewardGatewayNode)), None)
+        gateway = next((n for n in [*nodes.values(), *shared.values()] if isinstance(n, RewardGatewayNode)), None)
         reward = gateway.pool.stats() if gateway is not None else None
         for node in nodes.values():
             node.request_drain("the run is done")
-    cpu_s, wall_s = time.process_time() - started_cpu, time.monotonic() - started_wall
-    return InProcessRun(batches, sim_s, cpu_s, wall_s, busy, reward, nodes)
+        cpu_s, wall_s = time.process_time() - started_cpu, time.monotonic() - started_wall
+        return InProcessRun(kept, sim_s, cpu_s, wall_s, busy, reward, nodes)
+
+    async with asyncio.TaskGroup() as tg:
+        for nodes in [*jobs, shared]:
+            for node in nodes.values():
+                context = contextvars.copy_context()  # each node's log lines name it, as in its own process
+                names = {"node": node.spec.name, "role": node.role.value}
+                if len(jobs) > 1 or service is not None:
+                    names["job"] = node.topology.run.name
+                context.run(structlog.contextvars.bind_contextvars, **names)
+                tg.create_task(node.run(), context=context)
+        async with asyncio.timeout(timeout_s):
+            done = await asyncio.gather(*(finish(nodes, kept) for nodes, kept in zip(jobs, batches, strict=True)))
+        gateway = next((node for node in shared.values() if isinstance(node, RewardGatewayNode)), None)
+        service_stats = gateway.pool.stats() if gateway is not None else None
+        for node in shared.values():
+            node.request_drain("every run is done")
+    return list(done), service_stats
+
+
+def _other_sessions(topology: Topology, spec: NodeSpec) -> list[str]:
+    """The names `Topology.other_secrets` would give node `spec` secrets for (in-process: all the same one)."""
+    if spec.role is Role.ENV_HOST and topology.run.reward_service is not None:
+        return [REWARD_SERVICE]
+    if spec.role is Role.REWARD_GATEWAY:
+        return [job.name for job in topology.run.reward_pool.jobs]
+    return []
+
+
+def _record(kept: list[Batch], started: float, keep_groups: bool, version: int, groups: list[GroupDone]) -> None:
+    """A trainer's `on_batch`: the batch it took, in `kept`."""
+    trajectories = [t for group in groups for t in group.trajectories]
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    taken_at = asyncio.get_running_loop().time() - started
+    kept.append(Batch(taken_at, version, len(trajectories), tokens, groups if keep_groups else []))

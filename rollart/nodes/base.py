@@ -19,7 +19,7 @@ import os
 import pathlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar
 
 import structlog
@@ -38,7 +38,7 @@ from rollart.protocol import (
 from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
-from rollart.topology import NodeSpec, Role, Topology
+from rollart.topology import REWARD_SERVICE, NodeSpec, Role, Topology
 
 log = structlog.get_logger("rollart.node")
 
@@ -49,6 +49,12 @@ CONNECTS_TO: dict[Role, tuple[Role, ...]] = {
     Role.REWARD_GATEWAY: (),
 }
 """Who opens a session to whom (DESIGN.md, "Shape"); the other side accepts."""
+
+
+def memory_address(host: str, port: int) -> str:
+    """Where a node listens in-process (`MemoryNetwork`): its TCP address, unique across topologies."""
+    return f"{host}:{port}"
+
 
 PEER_POLL_S = 2.0
 """How often a node asks the peers it connects to for their status."""
@@ -67,10 +73,12 @@ class NodeDaemon:
         secret: bytes,
         admin_token: str | None,
         network: MemoryNetwork | None = None,
+        other_secrets: Mapping[str, bytes] | None = None,
     ) -> None:
         """`network`: run in-process (`rollart.launch.inprocess`): sessions go over this in-memory
-        network, addressed by node name, and the node has no TCP listener, admin endpoint or signal
-        handlers of its own."""
+        network, addressed by host and port as over TCP, and the node has no TCP listener, admin
+        endpoint or signal handlers of its own. `other_secrets`: the secrets of sessions with other
+        runs (`other_secrets`), read with the run's own."""
         if spec.role is not self.role:
             raise RollartError(f"node {spec.name!r} has role {spec.role.value}; this daemon is a {self.role.value}")
         self.topology = topology
@@ -98,6 +106,7 @@ class NodeDaemon:
             on_bulk=self.on_bulk,
             tls=self.tls,
             roles={node.name: node.role.value for node in topology.nodes},
+            jobs=other_secrets if spec.role is Role.REWARD_GATEWAY else None,
         )
         self.network = network
         self.clients: dict[str, ClientSession] = {}
@@ -108,7 +117,7 @@ class NodeDaemon:
                 connector: Callable[[], Awaitable[Connection]] = (
                     functools.partial(tcp_connector, peer.host, peer.port, self.cfg, self.tls)
                     if network is None
-                    else functools.partial(network.connect, peer.name, spec.name)
+                    else functools.partial(network.connect, memory_address(peer.host, peer.port), spec.name)
                 )
                 self.clients[peer.name] = ClientSession(
                     connector,
@@ -119,6 +128,20 @@ class NodeDaemon:
                     cfg=self.cfg,
                     peer_name=peer.name,
                 )
+        service = topology.run.reward_service
+        if self.role is Role.ENV_HOST and service is not None:  # another run's gateway: its own secret
+            job = service.job or topology.run.name
+            self.clients[REWARD_SERVICE] = ClientSession(
+                functools.partial(tcp_connector, service.host, service.port, self.cfg, self.tls)
+                if network is None
+                else functools.partial(network.connect, memory_address(service.host, service.port), spec.name),
+                secret=(other_secrets or {})[REWARD_SERVICE],
+                local=Identity(f"{job}/{spec.name}", spec.role.value),
+                channel=APP,
+                handler=self,
+                cfg=self.cfg,
+                peer_name=REWARD_SERVICE,
+            )
         self.admin = AdminServer(self)
         self._drain_requested = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -138,7 +161,7 @@ class NodeDaemon:
                     await self.server.listen_tcp(self.spec.host, self.spec.bind_port)
                     await self.admin.start()
                 else:
-                    self.network.listen(self.spec.name, self.server.accept)
+                    self.network.listen(memory_address(self.spec.host, self.spec.port), self.server.accept)
                 for client in self.clients.values():
                     tg.create_task(client.run())
                 work = tg.create_task(self.work())
@@ -160,7 +183,7 @@ class NodeDaemon:
             for sig in signals:
                 loop.remove_signal_handler(sig)
             if self.network is not None:
-                self.network.unlisten(self.spec.name)
+                self.network.unlisten(memory_address(self.spec.host, self.spec.port))
             await self.admin.stop()
             self._stopped.set()
         log.info("node.stopped")

@@ -56,7 +56,7 @@ from rollart.rollout.group import GroupDeadlines, run_group
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
 from rollart.rollout.render import ChatRenderer
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
-from rollart.topology import Role
+from rollart.topology import REWARD_SERVICE, Role
 from rollart.workers.limits import WorkerLimits, child_environ
 
 log = structlog.get_logger("rollart.env_host")
@@ -121,6 +121,8 @@ class EnvHostNode(NodeDaemon):
         return self.run_done
 
     def _peer(self, role: Role) -> ClientSession:
+        if role is Role.REWARD_GATEWAY and REWARD_SERVICE in self.clients:  # a gateway shared by runs
+            return self.clients[REWARD_SERVICE]
         for peer in self.topology.nodes_with_role(role):
             if peer.name in self.clients:  # of a trainer group, only the primary (no member has sessions)
                 return self.clients[peer.name]

@@ -43,7 +43,7 @@ class RewardGatewayNode(NodeDaemon):
         import_modules("run.reward_modules", self.topology.run.reward_modules)
         self.pool: RewardPool | SimRewardPool
         if sim.reward is not None:
-            self.pool = SimRewardPool(sim.reward, SimClock(sim.speedup))
+            self.pool = SimRewardPool(sim.reward, SimClock(sim.speedup), job_weights=self.job_weights())
         else:
             run = self.topology.run
             # The node's own credentials never reach reward code, whatever their variables are called.
@@ -55,8 +55,19 @@ class RewardGatewayNode(NodeDaemon):
                 limits=spec.limits,
                 environ=environ,
                 launch=worker_launch(spec.sandbox, python=sys.executable, hide=self.secret_paths(), what="reward"),
+                job_weights=self.job_weights(),
             )
             log.info("reward_workers.launch", runs_in=self.pool.launch.described)
+
+    def job_weights(self) -> dict[str, float]:
+        return {job.name: job.weight for job in self.topology.run.reward_pool.jobs}
+
+    def job_of(self, session: Session) -> str:
+        """The run a request came from: another run's env-host says `job/node` (checked against that
+        job's secret at the handshake); this run's own nodes are this run."""
+        node = session.peer.node if session.peer is not None else ""
+        job, slash, _ = node.partition("/")
+        return job if slash else self.topology.run.name
 
     async def work(self) -> None:
         async with self.pool:
@@ -69,7 +80,7 @@ class RewardGatewayNode(NodeDaemon):
                 rollout = self.topology.run.rollout
                 timeout = rollout.reward_timeout_s if rollout is not None else 30.0
                 try:
-                    out = await self.pool.score(msg.fn, item, timeout=timeout)
+                    out = await self.pool.score(msg.fn, item, timeout=timeout, job=self.job_of(session))
                 except (RewardError, ConfigError) as exc:
                     raise RemoteError("bad-request", str(exc)) from exc
                 except DeadlineExceeded as exc:
@@ -103,6 +114,41 @@ class RewardGatewayNode(NodeDaemon):
             ),
             "rollart_reward_served": ("Score requests answered", stats.served),
             "rollart_reward_failed": ("Score requests that failed", stats.failed),
+        }
+
+    def role_labelled_gauges(self) -> dict[str, tuple[str, str, dict[str, float]]]:
+        jobs = self.pool.stats().jobs
+        return {
+            "rollart_reward_job_served": (
+                "Score requests answered, by job",
+                "job",
+                {n: j.served for n, j in jobs.items()},
+            ),
+            "rollart_reward_job_failed": (
+                "Score requests failed, by job",
+                "job",
+                {n: j.failed for n, j in jobs.items()},
+            ),
+            "rollart_reward_job_queue_depth": (
+                "Score requests waiting, by job",
+                "job",
+                {n: j.queue_depth for n, j in jobs.items()},
+            ),
+            "rollart_reward_job_busy_seconds": (
+                "Worker seconds used, by job",
+                "job",
+                {n: j.busy_s for n, j in jobs.items()},
+            ),
+            "rollart_reward_job_share": (
+                "Share of all jobs' worker seconds, by job",
+                "job",
+                {n: j.share for n, j in jobs.items()},
+            ),
+            "rollart_reward_job_wait_mean_seconds": (
+                "Mean queue wait of requests that reached a worker, by job",
+                "job",
+                {n: j.wait_mean_s for n, j in jobs.items()},
+            ),
         }
 
     def status(self) -> dict[str, Any]:

@@ -124,15 +124,30 @@ SessionLookup = Callable[[Hello], tuple[str, bool, int]]
 `HandshakeRefused`, which the peer is told."""
 
 
+def _secret_for(
+    hello: Hello, secret: bytes | Callable[[Hello], bytes], refuse: Callable[[str, str], HandshakeRefused]
+) -> bytes:
+    if not callable(secret):
+        return secret
+    try:
+        return secret(hello)
+    except HandshakeRefused as exc:  # a client it does not know
+        raise refuse(exc.code, exc.reason) from None
+
+
 async def server_handshake(
     conn: Connection,
     *,
     identity: Identity,
-    secret: bytes,
+    secret: bytes | Callable[[Hello], bytes],
     lookup: SessionLookup,
     timeout: float,
 ) -> Hello:
     """Run the server side; returns the client's authenticated `Hello`, or refuses and raises.
+
+    `secret`: the shared secret, or a function giving the one the client must prove from its
+    `Hello` (a shared reward gateway knows each run by its own) that raises `HandshakeRefused` for
+    a client it does not know.
 
     On refusal the peer gets a `Refuse` frame saying why, the refusal is logged, and
     `HandshakeRefused` is raised so the caller closes the connection.
@@ -156,6 +171,7 @@ async def server_handshake(
                 )
             if hello.purpose not in ("session", "bulk"):
                 raise refuse("bad-handshake", f"unknown connection purpose {hello.purpose!r}")
+            key = _secret_for(hello, secret, refuse)
             challenge = Challenge(os.urandom(NONCE_BYTES), identity.node, identity.role)
             conn.send(HANDSHAKE.encode(challenge))
             proof = await _recv(conn, Proof)
@@ -165,10 +181,10 @@ async def server_handshake(
         raise refuse("bad-handshake", f"expected a handshake frame: {exc}") from None
     except ProtocolError as exc:  # includes FrameTooLarge
         raise refuse("bad-handshake", str(exc)) from None
-    if not hmac.compare_digest(proof.mac, _mac(secret, b"client", hello, challenge, binding=_binding(conn))):
+    if not hmac.compare_digest(proof.mac, _mac(key, b"client", hello, challenge, binding=_binding(conn))):
         relayed = ", or the handshake was relayed (the TLS certificates differ)" if conn.tls else ""
         raise refuse("auth", f"authentication failed for node {hello.node!r}: wrong shared secret{relayed}")
-    if conn.tls is not None and conn.tls.name != hello.node:
+    if conn.tls is not None and conn.tls.name != hello.node.rpartition("/")[2]:  # "job/node": a job's node
         raise refuse("identity", f"node {hello.node!r} presented the certificate of node {conn.tls.name!r}")
     try:
         epoch, resumed, recv_seq = lookup(hello)
@@ -176,7 +192,7 @@ async def server_handshake(
         raise refuse(exc.code, exc.reason) from None
     welcome = Welcome(b"", epoch, resumed, recv_seq)
     welcome = msgspec.structs.replace(
-        welcome, mac=_mac(secret, b"server", hello, challenge, welcome, binding=_binding(conn))
+        welcome, mac=_mac(key, b"server", hello, challenge, welcome, binding=_binding(conn))
     )
     conn.send(HANDSHAKE.encode(welcome))
     return hello

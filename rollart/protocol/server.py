@@ -31,6 +31,9 @@ HANDSHAKE_MAX_FRAME_BYTES = 16 * 1024
 """The largest frame a connection may send before its handshake succeeds (a Hello is ~200 bytes)."""
 
 
+JOB_ROLE = "env-host"
+"""The only role another run's nodes have at a server that serves it (a shared reward gateway)."""
+
 BulkHandler = Callable[[Connection, Identity], Awaitable[None]]
 
 
@@ -48,12 +51,16 @@ class SessionServer:
         on_bulk: BulkHandler | None = None,
         tls: NodeTls | None = None,
         roles: Mapping[str, str] | None = None,
+        jobs: Mapping[str, bytes] | None = None,
     ) -> None:
         """`tls`: every TCP connection is TLS (mutual certificates) before its handshake. `roles`: the
         peers this server has, node name -> role (a node's topology); a peer that proves the secret but
         claims a name or role not there is refused (`identity`): a node's secret and certificate let it
-        be itself, not the trainer. None: any name and role."""
+        be itself, not the trainer. None: any name and role. `jobs`: other runs this server serves (a
+        shared reward gateway), job name -> the secret its nodes prove; their env-hosts say they are
+        `job/node` (`JOB_ROLE`), and nothing else of theirs is let in."""
         self.roles = roles
+        self.jobs = dict(jobs or {})
         self.local = local
         self.tls = tls
         self.channel = channel
@@ -136,12 +143,25 @@ class SessionServer:
         conn.max_frame_bytes = min(limit, HANDSHAKE_MAX_FRAME_BYTES)
         self._tg.create_task(self._handle(conn, limit))
 
+    def _secret_for(self, hello: Hello) -> bytes:
+        """The secret `hello`'s node must prove: its job's, for another run's node, else this run's."""
+        job, slash, node = hello.node.partition("/")
+        if not slash:
+            return self._secret
+        if job not in self.jobs or hello.role != JOB_ROLE or not node:
+            known = ", ".join(sorted(self.jobs)) or "none"
+            raise HandshakeRefused(
+                "identity",
+                f"{hello.node!r} ({hello.role}) is no {JOB_ROLE} of a job {self.local.node} serves (jobs: {known})",
+            )
+        return self.jobs[job]
+
     def _lookup(self, hello: Hello) -> tuple[str, bool, int]:
         if self._closing:
             # A session created now would outlive close() and keep serve() from returning; the
             # client sees a dropped connection and retries (a refusal would make it give up).
             raise ConnectionClosed(f"{self.local.node} is closing")
-        if self.roles is not None and self.roles.get(hello.node) != hello.role:
+        if self.roles is not None and "/" not in hello.node and self.roles.get(hello.node) != hello.role:
             known = self.roles.get(hello.node)
             raise HandshakeRefused(
                 "identity",
@@ -165,7 +185,7 @@ class SessionServer:
             hello = await server_handshake(
                 conn,
                 identity=self.local,
-                secret=self._secret,
+                secret=self._secret_for if self.jobs else self._secret,
                 lookup=self._lookup,
                 timeout=self.cfg.handshake_timeout_s,
             )

@@ -34,6 +34,10 @@ class Request:
     job: bytes
     """Its `Job`, framed for the socket."""
     future: asyncio.Future[ScoreOutput]
+    owner: str = ""
+    """The job (training run) that asked, for fair sharing (`rollart.rewards.fair`)."""
+    queued_at: float = 0.0
+    """`time.monotonic()` when it was queued."""
     started: bool = False
 
 

@@ -1,9 +1,11 @@
 """`RewardPool`: Reward-as-a-Service on one host, an elastic pool of reward worker processes.
 
-Requests wait in one FIFO queue and go to an idle worker (the most recently used first, so the
-others stay idle long enough to retire). The pool grows by one worker while the queue is deeper
-than `scale_up_queue_per_worker` x live workers, up to `max_workers`; a worker idle for
-`idle_timeout_s` retires unless that would leave fewer than `min_workers`. With
+Requests wait in a queue per job (the training run that asked: one, unless the gateway is shared
+by several runs) and go to an idle worker (the most recently used first, so the others stay idle
+long enough to retire), the jobs sharing the workers fairly by weight (`rollart.rewards.fair`).
+The pool grows by one worker while the queue is deeper than `scale_up_queue_per_worker` x live
+workers, up to `max_workers`; a worker idle for `idle_timeout_s` retires unless that would leave
+fewer than `min_workers`. With
 `min_workers=0` an idle pool costs nothing and the next request pays a cold start, which is
 measured (spawn to the worker's `Ready`).
 
@@ -29,7 +31,6 @@ import asyncio
 import itertools
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 import structlog
@@ -37,6 +38,7 @@ import structlog
 from rollart.errors import ConfigError, DeadlineExceeded
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward, reference
 from rollart.rewards.config import REWARD_WORKER_LIMITS
+from rollart.rewards.fair import FairQueue
 from rollart.rewards.handles import Request, Worker, stop_workers
 from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.rewards.wire import Done, Failed, Job, Ready, Reply, StartFailed, request_encoder, tag_of
@@ -66,11 +68,13 @@ class RewardPool:
         limits: WorkerLimits = REWARD_WORKER_LIMITS,
         environ: Mapping[str, str] | None = None,
         launch: Launch = NO_SANDBOX,
+        job_weights: Mapping[str, float] | None = None,
     ) -> None:
         """`preload`: modules each worker imports before it reports ready (e.g. "torch"), so the
         import is part of the measured cold start instead of the first request's latency.
         `environ`: the workers' environment (default: `child_environ(os.environ)`); `launch`: their
-        interpreter and sandbox (`rollart.workers.sandbox.worker_launch`; default: the node's, none)."""
+        interpreter and sandbox (`rollart.workers.sandbox.worker_launch`; default: the node's, none).
+        `job_weights`: the jobs' shares of the workers when several want more (default 1 each)."""
         self.launch = launch
         if not 0 <= min_workers <= max_workers or max_workers < 1:
             raise ConfigError(
@@ -90,7 +94,7 @@ class RewardPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._closed = False
-        self._queue: deque[Request] = deque()
+        self._queue: FairQueue[Request] = FairQueue(job_weights)
         self._workers: list[Worker] = []
         self._ids = itertools.count()
         self._changed = asyncio.Event()
@@ -126,8 +130,8 @@ class RewardPool:
         self._closed = True
         if self._loop is None:  # never started: nothing to stop
             return
-        while self._queue:
-            self._fail(self._queue.popleft(), RewardError("reward pool closed before the request ran"))
+        for _, req in self._queue.drain():
+            self._fail(req, RewardError("reward pool closed before the request ran"))
         for w in self._workers:
             if w.job is not None:  # the job stays on the worker until its exit closes the busy interval
                 self._fail(w.job, RewardError(f"reward pool closed while {w.job.name!r} was running"))
@@ -149,8 +153,8 @@ class RewardPool:
 
     # -- requests --------------------------------------------------------------------------
 
-    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float) -> ScoreOutput:
-        """Score `item` with the reward registered as `fn_name` within `timeout` seconds.
+    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float, job: str = "") -> ScoreOutput:
+        """Score `item` with the reward registered as `fn_name` within `timeout` seconds, for `job`.
 
         Raises `RewardError` (unknown function, bad input, function failed, worker crashed, pool
         closed) or `DeadlineExceeded` (deadline passed: dropped if still queued, result discarded
@@ -160,26 +164,25 @@ class RewardPool:
             raise RewardError("reward pool is " + ("closed" if self._closed else "not started"))
         fn = get_reward(fn_name)  # UnknownReward is a RewardError: fails before queueing
         req_id = next(self._ids)
-        job = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
-        req = Request(req_id, fn_name, job, self._loop.create_future())
-        self._queue.append(req)
+        frame_ = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
+        req = Request(req_id, fn_name, frame_, self._loop.create_future(), job, time.monotonic())
+        self._queue.push(job, req)
         try:
             self._pump()
             async with asyncio.timeout(timeout):
                 return await req.future
         except TimeoutError:
             where = "was running" if req.started else "was still queued"
-            self.meters.failed += 1
+            self.meters.count(job, served=False)
             self.meters.timed_out += 1
             raise DeadlineExceeded(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
         finally:
-            if not req.started and req in self._queue:
-                self._queue.remove(req)
+            if not req.started and self._queue.remove(job, req):
                 self._notify()
 
     def stats(self) -> PoolStats:
         """A snapshot of workers, queue, counters, cold starts and utilization."""
-        return self.meters.snapshot(self._workers, queue_depth=len(self._queue))
+        return self.meters.snapshot(self._workers, queue=self._queue)
 
     async def wait_until(self, predicate: Callable[[PoolStats], bool], *, timeout: float) -> PoolStats:
         """Wait until `predicate(stats())` holds (checked on every change); `DeadlineExceeded` past `timeout`."""
@@ -204,9 +207,12 @@ class RewardPool:
             if not idle:
                 break
             w = max(idle, key=lambda w: w.idle_since)  # most recently used: lets the others retire
-            req = self._queue.popleft()
-            if not w.assign(req, time.monotonic(), self._loop):
-                self._queue.appendleft(req)  # never started; its exit will report the dead worker
+            job, req = self._queue.pop()
+            now = time.monotonic()
+            if not w.assign(req, now, self._loop):
+                self._queue.push_front(job, req)  # never started; its exit will report the dead worker
+            else:
+                self.meters.started(job, now - req.queued_at)
         while self._running and len(self._queue) > self.scale_up_queue_per_worker * self._live():
             if self._live() >= self.max_workers or not self._spawn():
                 break
@@ -297,7 +303,7 @@ class RewardPool:
             return
         w.job = None
         w.cpu_s = msg.cpu_s
-        self.meters.busy.close(w.busy_since, time.monotonic())
+        self._ran(w, req)
         if w.state is State.BUSY:
             if w.cpu_s >= RETIRE_AT * self.limits.cpu_time_s:
                 self._retire_spent(w)
@@ -307,7 +313,7 @@ class RewardPool:
             return
         if isinstance(msg, Done):
             req.future.set_result(msg.output)
-            self.meters.served += 1
+            self.meters.count(req.owner, served=True)
         else:
             self._fail(req, RewardError(msg.message))
 
@@ -328,7 +334,7 @@ class RewardPool:
         w.kill(why, self._loop)
         if job is not None:
             w.job = None
-            self.meters.busy.close(w.busy_since, time.monotonic())
+            self._ran(w, job)
             self._fail(job, RewardError(f"reward {job.name!r} failed: its {w.describe()} was killed: {why}"))
 
     def _on_exit(self, w: Worker) -> None:
@@ -347,20 +353,27 @@ class RewardPool:
                 self._last_start_error = w.start_error or f"worker {ended} before ready"
             log.warning("reward_worker_crashed", worker=w.wid, exit_code=code, state=w.state.name, cause=w.kill_cause)
         if w.job is not None:
-            self.meters.busy.close(w.busy_since, time.monotonic())
             job, w.job = w.job, None
+            self._ran(w, job)
             self._fail(job, RewardError(f"reward worker crashed ({ended}) while running {job.name!r}"))
         if self._start_failures >= 2 and not any(x.state in (State.IDLE, State.BUSY) for x in self._workers):
             reason = f"reward workers fail to start: {self._last_start_error}"
-            while self._queue:  # each new request may still try once more
-                self._fail(self._queue.popleft(), RewardError(reason))
+            for _, req in self._queue.drain():  # each new request may still try once more
+                self._fail(req, RewardError(reason))
         self._ensure_min()
         self._pump()
+
+    def _ran(self, w: Worker, req: Request) -> None:
+        """`req` has left worker `w` (done, failed or killed): its busy time counts, for it and its job."""
+        now = time.monotonic()
+        self.meters.busy.close(w.busy_since, now)
+        self.meters.ran(req.owner, now - w.busy_since)
+        self._queue.charge(req.owner, req, now - w.busy_since)
 
     def _fail(self, req: Request, error: RewardError) -> None:
         if not req.future.done():
             req.future.set_exception(error)
-            self.meters.failed += 1
+            self.meters.count(req.owner, served=False)
 
     def _notify(self) -> None:
         self._changed.set()

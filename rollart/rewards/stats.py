@@ -12,9 +12,11 @@ import enum
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
+
+from rollart.rewards.fair import FairQueue
 
 
 class State(enum.Enum):
@@ -51,6 +53,23 @@ class ColdStartStats(msgspec.Struct, frozen=True, kw_only=True):
     """Slowest cold start, seconds."""
 
 
+class JobStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One job's use of a pool that several share (`rollart.rewards.fair`)."""
+
+    weight: float
+    """Its share of the workers when every job wants more than it gets, relative to the others'."""
+    queue_depth: int
+    """Its requests waiting for a worker."""
+    served: int
+    failed: int
+    busy_s: float
+    """Worker seconds its requests used."""
+    share: float
+    """Its `busy_s` over every job's."""
+    wait_mean_s: float
+    """Mean queue wait of its requests that reached a worker, seconds."""
+
+
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """A snapshot of a `RewardPool`."""
 
@@ -82,6 +101,8 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     """The same over the trailing window."""
     window_s: float
     """Length of that window, seconds."""
+    jobs: dict[str, JobStats] = msgspec.field(default_factory=dict)
+    """Each job's share, by job name (a pool of one run's own has one job)."""
 
 
 class ColdStartMeter:
@@ -131,6 +152,14 @@ class IntervalMeter:
         return closed + sum(now - max(s, lo) for s in open_starts)
 
 
+class JobMeter:
+    """What one job's requests did in the pool."""
+
+    def __init__(self) -> None:
+        self.served = self.failed = self.started = 0
+        self.busy_s = self.wait_s = 0.0
+
+
 class PoolMeters:
     """Everything the pool counts and times; `snapshot` turns it and the workers' state into `PoolStats`."""
 
@@ -139,10 +168,60 @@ class PoolMeters:
         self.live = IntervalMeter(window_s)
         self.busy = IntervalMeter(window_s)
         self.served = self.failed = self.timed_out = self.crashed = self.peak = 0
+        self.jobs: dict[str, JobMeter] = {}
 
-    def snapshot(self, workers: Sequence[MeteredWorker], *, queue_depth: int, now: float | None = None) -> PoolStats:
-        """`workers`: every worker the pool holds (a retiring one is live until it exits); `now` on the clock of
-        their times (default `time.monotonic()`)."""
+    def job(self, name: str) -> JobMeter:
+        meter = self.jobs.get(name)
+        if meter is None:
+            meter = self.jobs[name] = JobMeter()
+        return meter
+
+    def started(self, name: str, waited_s: float) -> None:
+        """A request of job `name` reached a worker after `waited_s` in the queue."""
+        meter = self.job(name)
+        meter.started += 1
+        meter.wait_s += waited_s
+
+    def ran(self, name: str, busy_s: float) -> None:
+        """A request of job `name` that reached a worker has left it after `busy_s`."""
+        self.job(name).busy_s += busy_s
+
+    def count(self, name: str, *, served: bool) -> None:
+        """A request of job `name` was answered with a reward (`served`) or failed."""
+        meter = self.job(name)
+        if served:
+            meter.served += 1
+            self.served += 1
+        else:
+            meter.failed += 1
+            self.failed += 1
+
+    def job_stats(self, queue: FairQueue[Any]) -> dict[str, JobStats]:
+        names = dict.fromkeys([*queue.jobs(), *self.jobs])
+        meters = {name: self.job(name) for name in names}
+        total = sum(m.busy_s for m in meters.values())
+        return {
+            name: JobStats(
+                weight=queue.weights.get(name, queue.default_weight),
+                queue_depth=queue.depth(name),
+                served=m.served,
+                failed=m.failed,
+                busy_s=m.busy_s,
+                share=ratio(m.busy_s, total),
+                wait_mean_s=m.wait_s / m.started if m.started else 0.0,
+            )
+            for name, m in meters.items()
+        }
+
+    def snapshot(
+        self,
+        workers: Sequence[MeteredWorker],
+        *,
+        queue: FairQueue[Any],
+        now: float | None = None,
+    ) -> PoolStats:
+        """`workers`: every worker the pool holds (a retiring one is live until it exits); `queue`: the
+        requests waiting; `now` on the clock of their times (default `time.monotonic()`)."""
         now = time.monotonic() if now is None else now
         starting, idle, busy = (
             sum(w.state is state for w in workers) for state in (State.STARTING, State.IDLE, State.BUSY)
@@ -157,13 +236,14 @@ class PoolMeters:
             peak_workers=self.peak,
             cold_starts=self.cold.snapshot(),
             crashed=self.crashed,
-            queue_depth=queue_depth,
+            queue_depth=len(queue),
             served=self.served,
             failed=self.failed,
             timed_out=self.timed_out,
             utilization=ratio(self.busy.total(busy_since, now), self.live.total(live_since, now)),
             utilization_window=ratio(self.busy.in_window(busy_since, now), self.live.in_window(live_since, now)),
             window_s=self.live.window_s,
+            jobs=self.job_stats(queue),
         )
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -34,6 +33,7 @@ import structlog
 from rollart.clock import SimClock
 from rollart.errors import DeadlineExceeded
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
+from rollart.rewards.fair import FairQueue
 from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.sim.config import SimRewardSpec
 from rollart.sim.hardware import CostModel, EngineShape
@@ -55,6 +55,9 @@ class _Job:
     tokens: int
     output: ScoreOutput
     done: asyncio.Future[None]
+    owner: str
+    """The training run that asked (`rollart.rewards.fair`)."""
+    queued_at: float
     started: bool = False
 
 
@@ -65,13 +68,16 @@ class SimRewardPool:
     spec: SimRewardSpec
     clock: SimClock
     meters: PoolMeters = field(default_factory=lambda: PoolMeters(window_s=30.0))
-    _queue: deque[_Job] = field(default_factory=deque)
+    job_weights: dict[str, float] = field(default_factory=dict)
+    """The jobs' shares when several share the pool (`rollart.rewards.fair`; default 1 each)."""
+    _queue: FairQueue[_Job] = field(init=False)
     _workers: list[_Worker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _running: bool = False
 
     def __post_init__(self) -> None:
+        self._queue = FairQueue(self.job_weights)
         self.cost = CostModel.build(EngineShape(gpu=self.spec.gpu, gpus=self.spec.gpus_per_worker), self.spec.model)
 
     def score_s(self, tokens: int) -> float:
@@ -94,38 +100,37 @@ class SimRewardPool:
             task.cancel()
         for w in list(self._workers):
             self._release(w)
-        while self._queue:
-            job = self._queue.popleft()
+        for _, job in self._queue.drain():
             if not job.done.done():
                 job.done.set_exception(RewardError("reward pool is closed"))
 
-    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float) -> ScoreOutput:
-        """The registered function's verdict on `item`, after the simulated judge's time on a worker."""
+    async def score(self, fn_name: str, item: ScoreInput, *, timeout: float, job: str = "") -> ScoreOutput:
+        """The registered function's verdict on `item`, after the simulated judge's time on a worker, for `job`."""
         if not self._running:
             raise RewardError("reward pool is not started")
         output = get_reward(fn_name)(item)  # UnknownReward / the function's own RewardError: at once
         if self.spec.placement == "instant":
-            self.meters.served += 1
+            self.meters.count(job, served=True)
             return output
-        job = _Job(item.tokens, output, asyncio.get_running_loop().create_future())
-        self._queue.append(job)
+        request = _Job(item.tokens, output, asyncio.get_running_loop().create_future(), job, self.clock.now())
+        self._queue.push(job, request)
         self._pump()
         try:
             async with asyncio.timeout(timeout):
-                await job.done
+                await request.done
         except TimeoutError:
-            self.meters.failed += 1
+            self.meters.count(job, served=False)
             self.meters.timed_out += 1
-            where = "was running" if job.started else "was still queued"
+            where = "was running" if request.started else "was still queued"
             raise DeadlineExceeded(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
         finally:
-            if not job.started and job in self._queue:
-                self._queue.remove(job)
-        self.meters.served += 1
+            if not request.started:
+                self._queue.remove(job, request)
+        self.meters.count(job, served=True)
         return output
 
     def stats(self) -> PoolStats:
-        return self.meters.snapshot(self._workers, queue_depth=len(self._queue), now=self.clock.now())
+        return self.meters.snapshot(self._workers, queue=self._queue, now=self.clock.now())
 
     # -- workers ----------------------------------------------------------------------------------
 
@@ -134,7 +139,7 @@ class SimRewardPool:
             if not self._queue:
                 break
             if w.state is State.IDLE:
-                self._serve(w, self._queue.popleft())
+                self._serve(w, *self._queue.pop())
         if self.spec.placement == "service":  # one worker on its way per request waiting, up to `workers`
             starting = sum(w.state is State.STARTING for w in self._workers)
             while len(self._queue) > starting and len(self._workers) < self.spec.workers:
@@ -153,16 +158,20 @@ class SimRewardPool:
         self._idle(w)
         self._pump()
 
-    def _serve(self, w: _Worker, job: _Job) -> None:
+    def _serve(self, w: _Worker, owner: str, job: _Job) -> None:
         if w.retire is not None:
             w.retire.cancel()
             w.retire = None
         w.state, w.busy_since, job.started = State.BUSY, self.clock.now(), True
+        self.meters.started(owner, w.busy_since - job.queued_at)
         self._spawn(self._work(w, job))
 
     async def _work(self, w: _Worker, job: _Job) -> None:
         await self.clock.sleep(self.score_s(job.tokens))
-        self.meters.busy.close(w.busy_since, self.clock.now())
+        now = self.clock.now()
+        self.meters.busy.close(w.busy_since, now)
+        self.meters.ran(job.owner, now - w.busy_since)
+        self._queue.charge(job.owner, job, now - w.busy_since)
         if not job.done.done():
             job.done.set_result(None)
         self._idle(w)

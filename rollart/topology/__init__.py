@@ -27,13 +27,15 @@ from rollart.errors import ConfigError
 from rollart.models.presets import preset, unknown_preset
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.tls import NodeTls, TlsSpec
-from rollart.rewards.config import RewardPoolSpec
+from rollart.rewards.config import RewardPoolSpec, RewardServiceSpec
 from rollart.rollout.config import ModelSpec, RolloutSpec, TaskSpec
 from rollart.sim.config import SimSpec
 from rollart.topology import exposure, gpus, trainers
 from rollart.topology.explain import explain
 from rollart.tracking.config import TrackingSpec
 
+REWARD_SERVICE = "reward-service"
+"""The session name of the shared reward gateway an env-host uses (`run.reward_service`)."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _WILDCARD_HOSTS = {"0.0.0.0", "::"}
 
@@ -166,6 +168,9 @@ class RunSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """The inference engine of every generator."""
     reward_pool: RewardPoolSpec = RewardPoolSpec()
     """The reward gateway's worker pool."""
+    reward_service: RewardServiceSpec | None = None
+    """A reward gateway shared by several runs (another topology's) that this run's env-hosts use;
+    the run then has no reward-gateway node. None: the run's own reward-gateway node."""
     trainer: TrainerSpec = TrainerSpec()
     """How the trainer trains and pushes weights (rollout mode `train`)."""
     env_modules: list[str] = []
@@ -225,6 +230,46 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     def read_secret(self) -> bytes:
         """Return the session secret, from run.secret_file if set, else from $run.secret_env."""
         return self._read_credential("secret", "secret_file", self.run.secret_file, self.run.secret_env)
+
+    def read_reward_service_secret(self) -> bytes:
+        """The secret the shared reward gateway of `run.reward_service` knows this run by."""
+        service = self.run.reward_service
+        if service is None:
+            raise ConfigError(f"{self.source}: run.reward_service is not set")
+        where = "reward_service.secret_file"
+        return self._read_credential("reward service secret", where, service.secret_file, service.secret_env)
+
+    def other_secrets(self, spec: NodeSpec) -> dict[str, bytes]:
+        """The secrets of node `spec`'s sessions with other runs: an env-host's for the shared reward
+        gateway of `run.reward_service` (under `REWARD_SERVICE`), a reward gateway's for each run of
+        `run.reward_pool.jobs` (by job name); none for the rest."""
+        if spec.role is Role.ENV_HOST and self.run.reward_service is not None:
+            return {REWARD_SERVICE: self.read_reward_service_secret()}
+        if spec.role is Role.REWARD_GATEWAY:
+            return self.read_reward_job_secrets()
+        return {}
+
+    def credential_variables(self) -> list[str]:
+        """Every environment variable a node reads a credential from (a node drops them all once read,
+        so no process it starts inherits one)."""
+        run = self.run
+        names = [run.secret_env, run.admin_token_env]
+        names += [job.secret_env for job in run.reward_pool.jobs if job.secret_env]
+        names += [run.reward_service.secret_env] if run.reward_service is not None else []
+        return names
+
+    def read_reward_job_secrets(self) -> dict[str, bytes]:
+        """The secrets of the other runs this run's reward gateway serves (`run.reward_pool.jobs`), by job."""
+        jobs = self.run.reward_pool.jobs
+        return {
+            job.name: self._read_credential(
+                f"secret of reward job {job.name!r}",
+                f"reward_pool.jobs[{i}].secret_file",
+                job.secret_file,
+                job.secret_env or "",
+            )
+            for i, job in enumerate(jobs)
+        }
 
     def read_admin_token(self) -> str:
         """Return the admin token, from run.admin_token_file if set, else from $run.admin_token_env."""
@@ -317,7 +362,8 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         for i, node in enumerate(topology.nodes):
             if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
                 problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
-    problems += _check_reward_pool(run.reward_pool)
+    problems += _check_reward_pool(run.reward_pool, run.name)
+    problems += _check_reward_service(topology)
     if not topology.nodes:
         problems.append(("nodes", "expected at least one node"))
     first_with_name: dict[str, int] = {}
@@ -348,12 +394,43 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     return problems + trainers.check_trainer_groups(topology) + gpus.check_gpus(topology)
 
 
-def _check_reward_pool(pool: RewardPoolSpec) -> list[tuple[str, str]]:
+def _check_reward_pool(pool: RewardPoolSpec, run_name: str) -> list[tuple[str, str]]:
     problems = _below_zero("run.reward_pool", pool, ("max_workers", "idle_timeout_s"), ("min_workers",))
     problems += [(f"run.reward_pool.limits.{field}", problem) for field, problem in pool.limits.validate()]
     problems += [(f"run.reward_pool.sandbox.{field}", problem) for field, problem in pool.sandbox.validate()]
     if pool.min_workers > pool.max_workers:
         problems.append(("run.reward_pool.min_workers", f"expected at most max_workers ({pool.max_workers})"))
+    seen: set[str] = set()
+    for i, job in enumerate(pool.jobs):
+        at = f"run.reward_pool.jobs[{i}]"
+        if not _NAME.match(job.name):
+            problems.append((f"{at}.name", f"expected lowercase letters, digits and '-'; got {job.name!r}"))
+        elif job.name == run_name or job.name in seen:
+            what = "this run's own name" if job.name == run_name else "a name listed twice"
+            problems.append((f"{at}.name", f"{job.name!r} is {what}: each job needs a name of its own"))
+        seen.add(job.name)
+        if (job.secret_env is None) == (job.secret_file is None):
+            problems.append((at, "expected one of secret_env or secret_file: the secret that run's env-hosts prove"))
+        if job.weight <= 0:
+            problems.append((f"{at}.weight", f"expected a value > 0; got {job.weight}"))
+    return problems
+
+
+def _check_reward_service(topology: Topology) -> list[tuple[str, str]]:
+    service = topology.run.reward_service
+    if service is None:
+        return []
+    problems = []
+    if not 1 <= service.port <= 65535:
+        problems.append(("run.reward_service.port", f"expected an integer from 1 to 65535; got {service.port}"))
+    job = service.job if service.job is not None else topology.run.name
+    if not _NAME.match(job):
+        where = "run.reward_service.job" if service.job is not None else "run.name"
+        problems.append((where, f"the name at the reward service: lowercase letters, digits and '-'; got {job!r}"))
+    for i, node in enumerate(topology.nodes):
+        if node.role is Role.REWARD_GATEWAY:
+            problem = "this run uses the shared gateway of run.reward_service: drop this node, or that setting"
+            problems.append((f"nodes[{i}].role", problem))
     return problems
 
 
