@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from rollart.agents.openai_api import AgentEndpoint
@@ -306,6 +307,7 @@ class EnvHostNode(NodeDaemon):
                 self.running[trajectory_id] = (me, version)
 
         async def score(request: Score) -> float:
+            request = msgspec.structs.replace(request, timeout_s=spec.reward_timeout_s)
             return (await reward.request(request, timeout=spec.reward_timeout_s)).reward
 
         # Versions only mean weights in train mode; rollout-only runs bump them with no push.

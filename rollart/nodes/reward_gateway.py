@@ -79,6 +79,7 @@ class RewardGatewayNode(NodeDaemon):
                 item = msgspec.convert(msg, ScoreInput, from_attributes=True)  # the fields Score shares, by name
                 rollout = self.topology.run.rollout
                 timeout = rollout.reward_timeout_s if rollout is not None else 30.0
+                timeout = msg.timeout_s if msg.timeout_s > 0 else timeout  # the asking run's own deadline
                 try:
                     out = await self.pool.score(msg.fn, item, timeout=timeout, job=self.job_of(session))
                 except (RewardError, ConfigError) as exc:

@@ -131,7 +131,8 @@ PINNED: list[tuple[Channel[Any], Any, str]] = [
     (
         APP,
         Score("exact", "lake", "p", "r", "a", 0.5, 9),
-        "98a573636f7265a56578616374a46c616b65a170a172a161cb3fe000000000000009",
+        # timeout_s 0.0 appended (a gateway shared by runs): old peers skip it, and decode to 0.0 without it
+        "99a573636f7265a56578616374a46c616b65a170a172a161cb3fe000000000000009cb0000000000000000",
     ),
     (APP, Scored(1.0, {"box": "left"}), "93a673636f726564cb3ff000000000000081a3626f78a46c656674"),
     (APP, WeightsWhere(), "91a8776569676874733f"),
@@ -150,3 +151,8 @@ def test_every_message_type_is_pinned() -> None:
     pinned = {type(msg) for _, msg, _ in PINNED}
     for channel in (HANDSHAKE, SESSION, APP, REMOTE_FAILURE, BLOB):
         assert set(channel.types) <= pinned, set(channel.types) - pinned
+
+
+def test_a_score_from_a_peer_without_its_timeout_field_decodes_with_the_default() -> None:
+    old = bytes.fromhex("98a573636f7265a56578616374a46c616b65a170a172a161cb3fe000000000000009")
+    assert APP.decode(old) == Score("exact", "lake", "p", "r", "a", 0.5, 9, timeout_s=0.0)

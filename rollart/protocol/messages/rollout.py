@@ -167,6 +167,9 @@ class Score(Request["Scored"], tag="score", **_WIRE):
     env_reward: float | None = None
     tokens: int = 0
     """The trajectory's prompt and response tokens (what a simulated reward model's time follows)."""
+    timeout_s: float = 0.0
+    """How long the asking run waits for it (its `rollout.reward_timeout_s`): the gateway gives up
+    then too, whatever its own run's setting (a gateway shared by runs); 0: the gateway's own."""
 
 
 class Scored(msgspec.Struct, tag="scored", **_WIRE):
