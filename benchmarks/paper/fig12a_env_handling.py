@@ -99,10 +99,16 @@ def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> 
 
 def modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The modes run, by name: the rollout fields each sets."""
-    if args.min_group_size is None:
-        return MODES
+    more = {}
     cut = {"min_group_size": args.min_group_size, "deadline_quantile": args.deadline_quantile}
-    return MODES | {"deadline": MODES["trajectory-level"] | cut}
+    if args.min_group_size is not None:
+        more["deadline"] = MODES["trajectory-level"] | cut
+    if args.max_redundancy is not None:
+        adaptive = MODES["trajectory-level"] | {"max_redundancy": args.max_redundancy}
+        more["adaptive extras"] = adaptive
+        if args.min_group_size is not None:
+            more["deadline + adaptive extras"] = adaptive | cut
+    return MODES | more
 
 
 NODES = [
@@ -147,6 +153,7 @@ def main() -> None:
     parser.add_argument("--cap-s", type=float, default=120.0, help="longest env call, simulated s")
     parser.add_argument("--min-group-size", type=int, help="also run groups cut at their deadline to this many")
     parser.add_argument("--deadline-quantile", type=float, default=0.9, help="of trajectory times (with the above)")
+    parser.add_argument("--max-redundancy", type=int, help="also run with adaptive redundancy up to this many extras")
     add_mode_arguments(parser, speedup=20.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig12a.md")
     args = parser.parse_args()
     resolve_mode(args)
@@ -164,20 +171,25 @@ def main() -> None:
             print(f"  step times (simulated s): {[round(s) for s in measured[mode].step_s]}", flush=True)
         batch, traj = measured["batch-level"], measured["trajectory-level"]
         ideal = ideal_step_s(traj, args, traj.speedup)
-        cut = measured["deadline"].mean_step_s if "deadline" in measured else None
-        rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, cut))
+        more = [measured[mode].mean_step_s for mode in modes(args) if mode not in MODES]
+        rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, more))
 
-    with_cut = args.min_group_size is not None
-    extra = f" | cut at the deadline (>= {args.min_group_size} of {args.group_size}): step s | speed-up" * with_cut
+    names = [mode for mode in modes(args) if mode not in MODES]
+    words = {
+        "deadline": f"cut at the deadline (>= {args.min_group_size} of {args.group_size})",
+        "adaptive extras": f"adaptive extras (0 to {args.max_redundancy})",
+        "deadline + adaptive extras": "cut and adaptive extras",
+    }
+    extra = "".join(f" | {words[name]}: step s | speed-up" for name in names)
     lines = [
         "| sigma | batch-level step s | trajectory-level step s | speed-up | paper | target "
         f"| no-barrier step s | throughput bound s | efficiency (bound / trajectory-level){extra} |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:" + "|---:|---:" * with_cut + "|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:" + "|---:|---:" * len(names) + "|",
     ]
-    for sigma, batch_s, traj_s, no_barrier, ideal, cut in rows:
+    for sigma, batch_s, traj_s, no_barrier, ideal, more in rows:
         ratio = batch_s / traj_s
         verdict = "met" if ratio >= TARGET[sigma] else "missed"
-        cells = f" | {cut:.0f} | {batch_s / cut:.2f}x" if cut is not None else ""
+        cells = "".join(f" | {step:.0f} | {batch_s / step:.2f}x" for step in more)
         lines.append(
             f"| {sigma:g} | {batch_s:.0f} | {traj_s:.0f} | {ratio:.2f}x | {PAPER[sigma]}x "
             f"| >= {TARGET[sigma]}x ({verdict}) | {no_barrier:.0f} | {ideal:.0f} | {ideal / traj_s:.2f}{cells} |"
@@ -189,7 +201,7 @@ def main() -> None:
         f"{args.turns} turns per episode, 300 prompt + 32 generated tokens per turn; env latency lognormal, "
         f"median reset {args.reset_s} s / step {args.step_s} s, capped at {args.cap_s} s; "
         f"{args.steps} batches per run, step time = mean gap between batches after the first; "
-        + (f"deadline: the {args.deadline_quantile} quantile of trajectory times; " if with_cut else "")
+        + (f"deadline: the {args.deadline_quantile} quantile of trajectory times; " if args.min_group_size else "")
         + mode_words(args)
     )
     title = "Fig. 12a: trajectory-level vs batch-level env handling (simulation)"

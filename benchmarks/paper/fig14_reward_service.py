@@ -15,18 +15,35 @@ step minus the modelled training step and weight push. Reports rollout time, rew
 utilization (busy / live worker-seconds), and the bound: the rollout time on the same 8 GPUs with
 a reward that costs nothing.
 
+With `--jobs 2,4,8`, a second table: that many such runs at once (each 8 H800 generating, its own
+seed) sharing ONE reward service of up to `--service-workers` judges, fairly by job
+(`rollart/rewards/fair.py`), all in one process on one virtual clock (`run_inprocess_jobs`): the
+service's reward GPU utilization next to the paper's 88%, and each run's rollout time next to
+running alone.
+
     .venv/bin/python benchmarks/paper/fig14_reward_service.py            # a few minutes on 2 cores
+    .venv/bin/python benchmarks/paper/fig14_reward_service.py --jobs 2,4,8
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from simrun import ROOT, Result, run, save_plot, tiny_tokenizer_model, write_report
+from simrun import (
+    ROOT,
+    Result,
+    inprocess_result,
+    inprocess_topology,
+    run,
+    save_plot,
+    tiny_tokenizer_model,
+    write_report,
+)
 
 from rollart.sim.hardware import GPUS, MODELS, train_step_s, transfer_s
 
@@ -48,11 +65,17 @@ SETUPS: dict[str, tuple[int, dict[str, Any]]] = {
 PAPER = {"local GPU (4 generate + 4 reward)": ("158 s", "6%"), "reward service (8 generate)": ("77 s", "88%")}
 
 
-def run_spec(model: Path, args: argparse.Namespace, generators: int, reward: dict[str, Any]) -> dict[str, Any]:
+SERVICE = {"placement": "service", "cold_start_s": 15.0, "idle_timeout_s": 30.0}
+SERVICE_PORT = 30000
+
+
+def run_spec(
+    model: Path, args: argparse.Namespace, generators: int, reward: dict[str, Any], seed: int = 0
+) -> dict[str, Any]:
     return {
         "restart": {"policy": "stop-all"},
         "model": {"path": str(model)},
-        "generator": {"backend": "sim", "max_batch_size": 256},
+        "generator": {"backend": "sim", "max_num_seqs": 256},
         "sim": {
             "model": "qwen3-8b",
             "engines": {"compute": {"gpu": "H800", "gpus": 1, "replicas": generators}},
@@ -64,6 +87,7 @@ def run_spec(model: Path, args: argparse.Namespace, generators: int, reward: dic
         "rollout": {
             "mode": "rollout-only",
             "schedule": "sync",
+            "seed": seed,
             "tasks": [
                 {
                     "name": "math",
@@ -102,12 +126,64 @@ def rollout_s(result: Result) -> float:
     return statistics.fmean(gap - cost for gap, cost in zip(gaps, overhead, strict=False))
 
 
+def run_shared(model: Path, args: argparse.Namespace, jobs: int) -> tuple[list[Result], Any]:
+    """`jobs` runs of 8 generating GPUs sharing one reward service; each run's result and the service's stats."""
+    from rollart.launch.inprocess import run_inprocess_jobs
+
+    names = [f"job-{i}" for i in range(jobs)]
+    with tempfile.TemporaryDirectory(prefix="rollart-fig14-") as tmp:
+        folder = Path(tmp)
+        topologies = []
+        for i, name in enumerate(names):
+            spec = run_spec(model, args, 8, {"placement": "instant"}, seed=i)
+            spec["reward_service"] = {"port": SERVICE_PORT}
+            nodes = [node for node in NODES if node["role"] != "reward-gateway"]
+            topologies.append(inprocess_topology(spec, nodes, folder, name=name, first_port=20000 + 100 * i))
+        service_spec = run_spec(model, args, 8, SERVICE | {"workers": args.service_workers})
+        del service_spec["rollout"]
+        service_spec["reward_pool"] = {"jobs": [{"name": name, "secret_env": "UNUSED_IN_PROCESS"} for name in names]}
+        gateway = [{"name": "reward", "role": "reward-gateway"}]
+        service = inprocess_topology(service_spec, gateway, folder, name="reward-service", first_port=SERVICE_PORT)
+        done, stats = run_inprocess_jobs(topologies, service, log=folder / "nodes.log")
+    return [inprocess_result(one) for one in done], stats
+
+
+def shared_table(model: Path, args: argparse.Namespace, alone_s: float) -> tuple[str, float]:
+    """The N-jobs table, and the service's utilization at the largest N."""
+    lines = [
+        "| runs sharing the service | reward GPU utilization | peak judges | rollout s per step, mean of runs "
+        "| slowest / fastest run | vs one run alone | paper utilization |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    util = 0.0
+    for jobs in args.jobs:
+        print(f"{jobs} runs sharing one reward service ...", flush=True)
+        results, stats = run_shared(model, args, jobs)
+        per_run = [rollout_s(result) for result in results]
+        util = stats.utilization
+        shares = ", ".join(f"{name} {job.share:.2f}" for name, job in stats.jobs.items())
+        print(f"  rollout s per run {[round(s) for s in per_run]}; utilization {util:.2f}; shares {shares}")
+        mean = statistics.fmean(per_run)
+        lines.append(
+            f"| {jobs} | {util:.0%} | {stats.peak_workers} | {mean:.0f} | {max(per_run) / min(per_run):.2f} "
+            f"| {mean / alone_s:.2f} | 88% |"
+        )
+    return "\n".join(lines), util
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-groups", type=int, default=12)
     parser.add_argument("--group-size", type=int, default=7, help="12 x 7 = the paper's batch of 84")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "paper" / "fig14.md")
+    parser.add_argument(
+        "--jobs",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[],
+        help="also run this many runs sharing one reward service, e.g. 2,4,8",
+    )
+    parser.add_argument("--service-workers", type=int, default=16, help="judges the shared service may start")
     args = parser.parse_args()
     model = tiny_tokenizer_model()
     began = time.monotonic()
@@ -134,6 +210,13 @@ def main() -> None:
         f"bound {bound / rollout_s(service):.2f}"
     )
     table = "\n".join(lines) + "\n\n" + summary
+    if args.jobs:
+        shared, util = shared_table(model, args, rollout_s(service))
+        table += (
+            f"\n\n### One reward service shared by several runs (up to {args.service_workers} judges)\n\n{shared}\n\n"
+            f"reward_util_shared={util:.2f} (the service's busy / live judge-seconds with {args.jobs[-1]} runs; "
+            "paper 88%)"
+        )
     print(table)
     shape = (
         f"simulated Qwen3-8B actor, 1-GPU H800 engines; a math task, one turn, 400 prompt tokens, answers "

@@ -23,11 +23,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from rollart.testkit.topology import TopologyBuilder
+
+if TYPE_CHECKING:
+    from rollart.launch.inprocess import InProcessRun
+    from rollart.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,15 +166,31 @@ def run_inprocess_spec(run_spec: dict[str, Any], nodes: list[dict[str, Any]], *,
     """`run` in-process: the same nodes over an in-memory network, on a virtual-time loop.
     `keep_groups=False` (large shapes): `trajectories` stays empty and `batch_tokens` has the counts."""
     from rollart.launch.inprocess import run_inprocess
-    from rollart.nodes import EnvHostNode, TrainerNode
-    from rollart.nodes.trainer_steps import SimulatedStep, as_record
+
+    with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
+        done = run_inprocess(
+            inprocess_topology(run_spec, nodes, Path(tmp)), log=Path(tmp) / "nodes.log", keep_groups=keep_groups
+        )
+    return inprocess_result(done)
+
+
+def inprocess_topology(
+    run_spec: dict[str, Any], nodes: list[dict[str, Any]], folder: Path, *, name: str = "paper", first_port: int = 20000
+) -> Topology:
+    """The topology of `run_spec` and `nodes` for an in-process run, its ports from `first_port` on
+    (addresses only: nothing listens on them), its run directory in `folder`."""
     from rollart.topology import parse_topology
 
-    placed = [node | {"port": 20000 + 2 * i, "admin_port": 20001 + 2 * i} for i, node in enumerate(nodes)]  # unused
-    with tempfile.TemporaryDirectory(prefix="rollart-paper-") as tmp:
-        spec = {"run": {"name": "paper", "run_dir": tmp, "drain_timeout_s": 5} | run_spec, "nodes": placed}
-        topology = parse_topology(yaml.safe_dump(spec, sort_keys=False))
-        done = run_inprocess(topology, log=Path(tmp) / "nodes.log", keep_groups=keep_groups)
+    placed = [node | {"port": first_port + 2 * i, "admin_port": first_port + 1 + 2 * i} for i, node in enumerate(nodes)]
+    spec = {"run": {"name": name, "run_dir": str(folder / name), "drain_timeout_s": 5} | run_spec, "nodes": placed}
+    return parse_topology(yaml.safe_dump(spec, sort_keys=False))
+
+
+def inprocess_result(done: InProcessRun) -> Result:
+    """What the figures read of an in-process run."""
+    from rollart.nodes import EnvHostNode, TrainerNode
+    from rollart.nodes.trainer_steps import SimulatedStep, as_record
+
     trajectories, versions = [], []
     for batch in done.batches:
         for group in batch.groups:

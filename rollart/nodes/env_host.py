@@ -226,6 +226,10 @@ class EnvHostNode(NodeDaemon):
                 case GroupTask() as task:
                     if self.over():  # granted just before the trainer said the run is over
                         return
+                    if spec.max_redundancy is not None and not task.evaluation:  # adaptive redundancy
+                        extras = self.deadlines.extras(task.task, task.group_size, task.redundancy, spec.max_redundancy)
+                        self.counts["adaptive_extras"] += extras - task.redundancy
+                        task = msgspec.structs.replace(task, redundancy=extras)
                     play = functools.partial(self._trajectory, spec, task, reward, None)
                     outcome = await run_group(task, play, self.deadlines)
                     if not self.run_done:

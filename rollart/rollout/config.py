@@ -191,6 +191,11 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     taken against its own group's kept ones (`rollart.rollout.group`)."""
     deadline_quantile: float = 0.9
     """Of a task's trajectory times, the one a group's deadline is (with `min_group_size`)."""
+    max_redundancy: int | None = None
+    """Adaptive redundancy: each env-host gives each group from `redundancy` to this many extras, as many as
+    make its task's groups cheapest by the trajectory times it learned: (G + R) trajectories held until the
+    G-th of them finishes (`rollart.rollout.group.GroupDeadlines.extras`). A long tail gets extras, a short
+    one none. None: always `redundancy`."""
     batch_groups: int = 4
     """Groups per training batch."""
     dynamic_sampling: bool = False
@@ -287,6 +292,10 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
         if self.min_group_size is not None and not 2 <= self.min_group_size <= self.group_size:
             problem = f"expected an integer from 2 (a group needs two to compare) to group_size ({self.group_size})"
             problems.append(("min_group_size", f"{problem} or null; got {self.min_group_size}"))
+        if self.max_redundancy is not None and self.max_redundancy < self.redundancy:
+            problems.append(
+                ("max_redundancy", f"expected >= redundancy ({self.redundancy}) or null; got {self.max_redundancy}")
+            )
         if not 0 < self.deadline_quantile < 1:
             problems.append(("deadline_quantile", f"expected a value in (0, 1); got {self.deadline_quantile}"))
         if self.groups_per_env_host < 1:

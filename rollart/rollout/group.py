@@ -13,6 +13,10 @@ wait for the slowest of its G. The times are learned from groups run without a d
 first ones, then one in `CALIBRATE_EVERY`), so that the cut ones, whose times are unknown, do not
 pull the estimate down. What it costs is a bias toward quick episodes (the cut are the slowest);
 GRPO's advantages are taken within each group over the trajectories it kept.
+
+With `rollout.max_redundancy` the extras adapt too: from the same times, each group gets as many as
+make its task's groups cheapest (`GroupDeadlines.extras`): none where times are even, more where a
+long tail makes the G-th of G the slowest of many.
 """
 
 from __future__ import annotations
@@ -54,6 +58,20 @@ class GroupDeadlines:
             times = sorted(self.times.get(task, ()))
             self._cached[task] = times[int(self.quantile * (len(times) - 1))] if len(times) >= MIN_SAMPLES else None
         return self._cached[task]
+
+    def extras(self, task: str, group_size: int, low: int, high: int) -> int:
+        """The extras (from `low` to `high`) that make a group of `task` cheapest: G + R trajectories held
+        until the G-th finishes, whose time is taken as the quantile G / (G + R + 1) of the recent times
+        (where the G-th of G + R samples falls on average). `low` until enough times are known."""
+        times = sorted(self.times.get(task, ()))
+        if len(times) < MIN_SAMPLES or high <= low:
+            return low
+
+        def cost(extra: int) -> float:
+            at = group_size / (group_size + extra + 1)
+            return (group_size + extra) * times[int(at * (len(times) - 1))]
+
+        return min(range(low, high + 1), key=cost)
 
     def record(self, task: str, times: list[float]) -> None:
         """The times of a group run without a deadline: each trajectory's until it finished, failed or
@@ -110,7 +128,7 @@ async def run_group(
         for future in pending:
             future.cancel(why)  # the extras: generation aborted, environment closed (an agent told why)
         await asyncio.gather(*pending, return_exceptions=True)
-    if deadlines is not None and task.min_size and deadline is None:
+    if deadlines is not None and deadline is None:
         deadlines.record(task.task, times + [loop.time() - started] * len(pending))
     if cut:
         log.debug("group.deadline_cut", group=task.group_id, kept=len(done), of=need, deadline_s=deadline)

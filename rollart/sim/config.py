@@ -90,6 +90,10 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     """service: from asking for a worker to it serving (the function's start and model load)."""
     idle_timeout_s: float = 30.0
     """service: an idle worker is released after this long."""
+    scale_up: Literal["by-wait", "per-request"] = "by-wait"
+    """service: by-wait starts a worker when the queue's work would keep its last request waiting longer
+    than a cold start (a new worker serves it sooner), so the live workers follow the load; per-request
+    starts one per waiting request (up to `workers`): the shortest waits, and most workers idle after a burst."""
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs, the fields under `reward.`."""

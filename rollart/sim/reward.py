@@ -11,8 +11,10 @@ Placements (the paper's Fig. 14 compares the first two):
 - `local`: `workers` GPUs reserved for the reward model for the whole run, each serving one
   request at a time; requests queue when all are busy. The GPUs count as live from start to end.
 - `service`: Reward-as-a-Service. Workers start on demand (a `cold_start_s` wait before the
-  first request they serve), one more whenever the queue is deeper than the live workers, up to
-  `workers`; a worker idle for `idle_timeout_s` is released (down to `min_workers`, zero allowed).
+  first request they serve), up to `workers`: by default one more when the queue's work, shared
+  among the workers there are, would keep its last request waiting longer than a cold start
+  (`scale_up: by-wait`), or one per waiting request (`per-request`); a worker idle for
+  `idle_timeout_s` is released (down to `min_workers`, zero allowed).
   A worker is live, and billed, from its start to its release.
 - `instant`: no reward model: the verdict at once (rule-based rewards cost next to nothing).
 
@@ -140,11 +142,21 @@ class SimRewardPool:
                 break
             if w.state is State.IDLE:
                 self._serve(w, *self._queue.pop())
-        if self.spec.placement == "service":  # one worker on its way per request waiting, up to `workers`
+        if self.spec.placement != "service":
+            return
+        if self.spec.scale_up == "per-request":  # one worker on its way per request waiting, up to `workers`
             starting = sum(w.state is State.STARTING for w in self._workers)
             while len(self._queue) > starting and len(self._workers) < self.spec.workers:
                 self._start_worker(cold=True)
                 starting += 1
+            return
+        # by-wait: shared among the workers there are (or coming), the queue's work would keep its last
+        # request waiting longer than a cold start takes: one more worker serves it sooner.
+        work_s = sum(self.score_s(job.tokens) for _, job in self._queue.items())
+        while self._queue and len(self._workers) < self.spec.workers:
+            if self._workers and work_s / len(self._workers) <= self.spec.cold_start_s:
+                break
+            self._start_worker(cold=True)
 
     def _start_worker(self, *, cold: bool) -> None:
         w = _Worker(next(self._ids), self.clock.now())

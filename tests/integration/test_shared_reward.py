@@ -7,6 +7,9 @@ node processes (`slow`: two small training runs and the service, each launched b
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,12 @@ from rollart.launch.inprocess import run_inprocess_jobs
 from rollart.protocol.auth import Identity, client_handshake
 from rollart.protocol.errors import HandshakeRefused
 from rollart.protocol.framing import open_tcp
+from rollart.rundir import RunDir, read_jsonl
 from rollart.topology import Topology, load_topology, parse_topology
+from tests.integration.cluster import training_yaml
 from tests.integration.test_sim_mode import sim_yaml
 from tests.integration.test_tls import SECRET, tls_server
+from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -140,3 +146,63 @@ async def test_another_runs_env_host_proves_its_own_secret_and_nothing_else_gets
         assert await _handshake(free_port, "env-0", "env-host", SECRET) == "welcome"
         assert "is no trainer" in await _handshake(free_port, "gen-0", "trainer", SECRET)
         assert server.refusals == 4
+
+
+def real_run_topology(folder: Path, name: str, model: Path, service_port: int, steps: int) -> Path:
+    """A small training run (the tiny model, frozen-lake and copy) whose env-host scores at the shared gateway."""
+    extra = training_yaml(model, steps=steps) + f"  name: {name}\n  reward_service: {{port: {service_port}}}\n"
+    path, _ = write_topology(
+        folder / name, {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host"}, extra_run=extra
+    )
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_real_runs_share_one_reward_gateway_over_tcp(tmp_path: Path, tiny_model: Path) -> None:
+    """`rollart run` three times: the service (one gateway), then two training runs that score there."""
+    service_path, ports = write_topology(
+        tmp_path / "service",
+        {"reward": "reward-gateway"},
+        extra_run="  name: reward-service\n  reward_pool: {max_workers: 2, jobs: "
+        "[{name: run-a, secret_env: RUN_A_REWARD_SECRET}, {name: run-b, secret_env: RUN_B_REWARD_SECRET}]}\n",
+    )
+    port, admin = ports["reward"]
+    secrets = {"RUN_A_REWARD_SECRET": "a-secret", "RUN_B_REWARD_SECRET": "b-secret"}
+    service = launch(service_path, secrets)
+    try:
+        wait_for(lambda: healthy(admin), 60, "the shared gateway up")
+        runs = {
+            name: launch(
+                real_run_topology(tmp_path, name, tiny_model, port, steps=3), {"ROLLART_REWARD_SECRET": secret}
+            )
+            for name, secret in (("run-a", "a-secret"), ("run-b", "b-secret"))
+        }
+        for name, proc in runs.items():
+            out, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (name, out[-3000:])
+            steps = [line["step"] for line in read_jsonl(RunDir(tmp_path / name / "run").metrics) if "step" in line]
+            assert steps == [1, 2, 3], (name, steps)
+        jobs = http("GET", admin, "/status")[1]["reward_pool"]["jobs"]
+        assert jobs.keys() == {"run-a", "run-b"}
+        for name in ("run-a", "run-b"):
+            assert jobs[name]["served"] >= 3 * 2 * 2 and jobs[name]["failed"] == 0, jobs  # steps x groups x G
+        code, metrics = http("GET", admin, "/metrics")
+        assert code == 200 and 'rollart_reward_job_served{job="run-a"}' in metrics
+    finally:
+        service.send_signal(signal.SIGINT)
+        out, _ = service.communicate(timeout=60)
+    assert service.returncode == 0, out[-3000:]
+    assert "stopped cleanly" in out
+
+
+def launch(topology: Path, extra_env: dict[str, str]) -> subprocess.Popen[str]:
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")} | extra_env
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import msgspec
 import pytest
@@ -286,6 +287,18 @@ def test_a_group_deadline_is_the_quantile_of_the_times_of_groups_run_without_one
     assert deadlines.deadline_s("other") is None  # per task
 
 
+def test_adaptive_redundancy_gives_extras_where_the_tail_is_long_and_none_where_times_are_even() -> None:
+    deadlines = GroupDeadlines(0.9)
+    assert deadlines.extras("heavy", 8, 1, 4) == 1  # nothing known yet: the floor
+    rng = random.Random(0)
+    deadlines.record("even", [10.0 + rng.random() for _ in range(200)])
+    deadlines.record("heavy", [rng.lognormvariate(0.0, 2.0) for _ in range(200)])
+    assert deadlines.extras("even", 8, 0, 4) == 0  # an extra costs a trajectory and saves nothing
+    # the 8th of 8 is the slowest of a long tail; the 8th of 12 is near the median: 4 extras are cheaper
+    assert deadlines.extras("heavy", 8, 0, 4) == 4
+    assert deadlines.extras("heavy", 8, 0, 0) == 0  # never more than allowed
+
+
 async def test_a_group_past_its_deadline_is_done_with_at_least_min_size_and_cuts_the_rest() -> None:
     deadlines = GroupDeadlines(0.5)
     deadlines.record("t", [0.05] * MIN_SAMPLES)  # the deadline: 50 ms
@@ -363,3 +376,6 @@ def test_rollout_settings_out_of_range_are_named() -> None:
     }
     assert dict(spec(group_size=4, min_group_size=5).validate()).keys() == {"min_group_size"}
     assert not spec(group_size=4, min_group_size=4).validate()
+    assert dict(spec(redundancy=2, max_redundancy=1).validate()) == {
+        "max_redundancy": "expected >= redundancy (2) or null; got 1"
+    }

@@ -50,7 +50,7 @@ async def test_local_gpus_are_reserved_and_requests_queue_for_them() -> None:
 
 @virtual
 async def test_the_service_starts_workers_on_demand_and_releases_idle_ones() -> None:
-    spec = SimRewardSpec(placement="service", workers=3, cold_start_s=10.0, idle_timeout_s=30.0)
+    spec = SimRewardSpec(placement="service", workers=3, cold_start_s=10.0, idle_timeout_s=30.0, scale_up="per-request")
     async with SimRewardPool(spec, SimClock()) as pool:
         assert pool.stats().live_workers == 0  # scaled to zero: costs nothing
         one = pool.score_s(8000)
@@ -63,6 +63,22 @@ async def test_the_service_starts_workers_on_demand_and_releases_idle_ones() -> 
         assert stats.live_workers == 0 and stats.served == 5 and stats.cold_starts.count == 3
         live = 3 * (10.0 + 30.0) + 5 * one  # each worker: cold start, its jobs, 30 s idle
         assert stats.utilization == pytest.approx(5 * one / live, rel=1e-4)
+
+
+@virtual
+async def test_by_wait_the_service_starts_a_worker_only_when_waiting_would_outlast_a_cold_start() -> None:
+    spec = SimRewardSpec(placement="service", workers=8, cold_start_s=10.0, idle_timeout_s=30.0)
+    async with SimRewardPool(spec, SimClock()) as pool:
+        one = pool.score_s(8000)
+        few = int(10.0 / one)  # this many requests of work fit in one cold start
+        took, _ = await score_many(pool, few, 8000)
+        assert pool.stats().peak_workers == 1  # per-request would have started `few` (up to 8)
+        assert took == pytest.approx(10.0 + few * one, rel=1e-4)
+        await pool.clock.sleep(31.0)  # released
+        took, _ = await score_many(pool, 4 * few, 8000)
+        # 4 cold starts' worth of work: workers until each one's share is within a cold start
+        assert pool.stats().peak_workers == 4
+        assert took <= 10.0 + few * one + one
 
 
 @virtual
