@@ -161,6 +161,8 @@ def real_run_topology(folder: Path, name: str, model: Path, service_port: int, s
 @pytest.mark.timeout(900)
 def test_two_real_runs_share_one_reward_gateway_over_tcp(tmp_path: Path, tiny_model: Path) -> None:
     """`rollart run` three times: the service (one gateway), then two training runs that score there."""
+    for name in ("service", "run-a", "run-b"):
+        (tmp_path / name).mkdir()
     service_path, ports = write_topology(
         tmp_path / "service",
         {"reward": "reward-gateway"},
