@@ -6,7 +6,12 @@ long-tailed env latency injected: every FrozenLake reset and step takes
 
 - `sync`: the veRL-like baseline (`schedule: sync`: alpha 0, batch-level env stepping, train,
   push the weights and wait for every generator, repeat);
-- `async-1`, `async-2`: RollArt (`schedule: async`, trajectory-level rollout, alpha 1 or 2).
+- `async-1`, `async-2`: RollArt (`schedule: async`, trajectory-level rollout, alpha 1 or 2);
+- `class`, `finish-time`: the config's own schedule, turns routed by hardware class or by predicted
+  finish time (`rollout.routing`).
+
+`--seeds 0,1,2` runs every mode once per rollout seed (seed by seed, the modes in turn) and adds the
+mean per mode; `--median 0` leaves FrozenLake as the config has it (no latency added).
 
 Each run lasts until its lake success rate (20-step moving average) reaches `--target` or
 `--minutes` pass. Reports the time to reach the target, trajectories/s, generator busy fraction,
@@ -15,6 +20,8 @@ and the ratios to sync; writes `benchmarks/results/time_to_score.md` (with the c
 
     .venv/bin/python benchmarks/time_to_score.py                      # 3 runs of up to 15 min
     .venv/bin/python benchmarks/time_to_score.py --minutes 4 --target 0.3   # a shorter comparison
+    .venv-vllm/bin/python benchmarks/time_to_score.py --modes class,finish-time --seeds 0,1,2 --median 0 \
+        --backend vllm --minutes 8 --out benchmarks/results/router_time_to_score.md   # the default run, two routers
 """
 
 from __future__ import annotations
@@ -40,29 +47,35 @@ MODES = {
     "sync": {"schedule": "sync"},
     "async-1": {"schedule": "async", "alpha": 1},
     "async-2": {"schedule": "async", "alpha": 2},
+    "class": {"routing": "class"},  # the config as it is, routed by hardware class (issue 23's check)
+    "finish-time": {"routing": "finish-time"},  # ... by predicted finish time
 }
 
 
-def topology(base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace) -> Path:
-    """`configs/local.yaml` with this mode's schedule, slow FrozenLake, free ports and its own run dir."""
+def topology(base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace, seed: int | None = None) -> Path:
+    """`configs/local.yaml` with this mode's schedule, slow FrozenLake, free ports and its own run dir
+    (`seed`: the rollout's seed, in the run's name)."""
     data = json.loads(json.dumps(base))  # a deep copy
     run = data["run"]
-    run["name"] = f"tts-{mode}"
-    run["run_dir"] = str(folder / mode)
+    name = mode if seed is None else f"{mode}-seed{seed}"
+    run["name"] = f"tts-{name}"
+    run["run_dir"] = str(folder / name)
     run["drain_timeout_s"] = 10
     run["generator"] = {**run.get("generator", {}), "backend": args.backend}
     rollout = run["rollout"]
     rollout.update(MODES[mode])
     rollout["steps"] = args.max_steps
+    if seed is not None:
+        rollout["seed"] = seed
     for task in rollout["tasks"]:
-        if task["env"] == "frozen-lake":
+        if task["env"] == "frozen-lake" and args.median > 0:  # --median 0: the config's env as it is
             inner = task.get("env_kwargs", {})
             task["env"] = "slow"
             task["env_kwargs"] = {"inner": "frozen-lake", "median_s": args.median, "sigma": args.sigma, **inner}
     ports = free_ports(2 * len(data["nodes"]))
     for i, node in enumerate(data["nodes"]):
         node["port"], node["admin_port"] = ports[2 * i], ports[2 * i + 1]
-    path = folder / f"{mode}.yaml"
+    path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -72,12 +85,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [record for record in read_jsonl(RunDir(run_dir).metrics, lenient=True) if "step" in record]
 
 
-def run_mode(base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_mode(
+    base: dict[str, Any], folder: Path, mode: str, args: argparse.Namespace, seed: int | None = None
+) -> dict[str, Any]:
+    name = mode if seed is None else f"{mode}-seed{seed}"
     if args.report_only:
-        return summarize(folder / mode, mode, args)
-    path = topology(base, folder, mode, args)
+        return summarize(folder / name, name, args)
+    path = topology(base, folder, mode, args, seed)
     env = {k: v for k, v in os.environ.items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
-    run_dir = folder / mode
+    run_dir = folder / name
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollart.cli", "run", str(path), "--duration", str(args.minutes * 60)],
         cwd=ROOT,
@@ -98,7 +114,7 @@ def run_mode(base: dict[str, Any], folder: Path, mode: str, args: argparse.Names
     finally:
         if proc.poll() is None:
             proc.kill()
-    return summarize(run_dir, mode, args)
+    return summarize(run_dir, name, args)
 
 
 def summarize(run_dir: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,6 +133,23 @@ def summarize(run_dir: Path, mode: str, args: argparse.Namespace) -> dict[str, A
         "curve": [(m["elapsed_s"], m["tasks"].get(args.task, {}).get("success_ma")) for m in metrics],
         "final": metrics[-1]["tasks"].get(args.task, {}).get("success_ma") if metrics else None,
     }
+
+
+def mean_lines(results: list[dict[str, Any]], modes: list[str], seeds: list[int | None], target: float) -> str:
+    """Per mode, over the seeds: the mean time from the first step to `target` (runs that reached it)."""
+    lines = [
+        f"| mode | seeds reaching {target} | mean s from the first step to it | each seed |",
+        "|---|---:|---:|---|",
+    ]
+    for mode in modes:
+        runs = [r for r in results if r["mode"] == mode or r["mode"].startswith(f"{mode}-seed")]
+        times = [r["reached_s"] - r["first_step_s"] for r in runs if r["reached_s"] is not None]
+        each = ", ".join(
+            f"{r['reached_s'] - r['first_step_s']:.0f}" if r["reached_s"] is not None else "-" for r in runs
+        )
+        mean = f"{sum(times) / len(times):.0f}" if times else "-"
+        lines.append(f"| {mode} | {len(times)} of {len(seeds)} | {mean} | {each} |")
+    return "\n".join(lines)
 
 
 def time_to_target(metrics: list[dict[str, Any]], task: str, target: float) -> float | None:
@@ -153,21 +186,26 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8, help="success rate to reach (20-step average)")
     parser.add_argument("--task", default="lake", help="the task whose success rate is the score")
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of env latency")
-    parser.add_argument("--median", type=float, default=0.05, help="median env call latency, seconds")
+    parser.add_argument("--median", type=float, default=0.05, help="median env call latency, seconds (0: none added)")
     parser.add_argument("--backend", default="hf", help="generator backend (hf or vllm)")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "time_to_score.md")
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the last runs' folders")
+    parser.add_argument(
+        "--seeds", help="comma-separated rollout seeds: each mode once per seed (default: the config's)"
+    )
     args = parser.parse_args()
     base = yaml.safe_load(args.config.read_text())
     folder = ROOT / "runs" / "bench-time-to-score"
     folder.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     results = []
-    for mode in args.modes.split(","):
-        print(f"{mode}: training (up to {args.minutes:g} min) ...", flush=True)
-        results.append(run_mode(base, folder, mode, args))
-        print(f"  {results[-1]['steps']} steps, reached {args.target} at {results[-1]['reached_s']}", flush=True)
+    seeds: list[int | None] = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
+    for seed in seeds:  # seed by seed, the modes in turn: a drift of the machine's speed hits each mode alike
+        for mode in args.modes.split(","):
+            print(f"{mode} (seed {seed}): training (up to {args.minutes:g} min) ...", flush=True)
+            results.append(run_mode(base, folder, mode, args, seed))
+            print(f"  {results[-1]['steps']} steps, reached {args.target} at {results[-1]['reached_s']}", flush=True)
 
     sync = next((r for r in results if r["mode"] == "sync"), None)
 
@@ -195,12 +233,14 @@ def main() -> None:
             f"| {r['busy']:.2f} | {r['staleness']} | {final} |"
         )
     table = "\n".join(lines)
+    if len(seeds) > 1:
+        table += "\n\n" + mean_lines(results, args.modes.split(","), seeds, args.target)
     print(table)
     png = args.out.with_suffix(".png")
     plot(results, args.target, png)
     command = " ".join(["python", "benchmarks/time_to_score.py", *sys.argv[1:]])
     report = (
-        "# Time to score: synchronous baseline vs RollArt async\n\n"
+        f"# Time to score: {', '.join(args.modes.split(','))}\n\n"
         f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
         f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}\n"

@@ -257,12 +257,13 @@ class Launcher:
                     supervisors = [tg.create_task(self._supervise(node)) for node in self.nodes]
                     poller = tg.create_task(self._poll(http))
                     watcher = tg.create_task(self._watch_start())
-                    if self.duration is not None:
-                        tg.create_task(self._stop_after(self.duration))
+                    timer = tg.create_task(self._stop_after(self.duration)) if self.duration is not None else None
                     await self._stop.wait()
                     await self._shutdown()
                     poller.cancel()
                     watcher.cancel()
+                    if timer is not None:  # stopped before --duration ran out: exit now, not when it does
+                        timer.cancel()
                     await asyncio.gather(*supervisors)
                     self.terminal.render(self.nodes, final=True)
         finally:

@@ -87,6 +87,20 @@ def test_on_failure_restarts_a_killed_node_and_ctrl_c_drains_the_run(tmp_path: P
     assert split.describe(load_topology(topology).nodes) in out
 
 
+def test_a_run_stopped_before_its_duration_exits_without_waiting_it_out(tmp_path: Path) -> None:
+    topology, ports = write_topology(tmp_path, ROLES)
+    proc = launch(topology, "--duration", "600")
+    try:
+        for name, (_, admin) in ports.items():
+            wait_for(lambda admin=admin: healthy(admin), 60, f"{name} healthy")
+        proc.send_signal(signal.SIGTERM)  # as a benchmark stops a run that reached its score
+        out, _ = proc.communicate(timeout=60)  # not the 600 s of --duration
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "SIGTERM received" in out and "all 4 nodes stopped cleanly" in out
+
+
 def test_a_killed_launcher_leaves_no_node_running(tmp_path: Path) -> None:
     """SIGKILL gives the launcher no chance to stop its nodes (a test's timeout, the OOM killer): each node
     drains by itself when its launcher dies, and none runs on as an orphan."""
