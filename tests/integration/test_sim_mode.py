@@ -166,16 +166,22 @@ def test_the_shipped_simulation_topology_is_valid() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_slowed_generator_is_sent_less_work_by_the_finish_time_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_slowed_generator_is_sent_less_work_by_the_finish_time_router(tmp_path: Path, seed: int) -> None:
     """Real node processes; two generators of one class, one slowed by `ROLLART_SLOW_GENERATOR` (each of its
-    calls waits 0.2 s first, about ten times what a turn takes here): the env-hosts' routers send it few turns."""
+    calls waits 0.2 s first, about ten times what a turn takes here): the env-hosts' routers send it few turns.
+    Three rollout seeds (issue 23 asks for three)."""
     from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
     nodes = {"trainer": "trainer", "gen-fast": "generator", "gen-slow": "generator", "env-0": "env-host"}
     nodes["reward"] = "reward-gateway"
     hardware = {"gen-fast": "compute", "gen-slow": "compute"}
-    topology, _ = write_topology(tmp_path, nodes, hardware=hardware, extra_run=sim_yaml(model, routing="finish-time"))
+    extra = sim_yaml(model, routing="finish-time").replace(
+        "    group_size: 4\n", f"    group_size: 4\n    seed: {seed}\n"
+    )
+    assert f"seed: {seed}" in extra
+    topology, _ = write_topology(tmp_path, nodes, hardware=hardware, extra_run=extra)
     env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
     result = subprocess.run(  # noqa: PLW1510 - the exit code is what is checked
         [sys.executable, "-m", "rollart.cli", "run", str(topology)],
