@@ -239,15 +239,20 @@ def main() -> None:
     png = args.out.with_suffix(".png")
     plot(results, args.target, png)
     command = " ".join(["python", "benchmarks/time_to_score.py", *sys.argv[1:]])
+    latency = (
+        f"FrozenLake env calls take median {args.median} s x lognormal(sigma {args.sigma})"
+        if args.median > 0
+        else "FrozenLake as the config has it (no latency added)"
+    )
     report = (
         f"# Time to score: {', '.join(args.modes.split(','))}\n\n"
         f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
         f"- machine: nproc {os.cpu_count()}, {platform.system()} {platform.machine()}, "
         f"Python {platform.python_version()}\n"
         f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        f"- shape: {args.config.name}'s tasks and model, generator backend {args.backend}; FrozenLake env calls "
-        f"take median {args.median} s x lognormal(sigma {args.sigma}); score = {args.task} success rate, "
-        f"20-step moving average (counted from step 20 on), target {args.target}; each run capped at "
+        f"- shape: {args.config.name}'s tasks and model, generator backend {args.backend}; {latency}; "
+        f"score = {args.task} success rate, 20-step moving average (counted from step 20 on), "
+        f"target {args.target}; each run capped at "
         f"{args.minutes:g} min. Time from start includes the trainer's start-up (model load, and the "
         "random-policy baseline, measured on the slow env before training began); the speed-up compares "
         "the time from the first trained step\n\n"
