@@ -78,7 +78,7 @@ class NodeDaemon:
         """`network`: run in-process (`rollart.launch.inprocess`): sessions go over this in-memory
         network, addressed by host and port as over TCP, and the node has no TCP listener, admin
         endpoint or signal handlers of its own. `other_secrets`: the secrets of sessions with other
-        runs (`other_secrets`), read with the run's own."""
+        runs (`Topology.other_secrets`), read with the run's own."""
         if spec.role is not self.role:
             raise RollartError(f"node {spec.name!r} has role {spec.role.value}; this daemon is a {self.role.value}")
         self.topology = topology
@@ -131,11 +131,13 @@ class NodeDaemon:
         service = topology.run.reward_service
         if self.role is Role.ENV_HOST and service is not None:  # another run's gateway: its own secret
             job = service.job or topology.run.name
+            if REWARD_SERVICE not in (other_secrets or {}):
+                raise RollartError(f"env-host {spec.name}: run.reward_service is set but no secret for it was read")
             self.clients[REWARD_SERVICE] = ClientSession(
                 functools.partial(tcp_connector, service.host, service.port, self.cfg, self.tls)
                 if network is None
                 else functools.partial(network.connect, memory_address(service.host, service.port), spec.name),
-                secret=(other_secrets or {})[REWARD_SERVICE],
+                secret=(other_secrets or {})[REWARD_SERVICE],  # checked above
                 local=Identity(f"{job}/{spec.name}", spec.role.value),
                 channel=APP,
                 handler=self,
