@@ -139,7 +139,8 @@ def run_shared(model: Path, args: argparse.Namespace, jobs: int) -> tuple[list[R
             spec["reward_service"] = {"port": SERVICE_PORT}
             nodes = [node for node in NODES if node["role"] != "reward-gateway"]
             topologies.append(inprocess_topology(spec, nodes, folder, name=name, first_port=20000 + 100 * i))
-        service_spec = run_spec(model, args, 8, SERVICE | {"workers": args.service_workers})
+        judges = {"workers": args.service_workers, "idle_timeout_s": args.service_idle_s}
+        service_spec = run_spec(model, args, 8, SERVICE | judges)
         del service_spec["rollout"]
         service_spec["reward_pool"] = {"jobs": [{"name": name, "secret_env": "UNUSED_IN_PROCESS"} for name in names]}
         gateway = [{"name": "reward", "role": "reward-gateway"}]
@@ -184,6 +185,7 @@ def main() -> None:
         help="also run this many runs sharing one reward service, e.g. 2,4,8",
     )
     parser.add_argument("--service-workers", type=int, default=16, help="judges the shared service may start")
+    parser.add_argument("--service-idle-s", type=float, default=30.0, help="the shared service's judges' idle timeout")
     args = parser.parse_args()
     model = tiny_tokenizer_model()
     began = time.monotonic()
@@ -213,7 +215,8 @@ def main() -> None:
     if args.jobs:
         shared, util = shared_table(model, args, rollout_s(service))
         table += (
-            f"\n\n### One reward service shared by several runs (up to {args.service_workers} judges)\n\n{shared}\n\n"
+            f"\n\n### One reward service shared by several runs (up to {args.service_workers} judges, released after "
+            f"{args.service_idle_s:g} s idle)\n\n{shared}\n\n"
             f"reward_util_shared={util:.2f} (the service's busy / live judge-seconds with {args.jobs[-1]} runs; "
             "paper 88%)"
         )
