@@ -164,8 +164,8 @@ class RewardPool:
             raise RewardError("reward pool is " + ("closed" if self._closed else "not started"))
         fn = get_reward(fn_name)  # UnknownReward is a RewardError: fails before queueing
         req_id = next(self._ids)
-        frame_ = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
-        req = Request(req_id, fn_name, frame_, self._loop.create_future(), job, time.monotonic())
+        framed = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
+        req = Request(req_id, fn_name, framed, self._loop.create_future(), job, time.monotonic())
         self._queue.push(job, req)
         try:
             self._pump()
