@@ -43,7 +43,7 @@ from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode,
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import GroupDone
 from rollart.rewards.stats import PoolStats
-from rollart.topology import REWARD_SERVICE, NodeSpec, Role, Topology
+from rollart.topology import Role, Topology
 
 
 @dataclass
@@ -222,7 +222,7 @@ async def _run_jobs(
                 secret=secret,
                 admin_token=None,
                 network=network,
-                other_secrets={name: secret for name in _other_sessions(topology, spec)},
+                other_secrets=dict.fromkeys(topology.other_sessions(spec), secret),  # in-process: all the one
             )
             for spec in topology.nodes
         }
@@ -266,15 +266,6 @@ async def _run_jobs(
         for node in shared.values():
             node.request_drain("every run is done")
     return list(done), service_stats
-
-
-def _other_sessions(topology: Topology, spec: NodeSpec) -> list[str]:
-    """The names `Topology.other_secrets` would give node `spec` secrets for (in-process: all the same one)."""
-    if spec.role is Role.ENV_HOST and topology.run.reward_service is not None:
-        return [REWARD_SERVICE]
-    if spec.role is Role.REWARD_GATEWAY:
-        return [job.name for job in topology.run.reward_pool.jobs]
-    return []
 
 
 def _record(kept: list[Batch], started: float, keep_groups: bool, version: int, groups: list[GroupDone]) -> None:

@@ -34,6 +34,20 @@ from rollart.workers.sandbox import worker_launch
 log = structlog.get_logger("rollart.reward_gateway")
 
 
+JOB_GAUGES = {
+    "rollart_reward_job_served": ("served", "Score requests answered, by job"),
+    "rollart_reward_job_failed": ("failed", "Score requests failed, by job"),
+    "rollart_reward_job_queue_depth": ("queue_depth", "Score requests waiting, by job"),
+    "rollart_reward_job_busy_seconds": ("busy_s", "Worker seconds used, by job"),
+    "rollart_reward_job_share": ("share", "Share of all jobs' worker seconds, by job"),
+    "rollart_reward_job_wait_mean_seconds": (
+        "wait_mean_s",
+        "Mean queue wait of requests that reached a worker, by job",
+    ),
+}
+"""Per-job gauges of a gateway shared by runs: metric name -> (`JobStats` field, help)."""
+
+
 class RewardGatewayNode(NodeDaemon):
     role = Role.REWARD_GATEWAY
 
@@ -120,36 +134,8 @@ class RewardGatewayNode(NodeDaemon):
     def role_labelled_gauges(self) -> dict[str, tuple[str, str, dict[str, float]]]:
         jobs = self.pool.stats().jobs
         return {
-            "rollart_reward_job_served": (
-                "Score requests answered, by job",
-                "job",
-                {n: j.served for n, j in jobs.items()},
-            ),
-            "rollart_reward_job_failed": (
-                "Score requests failed, by job",
-                "job",
-                {n: j.failed for n, j in jobs.items()},
-            ),
-            "rollart_reward_job_queue_depth": (
-                "Score requests waiting, by job",
-                "job",
-                {n: j.queue_depth for n, j in jobs.items()},
-            ),
-            "rollart_reward_job_busy_seconds": (
-                "Worker seconds used, by job",
-                "job",
-                {n: j.busy_s for n, j in jobs.items()},
-            ),
-            "rollart_reward_job_share": (
-                "Share of all jobs' worker seconds, by job",
-                "job",
-                {n: j.share for n, j in jobs.items()},
-            ),
-            "rollart_reward_job_wait_mean_seconds": (
-                "Mean queue wait of requests that reached a worker, by job",
-                "job",
-                {n: j.wait_mean_s for n, j in jobs.items()},
-            ),
+            name: (doc, "job", {job: getattr(numbers, field) for job, numbers in jobs.items()})
+            for name, (field, doc) in JOB_GAUGES.items()
         }
 
     def status(self) -> dict[str, Any]:

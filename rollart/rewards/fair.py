@@ -125,12 +125,6 @@ class FairQueue(Generic[T]):
         job = self._jobs.get(name)
         return len(job.queue) if job is not None else 0
 
-    def items(self) -> Iterator[tuple[str, T]]:
-        """Every waiting request, job by job (left in the queue)."""
-        for name, job in self._jobs.items():
-            for item in job.queue:
-                yield name, item
-
     def drain(self) -> Iterator[tuple[str, T]]:
         """Take every waiting request (the pool is closing), job by job."""
         for name, job in self._jobs.items():

@@ -73,6 +73,8 @@ class SimRewardPool:
     job_weights: dict[str, float] = field(default_factory=dict)
     """The jobs' shares when several share the pool (`rollart.rewards.fair`; default 1 each)."""
     _queue: FairQueue[_Job] = field(init=False)
+    _queued_s: float = 0.0
+    """Simulated seconds of work waiting in `_queue` (kept as it changes: `_pump` reads it on every event)."""
     _workers: list[_Worker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -116,6 +118,7 @@ class SimRewardPool:
             return output
         request = _Job(item.tokens, output, asyncio.get_running_loop().create_future(), job, self.clock.now())
         self._queue.push(job, request)
+        self._queued_s += self.score_s(request.tokens)
         self._pump()
         try:
             async with asyncio.timeout(timeout):
@@ -126,8 +129,8 @@ class SimRewardPool:
             where = "was running" if request.started else "was still queued"
             raise DeadlineExceeded(f"reward {fn_name!r} did not finish within {timeout:g} s ({where})") from None
         finally:
-            if not request.started:
-                self._queue.remove(job, request)
+            if not request.started and self._queue.remove(job, request):
+                self._queued_s -= self.score_s(request.tokens)
         self.meters.count(job, served=True)
         return output
 
@@ -152,9 +155,8 @@ class SimRewardPool:
             return
         # by-wait: shared among the workers there are (or coming), the queue's work would keep its last
         # request waiting longer than a cold start takes: one more worker serves it sooner.
-        work_s = sum(self.score_s(job.tokens) for _, job in self._queue.items())
         while self._queue and len(self._workers) < self.spec.workers:
-            if self._workers and work_s / len(self._workers) <= self.spec.cold_start_s:
+            if self._workers and self._queued_s / len(self._workers) <= self.spec.cold_start_s:
                 break
             self._start_worker(cold=True)
 
@@ -175,6 +177,7 @@ class SimRewardPool:
             w.retire.cancel()
             w.retire = None
         w.state, w.busy_since, job.started = State.BUSY, self.clock.now(), True
+        self._queued_s -= self.score_s(job.tokens)
         self.meters.started(owner, w.busy_since - job.queued_at)
         self._spawn(self._work(w, job))
 

@@ -239,15 +239,21 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
         where = "reward_service.secret_file"
         return self._read_credential("reward service secret", where, service.secret_file, service.secret_env)
 
-    def other_secrets(self, spec: NodeSpec) -> dict[str, bytes]:
-        """The secrets of node `spec`'s sessions with other runs: an env-host's for the shared reward
-        gateway of `run.reward_service` (under `REWARD_SERVICE`), a reward gateway's for each run of
-        `run.reward_pool.jobs` (by job name); none for the rest."""
+    def other_sessions(self, spec: NodeSpec) -> list[str]:
+        """Node `spec`'s sessions with other runs, by the names their secrets go under: an env-host's with
+        the shared reward gateway of `run.reward_service` (`REWARD_SERVICE`), a reward gateway's with each
+        run of `run.reward_pool.jobs` (the job's name); none for the rest."""
         if spec.role is Role.ENV_HOST and self.run.reward_service is not None:
-            return {REWARD_SERVICE: self.read_reward_service_secret()}
+            return [REWARD_SERVICE]
+        if spec.role is Role.REWARD_GATEWAY:
+            return [job.name for job in self.run.reward_pool.jobs]
+        return []
+
+    def other_secrets(self, spec: NodeSpec) -> dict[str, bytes]:
+        """The secrets of node `spec`'s `other_sessions`, read now."""
         if spec.role is Role.REWARD_GATEWAY:
             return self.read_reward_job_secrets()
-        return {}
+        return {name: self.read_reward_service_secret() for name in self.other_sessions(spec)}
 
     def credential_variables(self) -> list[str]:
         """Every environment variable a node reads a credential from (a node drops them all once read,

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 ROLES = {"trainer": "trainer", "gen-0": "generator", "env-0": "env-host", "reward": "reward-gateway"}
 
 
-def launch(topology: Path, *args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
+def launch(topology: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`rollart run` in the background as a user starts it (no secret or token set), `env` added."""
+    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")} | (env or {})
     return subprocess.Popen(
         [sys.executable, "-m", "rollart.cli", "run", str(topology), *args],
         cwd=ROOT,

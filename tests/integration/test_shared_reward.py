@@ -8,8 +8,6 @@ node processes (`slow`: two small training runs and the service, each launched b
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +21,10 @@ from rollart.protocol.framing import open_tcp
 from rollart.rundir import RunDir, read_jsonl
 from rollart.topology import Topology, load_topology, parse_topology
 from tests.integration.cluster import training_yaml
+from tests.integration.test_launcher import launch
 from tests.integration.test_sim_mode import sim_yaml
 from tests.integration.test_tls import SECRET, tls_server
-from tests.support import ROOT, healthy, http, node_env, wait_for, write_topology
+from tests.support import healthy, http, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 
@@ -171,12 +170,12 @@ def test_two_real_runs_share_one_reward_gateway_over_tcp(tmp_path: Path, tiny_mo
     )
     port, admin = ports["reward"]
     secrets = {"RUN_A_REWARD_SECRET": "a-secret", "RUN_B_REWARD_SECRET": "b-secret"}
-    service = launch(service_path, secrets)
+    service = launch(service_path, env=secrets)
     try:
         wait_for(lambda: healthy(admin), 60, "the shared gateway up")
         runs = {
             name: launch(
-                real_run_topology(tmp_path, name, tiny_model, port, steps=3), {"ROLLART_REWARD_SECRET": secret}
+                real_run_topology(tmp_path, name, tiny_model, port, steps=3), env={"ROLLART_REWARD_SECRET": secret}
             )
             for name, secret in (("run-a", "a-secret"), ("run-b", "b-secret"))
         }
@@ -196,15 +195,3 @@ def test_two_real_runs_share_one_reward_gateway_over_tcp(tmp_path: Path, tiny_mo
         out, _ = service.communicate(timeout=60)
     assert service.returncode == 0, out[-3000:]
     assert "stopped cleanly" in out
-
-
-def launch(topology: Path, extra_env: dict[str, str]) -> subprocess.Popen[str]:
-    env = {k: v for k, v in node_env().items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")} | extra_env
-    return subprocess.Popen(
-        [sys.executable, "-m", "rollart.cli", "run", str(topology)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
