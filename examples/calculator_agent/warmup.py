@@ -20,6 +20,10 @@ Each transcript is one episode as `agent.py` plays it, for a problem from the ge
 4. the model's final answer, a number: with `--answer result` (the default) the calculator's result, with
    `--answer random` the answer of yet another independent problem.
 
+With `--call-fraction F` below 1, only a fraction F of the transcripts go so; the others answer at once
+(steps 2 and 3 left out) with the answer of another independent problem: a guess, which `agent.py` never pays.
+Both are valid ways to end an episode; which one pays is left to RL.
+
 It is rendered through the endpoint itself: the agent's messages go to an `AgentEpisode` (the class the
 env-host serves each episode with) whose generator replies with the transcript's texts as token ids, so the
 prompt, the `tools` block, the tool result and the generation prompts are the tokens the trainer will get,
@@ -75,16 +79,19 @@ class Transcript:
     """One warm-up episode: a problem, and what the random valid policy says to it."""
 
     problem: Problem
-    expression: str
-    """The tool call's expression: another problem's, independent of this one."""
-    result: str
+    expression: str | None
+    """The tool call's expression: another problem's, independent of this one (None: no call, an answer at
+    once)."""
+    result: str | None
     """What the calculator answers to it."""
     answer: str
     """The final reply."""
 
     @property
-    def replies(self) -> tuple[str, str]:
-        """The model's two turns as it writes them."""
+    def replies(self) -> tuple[str, ...]:
+        """The model's turns as it writes them: a call and the answer, or the answer alone."""
+        if self.expression is None:
+            return (self.answer,)
         return tool_call_text(self.expression), self.answer
 
 
@@ -100,9 +107,15 @@ def draw(
     settings: ProblemSettings,
     answer: Answer = "result",
     operands: Operands = "random",
+    *,
+    call_fraction: float = 1.0,
 ) -> Transcript:
     """The random valid policy's episode on `problem`: nothing it says depends on the problem, but for
-    `operands="question"` the call's two numbers (its operation is still drawn at random)."""
+    `operands="question"` the call's two numbers (its operation is still drawn at random). With
+    `call_fraction` below 1, that fraction of the episodes call the calculator; the others answer at once with
+    another problem's answer."""
+    if call_fraction < 1 and rng.random() >= call_fraction:
+        return Transcript(problem, None, None, number_text(make_problem(rng.randrange(2**31), settings).answer))
     if operands == "question":
         a, b = problem.numbers
         expression = f"{a} {rng.choice(settings.ops)} {b}"
@@ -126,6 +139,8 @@ async def render(transcript: Transcript, renderer: ChatRenderer, task: TaskSpec 
     episode = AgentEpisode("warmup", task=task, sampling=SamplingSpec(), renderer=renderer, generate=reply)
     messages: list[dict[str, Any]] = [*opening(transcript.problem)]
     first = await episode.chat(messages, tools=[TOOL], allowed={NAME})
+    if transcript.result is None:  # an answer at once: the episode is its one reply
+        return rendered(episode)
     (call,) = first.tool_calls
     call_id = "call-0"
     # As agent.py sends them back: the reply as the endpoint returned it, then the calculator's result.
@@ -134,6 +149,11 @@ async def render(transcript: Transcript, renderer: ChatRenderer, task: TaskSpec 
         {"role": "tool", "tool_call_id": call_id, "content": transcript.result},
     ]
     await episode.chat(messages, tools=[TOOL], allowed={NAME})
+    return rendered(episode)
+
+
+def rendered(episode: AgentEpisode) -> tuple[list[int], list[int]]:
+    """The token ids of the episode's one sequence and the mask of the model's own."""
     history, prompt = episode.history, episode.prompt_ids or []
     if history.segments:
         raise RuntimeError("the episode's second call did not continue its first: the warm-up would not match it")
@@ -158,14 +178,24 @@ def batch_of(
     answer: Answer,
     answer_weight: float = 1.0,
     operands: Operands = "random",
+    *,
+    call_fraction: float = 1.0,
 ) -> Callable[[ChatRenderer, random.Random], Rows]:
-    """A `supervised_warmup` batch maker: `transcripts` episodes on problems of random seeds."""
+    """A `supervised_warmup` batch maker: `transcripts` episodes on problems of random seeds. The answer after a
+    call weighs `answer_weight`; an answer at once weighs 1, as a call does (its first token is the choice
+    between the two, learned at the rate the transcripts make it)."""
 
     def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
         async def play() -> Rows:
             problems = [make_problem(rng.randrange(2**31), settings) for _ in range(transcripts)]
-            rows = [await render(draw(problem, rng, settings, answer, operands), renderer) for problem in problems]
-            return [(ids, weigh_answer(mask, answer_weight)) for ids, mask in rows]
+            fraction = call_fraction
+            drawn = [draw(problem, rng, settings, answer, operands, call_fraction=fraction) for problem in problems]
+            rows = []
+            for transcript in drawn:
+                ids, mask = await render(transcript, renderer)
+                weight = answer_weight if transcript.expression is not None else 1.0
+                rows.append((ids, weigh_answer(mask, weight)))
+            return rows
 
         return asyncio.run(play())
 
@@ -183,6 +213,7 @@ def warm_up(
     answer: Answer = "result",
     answer_weight: float = 1.0,
     operands: Operands = "random",
+    call_fraction: float = 1.0,
     log_every: int = 10,
 ) -> dict[str, Any]:
     """Warm up the model in `model_dir` in place (see the module docstring); returns the summary it records."""
@@ -203,8 +234,11 @@ def warm_up(
         "max_number": settings.max_number,
         "max_second": settings.max_second,
         "answer_weight": answer_weight,
+        "call_fraction": call_fraction,
     }
-    batch = batch_of(transcripts, settings, answer, answer_weight, operands)
+    if call_fraction < 1:
+        about["what"] += f"; {1 - call_fraction:.0%} of them answer at once with a random number instead"
+    batch = batch_of(transcripts, settings, answer, answer_weight, operands, call_fraction=call_fraction)
     return supervised_warmup(model_dir, batch, steps=steps, lr=lr, seed=seed, about=about, log_every=log_every)
 
 
@@ -223,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["random", "question"],
         default="random",
         help="of the tool call: another problem's, or the question's own joined by a random operation",
+    )
+    parser.add_argument(
+        "--call-fraction",
+        type=float,
+        default=1.0,
+        help="of the transcripts that call the calculator; the others answer at once with a random number",
     )
     parser.add_argument("--ops", default=ProblemSettings.ops, help="as the agent's CALCULATOR_OPS")
     parser.add_argument("--max-number", type=int, default=ProblemSettings.max_number, help="as CALCULATOR_MAX_NUMBER")
@@ -250,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen3_bpe_model(args.model_dir, seed=args.seed, sizes=sizes)
     elif args.hidden_size or args.layers or args.untied:
         parser.error(f"{args.model_dir} holds a model already: --hidden-size, --layers, --untied are for building one")
+    if not 0 < args.call_fraction <= 1:
+        parser.error(f"--call-fraction: expected a number in (0, 1]; got {args.call_fraction}")
     settings = ProblemSettings(ops=args.ops, max_number=args.max_number, max_second=args.max_second)
     print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
     summary = warm_up(
@@ -262,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         answer=args.answer,
         answer_weight=args.answer_weight,
         operands=args.operands,
+        call_fraction=args.call_fraction,
         log_every=1,
     )
     print(json.dumps(summary, indent=2))

@@ -129,7 +129,7 @@ def test_calculator_agent_config_matches_the_agent_and_its_warmup() -> None:
     assert task.max_turns is not None and task.max_turns >= agent.MAX_TURNS
     # The problems are those the model was warmed up on: the warm-up command in the config's header.
     header = [line for line in (ROOT / "configs" / "agent.yaml").read_text().splitlines() if line.startswith("#")]
-    flags = dict(re.findall(r"--(ops|max-number|max-second) (\S+)", " ".join(header)))
+    flags = {k: v.strip("'") for k, v in re.findall(r"--(ops|max-number|max-second) (\S+)", " ".join(header))}
     warmed = problems.ProblemSettings(
         ops=flags["ops"],
         max_number=int(flags["max-number"]),
@@ -216,6 +216,39 @@ async def test_calculator_agent_warmup_with_question_operands_calls_its_numbers_
         assert parsed.arguments == {"expression": transcript.expression} and final == transcript.result
     assert {op for op, _ in operations} == set(settings.ops)
     assert sum(op == asked for op, asked in operations) < 25  # right by chance only (about 1 in 3)
+
+
+async def test_calculator_agent_warmup_with_a_call_fraction_answers_at_once_in_the_other_transcripts(
+    renderer: ChatRenderer,
+) -> None:
+    warmup = example("warmup")
+    settings = problems.ProblemSettings(ops="*", max_number=9, max_second=3)
+    calls = 0
+    for seed in range(60):
+        problem = problems.make_problem(seed, settings)
+        transcript = warmup.draw(problem, random.Random(seed), settings, operands="question", call_fraction=1 / 3)
+        ids, mask = await warmup.render(transcript, renderer)
+        replies = assistant_text(renderer, ids, mask)
+        if transcript.expression is None:  # one reply, a bare number that is no call: a guess
+            (final,) = replies
+            assert final == transcript.answer and int(final) > 0
+            assert parse_tool_calls(final, allowed={"calculator"}) == (final, [])
+            assert "<tool_response>" not in renderer.decode(ids)
+        else:
+            calls += 1
+            assert transcript.expression == problem.expression  # one operation: the question's numbers are it
+            assert replies[1] == transcript.result == str(problem.answer)
+        assert ids[-1] == renderer.turn_end_id and mask[-1] == 1
+        # The choice is the draw's alone: another problem, the same rng, calls or answers alike.
+        other_problem = problems.make_problem(seed + 1000, settings)
+        other = warmup.draw(other_problem, random.Random(seed), settings, operands="question", call_fraction=1 / 3)
+        assert (other.expression is None) == (transcript.expression is None)
+    assert 10 <= calls <= 30  # about a third of 60
+    # Each weighs 1 where it chooses: the answer's weight is for the copy after a call, not for the guess.
+    batch = warmup.batch_of(40, settings, "result", 4.0, "question", call_fraction=1 / 3)
+    rows = await asyncio.to_thread(batch, renderer, random.Random(0))  # it runs a loop of its own
+    assert {max(weights) for _, weights in rows} == {1.0, 4.0}
+    assert all(weights[-1] == (4.0 if 4.0 in weights else 1.0) for _, weights in rows)
 
 
 async def test_calculator_agent_warmup_weighs_the_final_reply_alone(renderer: ChatRenderer) -> None:
@@ -422,7 +455,10 @@ def test_calculator_agent_warmup_cli_trains_the_model_in_place_and_records_what_
     taught = marker["format_warmup"]
     assert (taught["steps"], taught["transcripts_per_step"], taught["policy"]) == (2, 2, warmup.POLICY)
     assert (taught["answer"], taught["ops"], taught["max_number"]) == ("random", "+", 3)
-    assert warmup.main([str(model), "--steps", "1", "--transcripts", "2", "--ops", "+"]) == 0
+    assert warmup.main([str(model), "--steps", "1", "--transcripts", "2", "--ops", "+", "--call-fraction", "0.5"]) == 0
     again = json.loads((model / "rollart-model.json").read_text())["format_warmup"]
     assert again["steps"] == 1 and again["earlier"] == [taught]  # a second warm-up keeps the first on record
     assert 0 < taught["final_loss"] < 20 and "never which operation" in taught["what"]
+    assert taught["call_fraction"] == 1.0 and again["call_fraction"] == 0.5 and "50% of them answer" in again["what"]
+    with pytest.raises(SystemExit):
+        warmup.main([str(model), "--steps", "1", "--call-fraction", "0"])
