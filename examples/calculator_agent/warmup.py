@@ -139,7 +139,7 @@ async def render(transcript: Transcript, renderer: ChatRenderer, task: TaskSpec 
     episode = AgentEpisode("warmup", task=task, sampling=SamplingSpec(), renderer=renderer, generate=reply)
     messages: list[dict[str, Any]] = [*opening(transcript.problem)]
     first = await episode.chat(messages, tools=[TOOL], allowed={NAME})
-    if transcript.result is None:  # an answer at once: the episode is its one reply
+    if transcript.expression is None:  # an answer at once: the episode is its one reply
         return rendered(episode)
     (call,) = first.tool_calls
     call_id = "call-0"
@@ -188,10 +188,9 @@ def batch_of(
     def batch(renderer: ChatRenderer, rng: random.Random) -> Rows:
         async def play() -> Rows:
             problems = [make_problem(rng.randrange(2**31), settings) for _ in range(transcripts)]
-            fraction = call_fraction
-            drawn = [draw(problem, rng, settings, answer, operands, call_fraction=fraction) for problem in problems]
             rows = []
-            for transcript in drawn:
+            for problem in problems:
+                transcript = draw(problem, rng, settings, answer, operands, call_fraction=call_fraction)
                 ids, mask = await render(transcript, renderer)
                 weight = answer_weight if transcript.expression is not None else 1.0
                 rows.append((ids, weigh_answer(mask, weight)))
@@ -276,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "--untied", action="store_true", help="a model built here gets an output layer of its own (README.md)"
     )
     args = parser.parse_args(argv)
+    if not 0 < args.call_fraction <= 1:
+        parser.error(f"--call-fraction: expected a number in (0, 1]; got {args.call_fraction}")
 
     from rollart.models.qwen3_bpe import DEFAULT_SIZES, build_qwen3_bpe_model
 
@@ -290,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
         build_qwen3_bpe_model(args.model_dir, seed=args.seed, sizes=sizes)
     elif args.hidden_size or args.layers or args.untied:
         parser.error(f"{args.model_dir} holds a model already: --hidden-size, --layers, --untied are for building one")
-    if not 0 < args.call_fraction <= 1:
-        parser.error(f"--call-fraction: expected a number in (0, 1]; got {args.call_fraction}")
     settings = ProblemSettings(ops=args.ops, max_number=args.max_number, max_second=args.max_second)
     print(f"format warm-up of {args.model_dir}: {args.steps} steps of {args.transcripts} transcripts", flush=True)
     summary = warm_up(
