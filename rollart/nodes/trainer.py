@@ -183,6 +183,8 @@ class TrainerNode(NodeDaemon):
             batch = self.untrained = await self.buffer.take()
             self.wait_s = time.perf_counter() - waiting
             self.dispenser.pace(batch_was_ready=ready)
+            if steps.makes_versions:
+                await self.foresee_version()
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             await steps.step(batch)
@@ -196,15 +198,29 @@ class TrainerNode(NodeDaemon):
         await self.tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
         log.info("trainer.done", batches=self.batches, version=self.version)
 
+    async def foresee_version(self) -> None:
+        """A batch was taken whose step makes the next version, and the next batch is taken at that one:
+        what it will make too stale cannot be used any more, so it gives its room back now rather than
+        when the step ends (dropped from the buffer and run again, aborted on the env-hosts), and
+        admission counts one batch fewer meanwhile (`Dispenser.training`)."""
+        assert self.rollout is not None
+        self.dispenser.training = True
+        await self._drop_stale(self.version + 1)
+        await self.tell_env_hosts(PolicyVersion(self.version, self.version + 1 - self.rollout.alpha))
+        self.dispenser.changed()
+
     async def bump_version(self) -> None:
         """The policy moved to a new version: drop and abort what it makes too stale."""
         assert self.rollout is not None
         self.version += 1
-        min_start = self.version - self.rollout.alpha
-        for group in self.buffer.drop_stale(self.version):
-            self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
-        await self.tell_env_hosts(PolicyVersion(self.version, min_start))
+        self.dispenser.training = False
+        await self._drop_stale(self.version)
+        await self.tell_env_hosts(PolicyVersion(self.version, self.version - self.rollout.alpha))
         self.dispenser.changed()
+
+    async def _drop_stale(self, version: int) -> None:
+        for group in self.buffer.drop_stale(version):
+            self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
 
     async def tell_env_hosts(self, notice: PolicyVersion) -> None:
         for session in list(self.server.sessions.values()):

@@ -74,6 +74,10 @@ class TrainerCore(Protocol):
 class StepStrategy(Protocol):
     """One mode of the trainer node, from its start to its end."""
 
+    @property
+    def makes_versions(self) -> bool:
+        """Each step makes a new policy version (so the batch after it is taken at that version)."""
+
     async def start(self, tg: asyncio.TaskGroup) -> None:
         """Before any group starts (long-lived tasks go into `tg`)."""
 
@@ -92,6 +96,8 @@ class StepStrategy(Protocol):
 
 class TrainStep:
     """`rollout.mode: train`: a GRPO step per batch, a new version, the weight push, checkpoints."""
+
+    makes_versions = True
 
     def __init__(self, core: TrainerCore, learner: Learner, rollout: RolloutSpec) -> None:
         self.core, self.learner, self.rollout = core, learner, rollout
@@ -234,6 +240,10 @@ class RolloutOnlyStep:
         self.core, self.rollout = core, rollout
         self.out = JsonlLog(run_dir.rollout)
 
+    @property
+    def makes_versions(self) -> bool:
+        return self.rollout.bump_version_every_batch
+
     async def start(self, tg: asyncio.TaskGroup) -> None:
         pass
 
@@ -319,6 +329,10 @@ class SimulatedStep(RolloutOnlyStep):
         """Versions sent, in order (async: the newest when the trainer's egress came free)."""
         self._new_version = asyncio.Event()
         self._pusher: asyncio.Task[None] | None = None
+
+    @property
+    def makes_versions(self) -> bool:
+        return True
 
     @property
     def synchronous(self) -> bool:

@@ -10,8 +10,15 @@ grant draws a fresh one: a task instance that breaks its env every time cannot h
 Admission (AReaL's rule, in groups): new work starts only while
     in flight + buffered < (alpha + 1) * batch_groups,
 so the trainer never has more than alpha batches of work beyond the one it is waiting for, and
-staleness is bounded mostly by not starting work rather than by discarding it. With `lookahead:
-adaptive` the alpha in that rule is `ahead`, which `pace` moves as batches are taken: one up (to
+staleness is bounded mostly by not starting work rather than by discarding it. While the trainer
+trains on a batch it has taken (`training`), the next batch is taken a version later, so work
+started now can fill one batch fewer before it goes stale: the limit is then alpha batches (none at
+alpha 0). Counting (alpha + 1) batches there too let a batch's worth of groups start that could
+only be dropped (the paper's simulated shape at alpha 1: 169 groups dropped stale in 6 batches of
+64); the trainer also drops and aborts, when it takes a batch, the work that the version this
+batch makes will leave too old (`TrainerNode.foresee_version`), so its room is not held either.
+
+With `lookahead: adaptive` the alpha in that rule is `ahead`, which `pace` moves as batches are taken: one up (to
 alpha at most) whenever the trainer had to wait for a batch, one down (to 0) after `SHED_AFTER`
 batches in a row that were complete already. A trainer that finds its batches ready is the
 slower side: with alpha batches ahead the buffer holds alpha + 1 complete batches when the trainer
@@ -88,6 +95,8 @@ class Dispenser:
         """The seeds given up, so a run's records account for every seed drawn."""
         self.ahead = spec.alpha
         """Batches of work admitted beyond the one the trainer waits for (`pace`)."""
+        self.training = False
+        """The trainer has taken a batch whose version is not out yet: the next batch comes a version later."""
         self.other_work: Callable[[], bool] = lambda: False
         """Whether work outside admission waits to be handed out (held-out evaluation): a grant waiting for
         room returns None at once, so its env-host's request can take that work."""
@@ -95,7 +104,11 @@ class Dispenser:
 
     @property
     def limit(self) -> int:
-        return (self.ahead + 1) * self.spec.batch_groups
+        """Groups that may be in flight or buffered: the batches that work started now can still fill."""
+        batches = self.ahead + 1
+        if self.training:  # batches up to version + alpha, the next one of which is taken at version + 1
+            batches = min(self.ahead, self.spec.alpha - 1) + 1
+        return batches * self.spec.batch_groups
 
     def pace(self, *, batch_was_ready: bool) -> None:
         """The trainer took a batch: it was complete before the trainer asked, or the trainer waited."""

@@ -149,6 +149,23 @@ async def test_admission_keeps_in_flight_plus_buffered_within_alpha(alpha: int) 
     assert await dispenser.grant("env-0", 0, wait_s=0.01) is not None
 
 
+@pytest.mark.parametrize("alpha", [0, 1, 2])
+async def test_while_the_trainer_trains_admission_counts_one_batch_fewer(alpha: int) -> None:
+    """The batch after the one in training is taken a version later, so work started meanwhile can fill
+    only the batches up to version + alpha after it (AReaL's rule: every group submitted counts, trained
+    ones too, against (version + alpha + 1) batches)."""
+    dispenser = Dispenser(spec(alpha=alpha, batch_groups=2, lookahead="alpha"), buffered=lambda: 0)
+    dispenser.training = True
+    granted = [await dispenser.grant("env-0", 0, wait_s=0.01) for _ in range(2 * alpha + 1)]
+    assert sum(g is not None for g in granted) == 2 * alpha  # none at alpha 0: all of it would be stale
+    waiting = asyncio.ensure_future(dispenser.grant("env-0", 1, wait_s=1))
+    await asyncio.sleep(0.01)
+    dispenser.training = False  # the version is out: one batch more fits
+    dispenser.changed()
+    assert await waiting is not None
+    assert dispenser.limit == 2 * (alpha + 1)
+
+
 @pytest.mark.parametrize("lookahead", ["adaptive", "alpha"])
 async def test_a_trainer_that_finds_its_batches_ready_gets_less_work_started_ahead(lookahead: str) -> None:
     dispenser = Dispenser(spec(alpha=2, batch_groups=2, lookahead=lookahead), buffered=lambda: 0)
