@@ -23,6 +23,8 @@ running alone.
 
     .venv/bin/python benchmarks/paper/fig14_reward_service.py            # a few minutes on 2 cores
     .venv/bin/python benchmarks/paper/fig14_reward_service.py --jobs 2,4,8
+    .venv/bin/python benchmarks/paper/fig14_reward_service.py --jobs 1,2,4,8 --service-release by-gap \
+        --shared-schedule async --out benchmarks/results/paper/fig14-shared-async.md
 """
 
 from __future__ import annotations
@@ -136,10 +138,16 @@ def run_shared(model: Path, args: argparse.Namespace, jobs: int) -> tuple[list[R
         topologies = []
         for i, name in enumerate(names):
             spec = run_spec(model, args, 8, {"placement": "instant"}, seed=i)
+            if args.shared_schedule == "async":  # RollArt's own: rewards asked for as trajectories finish
+                spec["rollout"] |= {"schedule": "async", "alpha": 1}
             spec["reward_service"] = {"port": SERVICE_PORT}
             nodes = [node for node in NODES if node["role"] != "reward-gateway"]
             topologies.append(inprocess_topology(spec, nodes, folder, name=name, first_port=20000 + 100 * i))
-        judges = {"workers": args.service_workers, "idle_timeout_s": args.service_idle_s}
+        judges = {
+            "workers": args.service_workers,
+            "idle_timeout_s": args.service_idle_s,
+            "release": args.service_release,
+        }
         service_spec = run_spec(model, args, 8, SERVICE | judges)
         del service_spec["rollout"]
         service_spec["reward_pool"] = {"jobs": [{"name": name, "secret_env": "UNUSED_IN_PROCESS"} for name in names]}
@@ -153,7 +161,7 @@ def shared_table(model: Path, args: argparse.Namespace, alone_s: float) -> tuple
     """The N-jobs table, and the service's utilization at the largest N."""
     lines = [
         "| runs sharing the service | reward GPU utilization | peak judges | rollout s per step, mean of runs "
-        "| slowest / fastest run | vs one run alone | paper utilization |",
+        "| slowest / fastest run | vs the service run above (sync, alone) | paper utilization |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     util = 0.0
@@ -186,6 +194,18 @@ def main() -> None:
     )
     parser.add_argument("--service-workers", type=int, default=16, help="judges the shared service may start")
     parser.add_argument("--service-idle-s", type=float, default=30.0, help="the shared service's judges' idle timeout")
+    parser.add_argument(
+        "--service-release",
+        choices=["idle", "by-gap"],
+        default="idle",
+        help="when the shared service releases an idle judge (run.sim.reward.release; idle: the paper's)",
+    )
+    parser.add_argument(
+        "--shared-schedule",
+        choices=["sync", "async"],
+        default="sync",
+        help="the schedule of the runs sharing the service (sync: as the single runs above; async: RollArt's)",
+    )
     args = parser.parse_args()
     model = tiny_tokenizer_model()
     began = time.monotonic()
@@ -214,9 +234,15 @@ def main() -> None:
     table = "\n".join(lines) + "\n\n" + summary
     if args.jobs:
         shared, util = shared_table(model, args, rollout_s(service))
+        released = f"after {args.service_idle_s:g} s idle"
+        if args.service_release == "by-gap":
+            released = (
+                "once their next request is predicted further off than a cold start or the load does not need "
+                f"them, at most {released}"
+            )
         table += (
-            f"\n\n### One reward service shared by several runs (up to {args.service_workers} judges, released after "
-            f"{args.service_idle_s:g} s idle)\n\n{shared}\n\n"
+            f"\n\n### One reward service shared by several runs ({args.shared_schedule} schedule; up to "
+            f"{args.service_workers} judges, released {released})\n\n{shared}\n\n"
             f"reward_util_shared={util:.2f} (the service's busy / live judge-seconds with {args.jobs[-1]} runs; "
             "paper 88%)"
         )

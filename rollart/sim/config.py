@@ -89,7 +89,12 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     cold_start_s: float = 15.0
     """service: from asking for a worker to it serving (the function's start and model load)."""
     idle_timeout_s: float = 30.0
-    """service: an idle worker is released after this long."""
+    """service: an idle worker is released after this long (`release: idle`), or at most this long (`by-gap`)."""
+    release: Literal["idle", "by-gap"] = "idle"
+    """service: idle releases a worker idle for `idle_timeout_s` (the paper's); by-gap releases it as soon as
+    the wait for its next request, predicted from the gaps between arrivals, outlasts a cold start (keeping it
+    would then cost more than starting one again), or the recent load would keep the other workers at most
+    0.9 busy, and looks again every cold start while it idles."""
     scale_up: Literal["by-wait", "per-request"] = "by-wait"
     """service: by-wait starts a worker when the queue's work would keep its last request waiting longer
     than a cold start (a new worker serves it sooner), so the live workers follow the load; per-request

@@ -14,7 +14,9 @@ Placements (the paper's Fig. 14 compares the first two):
   first request they serve), up to `workers`: by default one more when the queue's work, shared
   among the workers there are, would keep its last request waiting longer than a cold start
   (`scale_up: by-wait`), or one per waiting request (`per-request`); a worker idle for
-  `idle_timeout_s` is released (down to `min_workers`, zero allowed).
+  `idle_timeout_s` is released (down to `min_workers`, zero allowed), or with `release: by-gap` one
+  whose next request is predicted further off than a cold start (`_next_request_s`) or whom the recent
+  load does not need (`_spare`).
   A worker is live, and billed, from its start to its release.
 - `instant`: no reward model: the verdict at once (rule-based rewards cost next to nothing).
 
@@ -42,6 +44,11 @@ from rollart.sim.hardware import CostModel, EngineShape
 
 log = structlog.get_logger("rollart.sim.reward")
 
+GAP_WEIGHT = 0.1
+"""`release: by-gap`: weight of the newest gap between requests in their mean."""
+SHED_BUSY = 0.9
+"""`release: by-gap`: an idle worker goes when the recent load would keep the others at most this busy."""
+
 
 @dataclass(eq=False)
 class _Worker:
@@ -49,6 +56,7 @@ class _Worker:
     spawned_at: float
     state: State = State.STARTING
     busy_since: float = 0.0
+    idle_since: float = 0.0
     retire: asyncio.TimerHandle | None = None
 
 
@@ -79,6 +87,10 @@ class SimRewardPool:
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _running: bool = False
+    _started_at: float = 0.0
+    _last_arrival: float | None = None
+    _gap_s: float | None = None
+    """An exponentially weighted mean of the gaps between requests (`release: by-gap`)."""
 
     def __post_init__(self) -> None:
         self._queue = FairQueue(self.job_weights)
@@ -90,7 +102,7 @@ class SimRewardPool:
         return self.cost.prefill_s(tokens) + verdict * self.cost.decode_step_s(1, tokens + verdict // 2)
 
     async def __aenter__(self) -> SimRewardPool:
-        self._running = True
+        self._running, self._started_at = True, self.clock.now()
         floor = {"local": self.spec.workers, "service": self.spec.min_workers, "instant": 0}[self.spec.placement]
         for _ in range(floor):
             self._start_worker(cold=self.spec.placement == "service")
@@ -116,7 +128,12 @@ class SimRewardPool:
         if self.spec.placement == "instant":
             self.meters.count(job, served=True)
             return output
-        request = _Job(item.tokens, output, asyncio.get_running_loop().create_future(), job, self.clock.now())
+        now = self.clock.now()
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            self._gap_s = gap if self._gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * self._gap_s
+        self._last_arrival = now
+        request = _Job(item.tokens, output, asyncio.get_running_loop().create_future(), job, now)
         self._queue.push(job, request)
         self._queued_s += self.score_s(request.tokens)
         self._pump()
@@ -193,15 +210,52 @@ class SimRewardPool:
         self._pump()
 
     def _idle(self, w: _Worker) -> None:
-        w.state = State.IDLE
-        if self.spec.placement == "service":
-            loop = asyncio.get_running_loop()
-            w.retire = loop.call_later(self.spec.idle_timeout_s / self.clock.speedup, self._retire, w)
+        w.state, w.idle_since = State.IDLE, self.clock.now()
+        if self.spec.placement != "service":
+            return
+        if self.spec.release == "by-gap" and not self._queue:
+            self._retire(w)
+            return
+        self._retire_later(w)
+
+    def _retire_later(self, w: _Worker) -> None:
+        after = self.spec.idle_timeout_s
+        if self.spec.release == "by-gap":  # look again after a cold start, and release at idle_timeout_s anyway
+            after = min(after - (self.clock.now() - w.idle_since), self.spec.cold_start_s)
+        w.retire = asyncio.get_running_loop().call_later(max(0.0, after) / self.clock.speedup, self._retire, w)
 
     def _retire(self, w: _Worker) -> None:
         w.retire = None
-        if w.state is State.IDLE and len(self._workers) > self.spec.min_workers:
+        if w.state is not State.IDLE or len(self._workers) <= self.spec.min_workers:
+            return
+        now = self.clock.now()
+        timed_out = now - w.idle_since >= self.spec.idle_timeout_s - 1e-9
+        if self.spec.release == "idle" or timed_out or self._spare(now):
             self._release(w)
+        else:
+            self._retire_later(w)
+
+    def _spare(self, now: float) -> bool:
+        """`release: by-gap`: an idle worker is not worth keeping: its next request is predicted further off
+        than a cold start, or the recent load (busy worker-seconds over the trailing window) would keep the
+        workers left at most `SHED_BUSY` busy (requests then queue a little; scale-up bounds how long)."""
+        if self._next_request_s(now) > self.spec.cold_start_s:
+            return True
+        window = min(self.meters.busy.window_s, now - self._started_at)
+        if window < self.spec.cold_start_s:  # too little seen yet to judge the load
+            return False
+        busy = [w.busy_since for w in self._workers if w.state is State.BUSY]
+        load = self.meters.busy.in_window(busy, now) / window
+        return load <= SHED_BUSY * (len(self._workers) - 1)
+
+    def _next_request_s(self, now: float) -> float:
+        """Predicted seconds until an idle worker gets its next request: requests come one every gap (the
+        mean gap, or the time since the last one when that is longer: the stream has paused), and each idle
+        worker waits its turn among the idle ones."""
+        if self._last_arrival is None:
+            return float("inf")
+        idle = sum(w.state is State.IDLE for w in self._workers)
+        return idle * max(self._gap_s or 0.0, now - self._last_arrival)
 
     def _release(self, w: _Worker) -> None:
         if w.retire is not None:

@@ -82,6 +82,43 @@ async def test_by_wait_the_service_starts_a_worker_only_when_waiting_would_outla
 
 
 @virtual
+async def test_by_gap_a_judge_goes_once_its_next_request_is_further_off_than_a_cold_start() -> None:
+    spec = SimRewardSpec(placement="service", workers=1, cold_start_s=10.0, idle_timeout_s=60.0, release="by-gap")
+    async with SimRewardPool(spec, SimClock()) as pool:
+        one = pool.score_s(8000)
+        item = msgspec.structs.replace(ITEM, tokens=8000)
+        stream = []
+        for _ in range(6):  # a steady stream, a request every 4 s: the judge is kept between them
+            stream.append(asyncio.ensure_future(pool.score("env-reward", item, timeout=1e6)))
+            await pool.clock.sleep(4.0)
+        await asyncio.gather(*stream)
+        stats = pool.stats()
+        assert stats.live_workers == 1 and stats.cold_starts.count == 1
+        await pool.clock.sleep(10.0)  # the stream stopped: 14 s since a request, more than a cold start
+        assert pool.stats().live_workers == 0  # released at its look after a cold start, not after 60 s idle
+        took, _ = await score_many(pool, 12, 8000)  # a burst, long after the last request: served, then let go
+        assert pool.stats().live_workers == 0 and pool.stats().cold_starts.count == 2
+        assert took == pytest.approx(10.0 + 12 * one, rel=1e-4)
+
+
+@virtual
+async def test_by_gap_workers_beyond_the_recent_load_go_even_while_requests_keep_coming() -> None:
+    spec = SimRewardSpec(placement="service", workers=3, cold_start_s=10.0, idle_timeout_s=600.0, release="by-gap")
+    async with SimRewardPool(spec, SimClock()) as pool:
+        one = pool.score_s(8000)
+        burst = asyncio.ensure_future(score_many(pool, 4 * int(10.0 / one), 8000))  # 4 cold starts' work
+        item = msgspec.structs.replace(ITEM, tokens=8000)
+        stream = []
+        for _ in range(100):  # and a request a second: a third of one worker, never a gap of a cold start
+            stream.append(asyncio.ensure_future(pool.score("env-reward", item, timeout=1e6)))
+            await pool.clock.sleep(1.0)
+        await asyncio.gather(burst, *stream)
+        stats = pool.stats()
+        assert stats.peak_workers == 3  # the burst started them all
+        assert stats.live_workers == 1 and stats.cold_starts.count == 3  # two let go, none started again
+
+
+@virtual
 async def test_instant_scores_at_once_and_errors_come_back_clearly() -> None:
     async with SimRewardPool(SimRewardSpec(placement="instant"), SimClock()) as pool:
         took, rewards = await score_many(pool, 3, 8000)
