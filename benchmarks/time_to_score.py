@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -94,6 +95,8 @@ def run_mode(
     path = topology(base, folder, mode, args, seed)
     env = {k: v for k, v in os.environ.items() if k not in ("ROLLART_SECRET", "ROLLART_ADMIN_TOKEN")}
     run_dir = folder / name
+    # A fresh run: left in place, an earlier run's checkpoint would be resumed and its metrics read as this one's.
+    shutil.rmtree(run_dir, ignore_errors=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollart.cli", "run", str(path), "--duration", str(args.minutes * 60)],
         cwd=ROOT,
