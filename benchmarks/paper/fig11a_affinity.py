@@ -83,11 +83,14 @@ def main() -> None:
         help="rollout.routing (default: class, the paper's); finish-time writes fig11a[-rollout]-finish-time.md",
     )
     parser.add_argument(
+        "--alpha", type=int, default=1, help="rollout.alpha (default 1, the paper's); another adds -alphaN to the name"
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
     name = ("fig11a-rollout" if args.rollout_only else "fig11a") + ("-finish-time" if args.routing != "class" else "")
-    name += ".md"
+    name += (f"-alpha{args.alpha}" if args.alpha != 1 else "") + ".md"
     args.out = args.out or ROOT / "benchmarks" / "results" / "paper" / name
     model = tiny_tokenizer_model()
     began = time.monotonic()
@@ -96,7 +99,7 @@ def main() -> None:
         if args.only not in name:
             continue
         print(f"{name} ...", flush=True)
-        spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=1)
+        spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=args.alpha)
         spec["rollout"]["routing"] = args.routing
         if args.rollout_only:
             spec["sim"]["trainer"] = None
@@ -134,7 +137,7 @@ def main() -> None:
     print(table)
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
-        "`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, alpha 1, "
+        f"`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, alpha {args.alpha}, "
         f"{trainer}, routing: {args.routing}), rollout GPUs as in the table; in-process, virtual clock; {args.steps} "
         "batches per run, step time = mean gap between batches after the first"
     )

@@ -27,6 +27,7 @@ from simrun import (
     resolve_mode,
     run,
     save_plot,
+    task_share,
     tiny_tokenizer_model,
     train_step_s,
     write_report,
@@ -52,8 +53,9 @@ def main() -> None:
     base, group_size = rows[0][1].mean_step_s, spec["rollout"]["group_size"]
     lines = [
         "| alpha | step s | speed-up vs first | train step s | efficiency (train step / step) "
-        "| stale per batch: trajectories aborted running | groups dropped finished | trajectories in all |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| stale per batch: trajectories aborted running | groups dropped finished | trajectories in all "
+        "| math share of trained (drawn 0.5) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for alpha, result in rows:
         train = train_step_s(result)
@@ -61,7 +63,8 @@ def main() -> None:
         lines.append(
             f"| {alpha} | {result.mean_step_s:.0f} | {base / result.mean_step_s:.2f}x | {train:.0f} "
             f"| {train / result.mean_step_s:.2f} | {result.aborted_stale / args.steps:.1f} "
-            f"| {result.dropped_stale / args.steps:.1f} | {wasted / args.steps:.0f} |"
+            f"| {result.dropped_stale / args.steps:.1f} | {wasted / args.steps:.0f} "
+            f"| {task_share(result, 'math'):.2f} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -378,6 +378,12 @@ def paper_run_spec(
     }
 
 
+def task_share(result: Result, task: str) -> float:
+    """The fraction of the batches' trajectories that are of `task`: what the trainer saw of the mix (a
+    schedule that trains whatever finishes first could tilt it toward quick tasks)."""
+    return sum(t["task"] == task for t in result.trajectories) / max(1, len(result.trajectories))
+
+
 def train_step_s(result: Result, gpus: int = 32) -> float:
     """The simulated trainer's mean step on these batches (the paper shape's 32 H800, mfu 0.4)."""
     from rollart.sim.hardware import GPUS, MODELS
