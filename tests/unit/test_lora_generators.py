@@ -85,7 +85,8 @@ async def test_lora_a_request_in_flight_across_an_adapter_swap_labels_each_token
     engine: HFEngine, model_dir: Path, prompts: list[list[int]]
 ) -> None:
     adapters, _ = peft_adapters(model_dir, seed=1, scale=0.3)
-    n = 200  # the test model never samples EOS: the request runs to its max_tokens
+    n = 1000  # the test model never samples EOS: the request runs to its max_tokens (long enough that the
+    # swap lands inside it on a loaded machine too: with 200, a full test run once saw it finish first)
     request = asyncio.create_task(engine.generate("long", prompts[0], SamplingParams(max_tokens=n, temperature=0)))
     for _ in range(100_000):
         if engine.load().running:
