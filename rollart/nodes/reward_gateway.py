@@ -66,6 +66,7 @@ class RewardGatewayNode(NodeDaemon):
                 min_workers=spec.min_workers,
                 max_workers=spec.max_workers,
                 idle_timeout_s=spec.idle_timeout_s,
+                release=spec.release,
                 limits=spec.limits,
                 environ=environ,
                 launch=worker_launch(spec.sandbox, python=sys.executable, hide=self.secret_paths(), what="reward"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from rollart.rewards.release import Release
 from rollart.workers.limits import WorkerLimits
 from rollart.workers.sandbox import SandboxSpec
 
@@ -38,6 +39,9 @@ class RewardPoolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     """Most workers at once."""
     idle_timeout_s: float = 30.0
     """A worker idle this long retires (never below min_workers)."""
+    release: Release = "idle"
+    """by-gap: an idle worker retires sooner, once its next request is predicted further off than a cold
+    start (as measured) or the recent load would keep the others at most 0.9 busy (`rollart.rewards.release`)."""
     limits: WorkerLimits = REWARD_WORKER_LIMITS
     """Each worker's CPU seconds over its life (past half of it, it is replaced after its job), address
     space in MiB and open files, as `run.rollout.env_workers` sets them for env workers."""

@@ -5,7 +5,8 @@ by several runs) and go to an idle worker (the most recently used first, so the 
 long enough to retire), the jobs sharing the workers fairly by weight (`rollart.rewards.fair`).
 The pool grows by one worker while the queue is deeper than `scale_up_queue_per_worker` x live
 workers, up to `max_workers`; a worker idle for `idle_timeout_s` retires unless that would leave
-fewer than `min_workers`. With
+fewer than `min_workers` (with `release="by-gap"` sooner, once its next request is predicted further
+off than a cold start or the recent load does not need it: `rollart.rewards.release`). With
 `min_workers=0` an idle pool costs nothing and the next request pays a cold start, which is
 measured (spawn to the worker's `Ready`).
 
@@ -40,6 +41,7 @@ from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_rewar
 from rollart.rewards.config import REWARD_WORKER_LIMITS
 from rollart.rewards.fair import FairQueue
 from rollart.rewards.handles import Request, Worker, stop_workers
+from rollart.rewards.release import Arrivals, Release, spare
 from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.rewards.wire import Done, Failed, Job, Ready, Reply, StartFailed, request_encoder, tag_of
 from rollart.workers.framing import frame
@@ -69,6 +71,7 @@ class RewardPool:
         environ: Mapping[str, str] | None = None,
         launch: Launch = NO_SANDBOX,
         job_weights: Mapping[str, float] | None = None,
+        release: Release = "idle",
     ) -> None:
         """`preload`: modules each worker imports before it reports ready (e.g. "torch"), so the
         import is part of the measured cold start instead of the first request's latency.
@@ -88,6 +91,9 @@ class RewardPool:
         self.max_workers = max_workers
         self.scale_up_queue_per_worker = scale_up_queue_per_worker
         self.idle_timeout_s = idle_timeout_s
+        self.release = release
+        self._arrivals = Arrivals()
+        self._started_at = 0.0
         self.preload = tuple(preload)
         self.limits = limits
         self.environ = dict(child_environ(os.environ) if environ is None else environ)
@@ -110,7 +116,7 @@ class RewardPool:
         if self._running or self._closed:
             raise RewardError("reward pool: start() called twice, or after close()")
         self._loop = asyncio.get_running_loop()
-        self._running = True
+        self._running, self._started_at = True, time.monotonic()
         self._ensure_min()
         try:
             stats = await self.wait_until(lambda s: s.starting_workers == 0, timeout=ready_timeout)
@@ -166,6 +172,7 @@ class RewardPool:
         req_id = next(self._ids)
         framed = frame(request_encoder.encode(Job(req_id, fn_name, reference(fn), item)))
         req = Request(req_id, fn_name, framed, self._loop.create_future(), job, time.monotonic())
+        self._arrivals.record(req.queued_at)
         self._queue.push(job, req)
         try:
             self._pump()
@@ -246,15 +253,42 @@ class RewardPool:
 
     def _set_idle(self, w: Worker) -> None:
         assert self._loop is not None
-        w.set_idle(self._loop.call_later(self.idle_timeout_s, self._on_idle_timeout, w))
+        w.set_idle(self._loop.call_later(self._look_after_s(0.0), self._on_idle_timeout, w))
+        if self.release == "by-gap" and not self._queue:  # queued work goes to it next (`_pump`)
+            self._on_idle_timeout(w)
+
+    def _look_after_s(self, idle_s: float) -> float:
+        """When to look at an idle worker again: at its idle timeout, or with `by-gap` after a cold start."""
+        left = self.idle_timeout_s - idle_s
+        if self.release == "by-gap":
+            cold = self.meters.cold.snapshot()
+            left = min(left, cold.mean_s if cold.count else left)
+        return max(0.0, left)
 
     def _on_idle_timeout(self, w: Worker) -> None:
         assert self._loop is not None
-        w.idle_timer = None
-        if w.state is State.IDLE and self._running and self._live() > self.min_workers:
-            log.info("reward_worker_retired", worker=w.wid, idle_s=self.idle_timeout_s)
+        w.cancel_idle_timer()
+        if w.state is not State.IDLE or not self._running or self._live() <= self.min_workers:
+            return
+        now = time.monotonic()
+        idle_s = now - w.idle_since
+        if self.release == "idle" or idle_s >= self.idle_timeout_s or self._spare(now):
+            log.info("reward_worker_retired", worker=w.wid, idle_s=round(idle_s, 3), release=self.release)
             w.stop(self._loop)
             self._notify()
+        else:
+            w.idle_timer = self._loop.call_later(self._look_after_s(idle_s), self._on_idle_timeout, w)
+
+    def _spare(self, now: float) -> bool:
+        """`release="by-gap"` (`rollart.rewards.release`), the cold start as measured here."""
+        cold = self.meters.cold.snapshot()
+        if not cold.count:
+            return False
+        window = min(self.meters.busy.window_s, now - self._started_at)
+        busy = [w.busy_since for w in self._workers if w.state is State.BUSY]
+        load = self.meters.busy.in_window(busy, now) / window if window >= cold.mean_s and window > 0 else None
+        idle = sum(w.state is State.IDLE for w in self._workers)
+        return spare(self._arrivals, now, idle=idle, live=self._live(), load=load, cold_start_s=cold.mean_s)
 
     # -- worker events (loop callbacks) ----------------------------------------------------
 

@@ -22,6 +22,7 @@ from typing import Literal
 
 import msgspec
 
+from rollart.rewards.release import Release
 from rollart.sim.hardware import GPUS, MODELS, EngineShape
 
 
@@ -90,7 +91,7 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     """service: from asking for a worker to it serving (the function's start and model load)."""
     idle_timeout_s: float = 30.0
     """service: an idle worker is released after this long (`release: idle`), or at most this long (`by-gap`)."""
-    release: Literal["idle", "by-gap"] = "idle"
+    release: Release = "idle"
     """service: idle releases a worker idle for `idle_timeout_s` (the paper's); by-gap releases it as soon as
     the wait for its next request, predicted from the gaps between arrivals, outlasts a cold start (keeping it
     would then cost more than starting one again), or the recent load would keep the other workers at most

@@ -15,8 +15,8 @@ Placements (the paper's Fig. 14 compares the first two):
   among the workers there are, would keep its last request waiting longer than a cold start
   (`scale_up: by-wait`), or one per waiting request (`per-request`); a worker idle for
   `idle_timeout_s` is released (down to `min_workers`, zero allowed), or with `release: by-gap` one
-  whose next request is predicted further off than a cold start (`_next_request_s`) or whom the recent
-  load does not need (`_spare`).
+  whose next request is predicted further off than a cold start or whom the recent load does not need
+  (`rollart.rewards.release`).
   A worker is live, and billed, from its start to its release.
 - `instant`: no reward model: the verdict at once (rule-based rewards cost next to nothing).
 
@@ -38,16 +38,12 @@ from rollart.clock import SimClock
 from rollart.errors import DeadlineExceeded
 from rollart.rewards.base import RewardError, ScoreInput, ScoreOutput, get_reward
 from rollart.rewards.fair import FairQueue
+from rollart.rewards.release import Arrivals, spare
 from rollart.rewards.stats import PoolMeters, PoolStats, State
 from rollart.sim.config import SimRewardSpec
 from rollart.sim.hardware import CostModel, EngineShape
 
 log = structlog.get_logger("rollart.sim.reward")
-
-GAP_WEIGHT = 0.1
-"""`release: by-gap`: weight of the newest gap between requests in their mean."""
-SHED_BUSY = 0.9
-"""`release: by-gap`: an idle worker goes when the recent load would keep the others at most this busy."""
 
 
 @dataclass(eq=False)
@@ -88,9 +84,7 @@ class SimRewardPool:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _running: bool = False
     _started_at: float = 0.0
-    _last_arrival: float | None = None
-    _gap_s: float | None = None
-    """An exponentially weighted mean of the gaps between requests (`release: by-gap`)."""
+    _arrivals: Arrivals = field(default_factory=Arrivals)
 
     def __post_init__(self) -> None:
         self._queue = FairQueue(self.job_weights)
@@ -129,10 +123,7 @@ class SimRewardPool:
             self.meters.count(job, served=True)
             return output
         now = self.clock.now()
-        if self._last_arrival is not None:
-            gap = now - self._last_arrival
-            self._gap_s = gap if self._gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * self._gap_s
-        self._last_arrival = now
+        self._arrivals.record(now)
         request = _Job(item.tokens, output, asyncio.get_running_loop().create_future(), job, now)
         self._queue.push(job, request)
         self._queued_s += self.score_s(request.tokens)
@@ -236,26 +227,16 @@ class SimRewardPool:
             self._retire_later(w)
 
     def _spare(self, now: float) -> bool:
-        """`release: by-gap`: an idle worker is not worth keeping: its next request is predicted further off
-        than a cold start, or the recent load (busy worker-seconds over the trailing window) would keep the
-        workers left at most `SHED_BUSY` busy (requests then queue a little; scale-up bounds how long)."""
-        if self._next_request_s(now) > self.spec.cold_start_s:
-            return True
+        """`release: by-gap` (`rollart.rewards.release`)."""
         window = min(self.meters.busy.window_s, now - self._started_at)
-        if window < self.spec.cold_start_s:  # too little seen yet to judge the load
-            return False
-        busy = [w.busy_since for w in self._workers if w.state is State.BUSY]
-        load = self.meters.busy.in_window(busy, now) / window
-        return load <= SHED_BUSY * (len(self._workers) - 1)
-
-    def _next_request_s(self, now: float) -> float:
-        """Predicted seconds until an idle worker gets its next request: requests come one every gap (the
-        mean gap, or the time since the last one when that is longer: the stream has paused), and each idle
-        worker waits its turn among the idle ones."""
-        if self._last_arrival is None:
-            return float("inf")
+        load = None
+        if window >= self.spec.cold_start_s:
+            busy = [w.busy_since for w in self._workers if w.state is State.BUSY]
+            load = self.meters.busy.in_window(busy, now) / window
         idle = sum(w.state is State.IDLE for w in self._workers)
-        return idle * max(self._gap_s or 0.0, now - self._last_arrival)
+        return spare(
+            self._arrivals, now, idle=idle, live=len(self._workers), load=load, cold_start_s=self.spec.cold_start_s
+        )
 
     def _release(self, w: _Worker) -> None:
         if w.retire is not None:

@@ -151,6 +151,26 @@ async def test_pool_cold_starts_scales_to_max_and_back_to_min() -> None:
         assert (stats.crashed, stats.cold_starts.count, stats.peak_workers) == (0, 2, 2)
 
 
+async def test_pool_by_gap_lets_a_worker_go_once_no_request_is_due_within_a_cold_start() -> None:
+    async with RewardPool(max_workers=2, scale_up_queue_per_worker=1, idle_timeout_s=60, release="by-gap") as pool:
+        outs = await asyncio.gather(*(pool.score("test-sleep", item(meta={"s": 0.2}), timeout=30) for _ in range(6)))
+        assert [o.reward for o in outs] == [1.0] * 6 and pool.stats().peak_workers == 2
+        cold = pool.stats().cold_starts.mean_s
+        # No request since the burst: each is let go within about a cold start of its last job, where the
+        # idle release would keep both for 60 s.
+        stats = await pool.wait_until(lambda s: s.live_workers == 0, timeout=10 + 3 * cold)
+        assert (stats.crashed, stats.cold_starts.count) == (0, 2)
+    async with RewardPool(max_workers=1, idle_timeout_s=60, release="by-gap") as pool:
+        stream = []
+        for _ in range(40):  # a steady stream, a request every 10 ms, well within a cold start: kept throughout
+            stream.append(asyncio.ensure_future(pool.score("env-reward", item(env_reward=1.0), timeout=30)))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*stream)
+        stats = pool.stats()
+        assert stats.cold_starts.mean_s > 0.03  # the premise: a gap of 10 ms is well within a cold start
+        assert stats.live_workers == 1 and stats.cold_starts.count == 1
+
+
 async def test_pool_worker_crash_fails_only_its_request() -> None:
     async with RewardPool(min_workers=1, max_workers=1) as pool:
         crash = asyncio.create_task(pool.score("test-crash", item(), timeout=30))
