@@ -115,8 +115,14 @@ class RankGroup:
                 if source is self.commands:
                     try:
                         call, kind, payload = self.commands.recv()
-                    except (EOFError, OSError):
+                    except EOFError:
                         continue  # rank 0 exited: its sentinel says so
+                    except OSError as e:
+                        # A message came but not what it holds: tensors travel as shared memory whose
+                        # handle is fetched from the sender, and a rank 0 killed after sending cannot
+                        # give it. Its answer may still follow; a call must never return without a part.
+                        self._fail(f"a message from rank 0 was lost ({type(e).__name__}: {e})")
+                        continue
                     self._route(call, kind, payload)
                 else:
                     rank = sentinels[source]  # type: ignore[index]

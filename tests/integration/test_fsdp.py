@@ -3,7 +3,8 @@
 Two ranks must train exactly like one device (the loss over the global token count, gradients
 summed over ranks, the global norm clipped); checkpoints written by 2 ranks load onto 1 and back
 onto 2 with identical weights and optimizer state; token-budget micro-batches and chunked
-log-probs change no gradient; a killed rank fails the group at once.
+log-probs change no gradient; a killed rank fails the group at once, and so does an answer
+whose parts died with rank 0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,48 @@ def test_a_killed_rank_fails_the_group_at_once_and_close_does_not_wait(tiny_mode
     assert time.monotonic() - started < 10  # not the 30 s a clean stop may take
     assert not any(process.is_alive() for process in engine.ranks.processes.values())
     assert not (tmp_path / "never").exists()
+
+
+def test_an_export_whose_parts_die_with_rank_0_fails_and_returns_nothing(tiny_model: Path) -> None:
+    """Tensors cross the pipe as shared memory whose handle is fetched from the sender: rank 0 killed
+    after sending all its parts and its answer takes the unread parts with it. The reader must fail the
+    call as soon as it cannot read a part. It once skipped it: where the answer was read before rank 0's
+    exit was seen, the call returned the parts read so far and an empty version was published (CI)."""
+    engine = fsdp(tiny_model, 2)
+    group = engine.ranks
+    first_part, go_on = threading.Event(), threading.Event()
+    route = group._route
+
+    def held_route(call: int, kind: str, payload: Any) -> None:
+        route(call, kind, payload)
+        if kind == "part" and not first_part.is_set():
+            first_part.set()
+            go_on.wait(30)  # the reader stops here; rank 0 sends the rest into the pipe meanwhile
+
+    group._route = held_route  # type: ignore[method-assign]
+    parts: list[dict[str, torch.Tensor]] = []
+    outcome: list[BaseException | int] = []
+
+    def export() -> None:
+        try:
+            outcome.append(group.call("export", 1, None, on_part=parts.append))  # one tensor per part
+        except BaseException as e:
+            outcome.append(e)
+
+    caller = threading.Thread(target=export)
+    try:
+        caller.start()
+        assert first_part.wait(30)
+        time.sleep(2.0)  # rank 0 gathers and sends the tiny model's parts and its answer in far less
+        os.kill(engine.describe()["pids"][0], signal.SIGKILL)
+        engine.ranks.processes[0].join(10)
+        go_on.set()
+        caller.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], RankDied), (outcome, len(parts))
+        assert "a message from rank 0 was lost" in str(outcome[0]), outcome
+    finally:
+        go_on.set()
+        engine.close()
 
 
 def test_token_budget_micro_batches_give_the_gradient_of_one_large_batch(tiny_model: Path) -> None:
