@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
-from rollart.engines.fsdp_group import RankGroup
+from rollart.engines.fsdp_group import RankDied, RankGroup
 from rollart.engines.training import RankLayout, TrainerSpec
 
 
@@ -43,9 +43,11 @@ class RankGroupEngine:
         return stats
 
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        weights: dict[str, torch.Tensor] = {}
-        self.ranks.call("export", self.spec.bucket_mb << 20, dtype, on_part=weights.update)
-        return weights
+        parts: list[dict[str, torch.Tensor]] = []
+        sent = self.ranks.call("export", self.spec.bucket_mb << 20, dtype, on_part=parts.append)
+        if len(parts) != sent:  # never publish part of a version
+            raise RankDied(f"export: rank 0 sent {sent} parts of the weights and {len(parts)} arrived")
+        return {name: tensor for part in parts for name, tensor in part.items()}
 
     def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
         return True  # gathered from the ranks into this process
