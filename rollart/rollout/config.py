@@ -209,8 +209,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """Staleness bound: at version n, every trajectory used was started at version n - alpha or later."""
     lookahead: Literal["adaptive", "alpha"] = "adaptive"
     """How many batches of work admission lets start beyond the one the trainer waits for. alpha:
-    always alpha (AReaL's rule). adaptive: one more (up to alpha) after each batch the trainer had
-    to wait for, one fewer (down to 0) after 3 in a row it found complete when it asked. Such a
+    always alpha (AReaL's rule). adaptive: one at the start (alpha batches started at once would all
+    share the generators and hold back the first), one more (up to alpha) after each batch the trainer
+    had to wait for, one fewer (down to 0) after 3 in a row it found complete when it asked. Such a
     trainer is the slower side: with none ahead the next batch is generated while it trains on this
     one (one version old when trained), and work started further ahead would only be staler, at no
     gain in speed (`rollart.rollout.dispenser`)."""

@@ -25,6 +25,7 @@ def spec(**overrides: object) -> RolloutSpec:
         "group_size": 2,
         "batch_groups": 2,
         "alpha": 1000,  # admission never blocks unless a test lowers it
+        "lookahead": "alpha",
         "seed": 7,
     }
     return RolloutSpec(**(base | overrides))  # type: ignore[arg-type]

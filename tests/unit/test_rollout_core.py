@@ -134,7 +134,7 @@ async def test_dynamic_sampling_drops_stale_uniform_groups_too() -> None:
 @pytest.mark.parametrize("alpha", [0, 1, 2])
 async def test_admission_keeps_in_flight_plus_buffered_within_alpha(alpha: int) -> None:
     buffered = [0]
-    dispenser = Dispenser(spec(alpha=alpha), buffered=lambda: buffered[0])
+    dispenser = Dispenser(spec(alpha=alpha, lookahead="alpha"), buffered=lambda: buffered[0])
     limit = (alpha + 1) * 2
     granted = [await dispenser.grant("env-0", 0, wait_s=0.01) for _ in range(limit)]
     assert all(granted) and len({g.group_id for g in granted if g}) == limit
@@ -170,7 +170,11 @@ async def test_while_the_trainer_trains_admission_counts_one_batch_fewer(alpha: 
 async def test_a_trainer_that_finds_its_batches_ready_gets_less_work_started_ahead(lookahead: str) -> None:
     dispenser = Dispenser(spec(alpha=2, batch_groups=2, lookahead=lookahead), buffered=lambda: 0)
     adaptive = lookahead == "adaptive"
-    assert dispenser.limit == 6  # until the trainer takes a batch: alpha batches ahead
+    # until the trainer takes a batch: alpha batches ahead, or adaptive, one (alpha + 1 batches started
+    # at once would make the first as late as the last)
+    assert dispenser.limit == (4 if adaptive else 6)
+    dispenser.pace(batch_was_ready=False)  # the trainer waited for its first batch: one more ahead
+    assert dispenser.limit == 6
     limits = []
     # ready 3 in a row sheds one batch ahead; a wait adds one back and starts the count again
     for ready in [True] * 5 + [False] + [True] * 9:
@@ -254,7 +258,7 @@ async def test_a_seed_that_keeps_failing_is_given_up_for_a_fresh_one() -> None:
 
 
 async def test_task_mix_follows_the_weights() -> None:
-    dispenser = Dispenser(spec(alpha=1000), buffered=lambda: 0)
+    dispenser = Dispenser(spec(alpha=1000, lookahead="alpha"), buffered=lambda: 0)
     names = [(await dispenser.grant("e", 0, wait_s=0.01)).task for _ in range(400)]  # type: ignore[union-attr]
     assert 0.65 < names.count("b") / len(names) < 0.85  # weight 3 of 4
 
