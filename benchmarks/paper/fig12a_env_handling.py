@@ -7,8 +7,8 @@ latency-spread experiment. Two modes, the same code and config otherwise:
 
 - **batch-level** (`schedule: sync`): the veRL-like baseline: each env-host steps its groups as a
   batch whose every turn waits for all of them, and a batch starts when the last one is taken;
-- **trajectory-level** (`schedule: async`, alpha 1): RollArt: every trajectory is its own
-  coroutine, and the next batch's trajectories run while the last ones of this batch finish;
+- **trajectory-level** (`schedule: async`, alpha 1, or `--alpha`): RollArt: every trajectory is its
+  own coroutine, and the next batch's trajectories run while the last ones of this batch finish;
 - with `--min-group-size K`, a third: trajectory-level where a group past its deadline (the
   `--deadline-quantile` of its task's trajectory times, learned on each env-host) is done with the
   K or more it has (`rollout.min_group_size`; a different batch: groups of fewer than G, biased
@@ -19,8 +19,9 @@ beside it, two bounds and an efficiency. The no-barrier step: what a synchronous
 without the per-turn barrier (per batch, its slowest trajectory's own env latency plus
 generation). The throughput bound for trajectory-level rollout: with C groups in flight at once and
 groups that take T on average on their own (their slowest trajectory's env latency plus
-generation), a batch of B groups cannot come faster than B * T / C (Little's law); efficiency =
-ideal / measured.
+generation), a batch of B groups cannot come faster than B * T / C (Little's law); C is what
+admission allows, (alpha + 1) * B, or the env-hosts' slots (2 x `groups_per_env_host` = 2B) where
+those are fewer; efficiency = ideal / measured.
 
     .venv/bin/python benchmarks/paper/fig12a_env_handling.py            # about 10 minutes on 2 cores
     .venv/bin/python benchmarks/paper/fig12a_env_handling.py --quick    # sigma 1, fewer steps
@@ -48,7 +49,6 @@ from simrun import (
 
 PAPER = {1.0: 1.23, 10.0: 2.27}
 TARGET = {1.0: 1.3, 10.0: 2.5}
-MODES = {"batch-level": {"schedule": "sync"}, "trajectory-level": {"schedule": "async", "alpha": 1}}
 
 
 def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> dict[str, Any]:
@@ -99,16 +99,17 @@ def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> 
 
 def modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The modes run, by name: the rollout fields each sets."""
+    base = {"batch-level": {"schedule": "sync"}, "trajectory-level": {"schedule": "async", "alpha": args.alpha}}
     more = {}
     cut = {"min_group_size": args.min_group_size, "deadline_quantile": args.deadline_quantile}
     if args.min_group_size is not None:
-        more["deadline"] = MODES["trajectory-level"] | cut
+        more["deadline"] = base["trajectory-level"] | cut
     if args.max_redundancy is not None:
-        adaptive = MODES["trajectory-level"] | {"max_redundancy": args.max_redundancy}
+        adaptive = base["trajectory-level"] | {"max_redundancy": args.max_redundancy}
         more["adaptive extras"] = adaptive
         if args.min_group_size is not None:
             more["deadline + adaptive extras"] = adaptive | cut
-    return MODES | more
+    return base | more
 
 
 NODES = [
@@ -132,12 +133,14 @@ def no_barrier_step_s(result: Result, speedup: float) -> float:
 def ideal_step_s(result: Result, args: argparse.Namespace, speedup: float) -> float:
     """B * T / C over groups: a group holds its env-host slot until its slowest trajectory ends, so T
     is the mean over groups of their slowest member's own time (env latency plus generation), C the
-    groups in flight (alpha 1: this batch and the next), B the groups per batch."""
+    groups in flight (what admission allows at alpha, or the env-hosts' slots where fewer), B the groups
+    per batch."""
     groups: dict[str, float] = {}
     for t in result.trajectories:
         alone = (t["env_wait_s"] + t["gen_wait_s"]) * speedup
         groups[t["group_id"]] = max(groups.get(t["group_id"], 0.0), alone)
-    in_flight = 2 * args.batch_groups
+    slots = args.batch_groups * sum(node["role"] == "env-host" for node in NODES)  # groups_per_env_host each
+    in_flight = min((args.alpha + 1) * args.batch_groups, slots)
     return args.batch_groups * statistics.fmean(groups.values()) / in_flight
 
 
@@ -154,6 +157,7 @@ def main() -> None:
     parser.add_argument("--min-group-size", type=int, help="also run groups cut at their deadline to this many")
     parser.add_argument("--deadline-quantile", type=float, default=0.9, help="of trajectory times (with the above)")
     parser.add_argument("--max-redundancy", type=int, help="also run with adaptive redundancy up to this many extras")
+    parser.add_argument("--alpha", type=int, default=1, help="rollout.alpha of the trajectory-level modes (default 1)")
     add_mode_arguments(parser, speedup=20.0, out=ROOT / "benchmarks" / "results" / "paper" / "fig12a.md")
     args = parser.parse_args()
     resolve_mode(args)
@@ -171,10 +175,10 @@ def main() -> None:
             print(f"  step times (simulated s): {[round(s) for s in measured[mode].step_s]}", flush=True)
         batch, traj = measured["batch-level"], measured["trajectory-level"]
         ideal = ideal_step_s(traj, args, traj.speedup)
-        more = [measured[mode].mean_step_s for mode in modes(args) if mode not in MODES]
+        more = [measured[mode].mean_step_s for mode in modes(args) if mode not in ("batch-level", "trajectory-level")]
         rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, more))
 
-    names = [mode for mode in modes(args) if mode not in MODES]
+    names = [mode for mode in modes(args) if mode not in ("batch-level", "trajectory-level")]
     words = {
         "deadline": f"cut at the deadline (>= {args.min_group_size} of {args.group_size})",
         "adaptive extras": f"adaptive extras (0 to {args.max_redundancy})",
@@ -201,6 +205,7 @@ def main() -> None:
         f"{args.turns} turns per episode, 300 prompt + 32 generated tokens per turn; env latency lognormal, "
         f"median reset {args.reset_s} s / step {args.step_s} s, capped at {args.cap_s} s; "
         f"{args.steps} batches per run, step time = mean gap between batches after the first; "
+        f"trajectory-level at alpha {args.alpha}; "
         + (f"deadline: the {args.deadline_quantile} quantile of trajectory times; " if args.min_group_size else "")
         + mode_words(args)
     )
