@@ -121,7 +121,7 @@ class EnvRunner:
             return
         try:
             if self._broken is None:
-                await self._call("close", self.env.close)
+                await self._call("close", self.env.close, simulated=False)
         finally:
             self._closed = True
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -131,7 +131,10 @@ class EnvRunner:
         if self.env.wait_s > 0:
             await self.clock.sleep(self.env.wait_s)
 
-    async def _call(self, call: str, fn: Callable[..., T], *args: Any) -> T:
+    async def _call(self, call: str, fn: Callable[..., T], *args: Any, simulated: bool = True) -> T:
+        """`fn(*args)` under the call's deadline, then (`simulated`) the simulated time the env reports for
+        it. `close` reports none: `wait_s` still holds the last step's time, which the step has waited out
+        (as the process runner, whose close reply carries no time)."""
         if self._broken is not None:
             raise EnvFailure(f"env {self.name!r}: {call}() refused: the env is broken ({self._broken})")
         if self._closed:
@@ -147,9 +150,11 @@ class EnvRunner:
                     else:  # returns at once (a simulated env): no thread, nothing for a virtual clock to skip
                         result = _contain(fn, *args)
                 except Exception:
-                    await self._wait_out()
+                    if simulated:
+                        await self._wait_out()
                     raise
-                await self._wait_out()
+                if simulated:
+                    await self._wait_out()
                 return result
         except TimeoutError as exc:
             if not deadline.expired():  # the env itself raised TimeoutError

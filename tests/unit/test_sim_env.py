@@ -108,6 +108,9 @@ def test_the_runner_waits_the_latency_out_on_the_clock(speedup: float) -> None:
             await runner.step("U")
         assert loop.time() - start == pytest.approx(4.0 / speedup)  # a failure takes its time too
         await runner.close()
+        # Closing takes none: `wait_s` still holds the last step's, which was waited out once (each
+        # trajectory paid its last step twice, 3 s on average in fig. 12a's shape, holding its group's slot).
+        assert loop.time() - start == pytest.approx(4.0 / speedup)
 
     with asyncio.Runner(loop_factory=virtual_event_loop) as runner:
         runner.run(scenario())
