@@ -49,6 +49,8 @@ from simrun import (
 
 PAPER = {1.0: 1.23, 10.0: 2.27}
 TARGET = {1.0: 1.3, 10.0: 2.5}
+COMPARED = ("batch-level", "trajectory-level")
+"""The two modes every run compares; `modes` adds the others asked for."""
 
 
 def run_spec(args: argparse.Namespace, sigma: float, mode: str, model: Path) -> dict[str, Any]:
@@ -175,10 +177,10 @@ def main() -> None:
             print(f"  step times (simulated s): {[round(s) for s in measured[mode].step_s]}", flush=True)
         batch, traj = measured["batch-level"], measured["trajectory-level"]
         ideal = ideal_step_s(traj, args, traj.speedup)
-        more = [measured[mode].mean_step_s for mode in modes(args) if mode not in ("batch-level", "trajectory-level")]
+        more = [measured[mode].mean_step_s for mode in modes(args) if mode not in COMPARED]
         rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, more))
 
-    names = [mode for mode in modes(args) if mode not in ("batch-level", "trajectory-level")]
+    names = [mode for mode in modes(args) if mode not in COMPARED]
     words = {
         "deadline": f"cut at the deadline (>= {args.min_group_size} of {args.group_size})",
         "adaptive extras": f"adaptive extras (0 to {args.max_redundancy})",
