@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, cast
@@ -143,6 +144,7 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._closed = self._loop.create_future()
         self._tls: TlsPeer | None = None
         self._frames_seen = False
+        self._discarding = False  # closing after a refusal: what the peer still sends is dropped
         self.on_made: Callable[[TcpConnection], None] | None = None
 
     # -- asyncio protocol callbacks --
@@ -196,6 +198,9 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._discarding:
+            self._bulk, self._start, self._end = None, 0, 0
+            return
         if self._bulk is not None:
             self._bulk_pos += nbytes
             if self._bulk_pos == len(self._bulk):
@@ -390,6 +395,29 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         self._flush()
         if self._transport is not None:
             self._transport.close()
+
+    async def close_refused(self, linger_s: float) -> None:
+        """Close so that the peer reads the refusal just sent. Closing a socket that holds bytes the
+        peer sent and this side never read sends a reset, and a reset can discard the refusal before
+        the peer reads it (seen: a client that sent a request right after its proof got ECONNRESET,
+        not the refusal). So: send what is queued, end this direction, drop whatever the peer still
+        sends, and close when it hangs up or after `linger_s` (a lingering close, as HTTP servers do)."""
+        self._flush()
+        transport = self._transport
+        if transport is None or transport.is_closing() or not transport.can_write_eof():  # TLS cannot half-close
+            self.close()
+            return
+        self._discarding = True
+        self._frames.clear()
+        self._bulk, self._start, self._end = None, 0, 0
+        transport.write_eof()
+        if self._reading_paused:
+            transport.resume_reading()
+            self._reading_paused = False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(linger_s):
+                await asyncio.shield(self._closed)
+        self.close()
 
     def abort(self) -> None:
         """Drop the connection at once, without flushing (tests use it to simulate a crash)."""

@@ -30,6 +30,9 @@ log = structlog.get_logger("rollart.protocol.server")
 HANDSHAKE_MAX_FRAME_BYTES = 16 * 1024
 """The largest frame a connection may send before its handshake succeeds (a Hello is ~200 bytes)."""
 
+REFUSAL_LINGER_S = 1.0
+"""How long a refused connection stays half-open for its peer to read the refusal and hang up."""
+
 
 JOB_ROLE = "env-host"
 """The only role another run's nodes have at a server that serves it (a shared reward gateway)."""
@@ -191,7 +194,10 @@ class SessionServer:
             )
         except HandshakeRefused:
             self.refusals += 1
-            conn.close()
+            if isinstance(conn, TcpConnection):
+                await conn.close_refused(REFUSAL_LINGER_S)
+            else:  # in memory: frames sent stay readable after close
+                conn.close()
             return
         except ConnectionClosed:
             conn.close()

@@ -16,16 +16,13 @@ import pytest
 from rollart.protocol.auth import NONCE_BYTES, _mac
 from rollart.protocol.config import PROTOCOL_VERSION
 from rollart.protocol.messages import CONTROL, HANDSHAKE, Challenge, Echo, Hello, Proof, Refuse
+from rollart.workers.framing import frame
 from tests.support import healthy, http, node_client, start_node, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
 
 SECRET = b"test-secret"  # what tests.support.node_env gives every node
 HANDSHAKE_TIMEOUT_S = 2.0
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
 
 
 async def exchange(port: int, data: bytes, *, wait_s: float = 5.0) -> bytes:

@@ -22,15 +22,16 @@ import pytest
 from structlog.testing import capture_logs
 
 from rollart.protocol import auth
-from rollart.protocol.auth import Identity, client_handshake
+from rollart.protocol.auth import NONCE_BYTES, Identity, client_handshake
 from rollart.protocol.bulk import open_bulk, recv_blob, send_blob
 from rollart.protocol.client import ClientSession, tcp_connector
 from rollart.protocol.config import PROTOCOL_VERSION, SessionConfig
 from rollart.protocol.errors import HandshakeRefused, SessionLost
 from rollart.protocol.framing import Connection, open_tcp
-from rollart.protocol.messages import CONTROL, HANDSHAKE, BlobHeader, Echo, Refuse
+from rollart.protocol.messages import CONTROL, HANDSHAKE, BlobHeader, Challenge, Echo, Hello, Proof, Refuse
 from rollart.protocol.server import SessionServer
 from rollart.protocol.session import Session
+from rollart.workers.framing import frame
 
 pytestmark = pytest.mark.integration
 
@@ -263,6 +264,35 @@ async def test_refusals_over_tcp_and_the_server_goes_on_serving(
         tg.create_task(client.run())
         assert await client.request(Echo(3, b"still here")) == Echo(3, b"still here")
         await client.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_refused_client_that_goes_on_sending_reads_the_refusal_then_a_clean_end(
+    echo_servers: EchoServers,
+) -> None:
+    """A client may send more before it sees its refusal (a request right after its proof). Were the
+    server to close with those bytes unread, the peer would get a reset (seen in CI as ECONNRESET
+    after the refusal): it half-closes instead and drops what still comes, until the peer hangs up."""
+    await echo_servers.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", echo_servers.port)
+    try:
+        hello = Hello(PROTOCOL_VERSION, "env-0", "env-host", os.urandom(NONCE_BYTES), "s", "session", 0)
+        writer.write(frame(HANDSHAKE.encode(hello)))
+        async with asyncio.timeout(5):
+            (length,) = struct.unpack(">I", await reader.readexactly(4))
+            assert isinstance(HANDSHAKE.decode(await reader.readexactly(length)), Challenge)
+            writer.write(frame(HANDSHAKE.encode(Proof(b"\0" * 32))))
+            refusal = await read_refusal(reader)
+            # After the refusal has arrived (the server has closed its side by now), keep sending.
+            for _ in range(3):
+                writer.write(frame(b"\x90" * 1000))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+            assert await reader.read() == b""  # an end of stream, not ConnectionResetError
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert refusal.code == "auth"
 
 
 # -- bulk ----------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from rollart.protocol.messages import (
     Welcome,
 )
 from rollart.topology import load_topology
+from rollart.workers.framing import frame
 from tests.support import healthy, http, node_client, node_env, start_node, wait_for, write_topology
 
 pytestmark = pytest.mark.integration
@@ -87,10 +88,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
 
 
 async def conversation(port: int, *, secret: bytes | None, then: list[bytes], wait_s: float = 5.0) -> list[Any]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from rollart.protocol.errors import ConnectionClosed, FrameTooLarge, ProtocolError
 from rollart.protocol.framing import BULK_MARK, TcpConnection, _Bulk, open_tcp, serve_tcp
+from rollart.workers.framing import frame
 from tests.strategies import FUZZ_EXAMPLES
 
 RECV_BUFFER = 256 * 1024  # TcpConnection's receive buffer once a peer has filled the initial one
@@ -31,6 +32,7 @@ class FakeTransport:
         self.paused = False
         self.pauses = 0
         self.closing = False
+        self.eof = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("203.0.113.7", 4242) if name == "peername" else default
@@ -40,6 +42,7 @@ class FakeTransport:
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         assert not self.closing, "write after close"
+        assert not self.eof, "write after write_eof"
         self.written += data
         self.writes += 1
 
@@ -52,6 +55,12 @@ class FakeTransport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof = True
 
     def close(self) -> None:
         if not self.closing:
@@ -84,10 +93,6 @@ def feed(conn: TcpConnection, data: bytes | bytearray, chunks: list[int] | None 
         conn.buffer_updated(n)
         pos += n
         i += 1
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
 
 
 def bulk_frame(payload: bytes) -> bytes:
@@ -351,6 +356,29 @@ async def test_send_after_close_raises_connection_closed() -> None:
         conn.send(b"late")
     with pytest.raises(ConnectionClosed):
         await conn.recv()
+
+
+async def test_close_refused_sends_the_refusal_ends_its_side_and_drops_what_the_peer_still_sends() -> None:
+    conn, transport = connected(max_frame_bytes=1024)
+    feed(conn, struct.pack(">I", 4096))  # an oversized header: reading stops, the owner refuses
+    assert transport.paused
+    conn.send(b"refused")
+    closing = asyncio.create_task(conn.close_refused(linger_s=5.0))
+    await asyncio.sleep(0)
+    assert transport.written == frame(b"refused") and transport.eof  # sent, then this side ended
+    assert not transport.paused and not transport.closing  # reads on, so the peer gets no reset
+    feed(conn, b"\x00" * 10_000)  # the peer goes on sending: dropped, not buffered
+    assert conn._end == 0 and len(conn._buf) == INITIAL_RECV_BUFFER
+    transport.close()  # the peer hung up (the transport closes on its end of stream)
+    async with asyncio.timeout(1):
+        await closing
+
+
+async def test_close_refused_closes_after_the_linger_when_the_peer_stays() -> None:
+    conn, transport = connected()
+    async with asyncio.timeout(1):
+        await conn.close_refused(linger_s=0.05)
+    assert transport.eof and transport.closing
 
 
 # -- real loopback TCP -------------------------------------------------------------------------
