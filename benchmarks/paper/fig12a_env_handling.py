@@ -21,7 +21,8 @@ generation). The throughput bound for trajectory-level rollout: with C groups in
 groups that take T on average on their own (their slowest trajectory's env latency plus
 generation), a batch of B groups cannot come faster than B * T / C (Little's law); C is what
 admission allows, (alpha + 1) * B, or the env-hosts' slots (2 x `groups_per_env_host` = 2B) where
-those are fewer; efficiency = ideal / measured.
+those are fewer; efficiency = ideal / measured. Beside it, the staleness that bought it: how many
+versions, on average, a trained trajectory's first turn was behind the batch that took it.
 
     .venv/bin/python benchmarks/paper/fig12a_env_handling.py            # about 10 minutes on 2 cores
     .venv/bin/python benchmarks/paper/fig12a_env_handling.py --quick    # sigma 1, fewer steps
@@ -132,6 +133,13 @@ def no_barrier_step_s(result: Result, speedup: float) -> float:
     return statistics.fmean(slowest.values())
 
 
+def staleness(result: Result) -> float:
+    """Mean versions a trained trajectory's first turn was behind the batch that took it."""
+    return statistics.fmean(
+        version - t["started_at_version"] for t, version in zip(result.trajectories, result.versions, strict=True)
+    )
+
+
 def ideal_step_s(result: Result, args: argparse.Namespace, speedup: float) -> float:
     """B * T / C over groups: a group holds its env-host slot until its slowest trajectory ends, so T
     is the mean over groups of their slowest member's own time (env latency plus generation), C the
@@ -178,7 +186,10 @@ def main() -> None:
         batch, traj = measured["batch-level"], measured["trajectory-level"]
         ideal = ideal_step_s(traj, args, traj.speedup)
         more = [measured[mode].mean_step_s for mode in modes(args) if mode not in COMPARED]
-        rows.append((sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, more))
+        behind = staleness(traj)
+        rows.append(
+            (sigma, batch.mean_step_s, traj.mean_step_s, no_barrier_step_s(batch, batch.speedup), ideal, behind, more)
+        )
 
     names = [mode for mode in modes(args) if mode not in COMPARED]
     words = {
@@ -189,16 +200,18 @@ def main() -> None:
     extra = "".join(f" | {words[name]}: step s | speed-up" for name in names)
     lines = [
         "| sigma | batch-level step s | trajectory-level step s | speed-up | paper | target "
-        f"| no-barrier step s | throughput bound s | efficiency (bound / trajectory-level){extra} |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:" + "|---:|---:" * len(names) + "|",
+        f"| no-barrier step s | throughput bound s | efficiency (bound / trajectory-level) "
+        f"| trajectory-level staleness (versions){extra} |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:" + "|---:|---:" * len(names) + "|",
     ]
-    for sigma, batch_s, traj_s, no_barrier, ideal, more in rows:
+    for sigma, batch_s, traj_s, no_barrier, ideal, behind, more in rows:
         ratio = batch_s / traj_s
         verdict = "met" if ratio >= TARGET[sigma] else "missed"
         cells = "".join(f" | {step:.0f} | {batch_s / step:.2f}x" for step in more)
         lines.append(
             f"| {sigma:g} | {batch_s:.0f} | {traj_s:.0f} | {ratio:.2f}x | {PAPER[sigma]}x "
-            f"| >= {TARGET[sigma]}x ({verdict}) | {no_barrier:.0f} | {ideal:.0f} | {ideal / traj_s:.2f}{cells} |"
+            f"| >= {TARGET[sigma]}x ({verdict}) | {no_barrier:.0f} | {ideal:.0f} | {ideal / traj_s:.2f} "
+            f"| {behind:.2f}{cells} |"
         )
     table = "\n".join(lines)
     print(table)
