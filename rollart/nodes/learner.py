@@ -110,11 +110,15 @@ class Learner:
         self.engine_info = self.engine.describe()
         latest = self.latest_checkpoint()
         if latest is None:
+            if self.tracker is not None:
+                self.tracker.starts_at(0)  # what an earlier life logged before its first checkpoint is gone
             log.info("learner.ready", **self.engine_info)
             self.baseline = await asyncio.to_thread(self._measure_baseline)
             self.write_metrics({"baseline": True, "tasks": self.baseline})
             return None
         state = await asyncio.to_thread(self._load, latest)
+        if self.tracker is not None:
+            self.tracker.starts_at(int(state["step"]) + 1)
         self.epoch_start = time.time() - float(state["elapsed_s"])
         log.info("learner.resumed", checkpoint=str(latest), step=state["step"], version=state["version"])
         return state

@@ -8,6 +8,7 @@ none of them.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import urllib.parse
@@ -24,20 +25,35 @@ MLFLOW_BATCH = 1000
 class Sink(Protocol):
     """One tracker's open run: scalars by tag at a step, then closed once."""
 
+    def starts_at(self, step: int) -> None:
+        """This life of the trainer logs steps from `step` on (before its first line)."""
+
     def log(self, step: int, scalars: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
 
 
 class TensorBoardSink:
-    """Event files in `folder`, by torch's `SummaryWriter` (its own thread writes them)."""
+    """Event files in `folder`, by torch's `SummaryWriter` (its own thread writes them).
+
+    One folder holds every life of a run: a trainer resumed from a checkpoint logs again the steps its
+    last life logged after that checkpoint. `starts_at` opens the writer with that step as its
+    `purge_step`, and TensorBoard then drops what the folder's earlier event files hold at that step
+    and after, rather than showing two values at each of those steps."""
 
     def __init__(self, folder: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # here: a missing package fails at the start
 
-        self._writer = SummaryWriter(log_dir=str(folder))
+        self._open = functools.partial(SummaryWriter, log_dir=str(folder))
+        self._writer: SummaryWriter | None = None
+
+    def starts_at(self, step: int) -> None:
+        if self._writer is None:
+            self._writer = self._open(purge_step=step)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._writer is None:
+            self._writer = self._open()
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, global_step=step)
         # One flush per line (a line per training step): a killed trainer's event files hold as
@@ -45,7 +61,8 @@ class TensorBoardSink:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbSink:
@@ -65,6 +82,9 @@ class WandbSink:
             # console off: W&B would otherwise capture the node's stdout and stderr, its log.
             settings=wandb.Settings(console="off", silent=True),
         )
+
+    def starts_at(self, step: int) -> None:
+        pass  # each life of the trainer is a W&B run of its own
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=step)
@@ -91,6 +111,9 @@ class MlflowSink:
         else:
             experiment_id = self._client.create_experiment(spec.experiment)
         self._run_id = self._client.create_run(experiment_id, run_name=spec.run_name or name).info.run_id
+
+    def starts_at(self, step: int) -> None:
+        pass  # each life of the trainer is an MLflow run of its own
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         from mlflow.entities import Metric

@@ -94,6 +94,14 @@ class Tracker:
             sinks["mlflow"] = functools.partial(MlflowSink, spec.mlflow, uri=uri, name=name)
         return cls(sinks)
 
+    def starts_at(self, step: int) -> None:
+        """Say, before the first line, the step this life of the trainer logs from (0 for a new run, one
+        past the checkpoint's step for a resumed one): a tracker that keeps one history across lives
+        (TensorBoard's folder) drops what an earlier life logged from that step on."""
+        with self._closing:
+            if self.names and not self._closed:
+                self._submit(self._starts_at, step)
+
     def log(self, line: Mapping[str, Any]) -> None:
         """Hand a metrics line to the sinks; returns at once (the worker thread writes it). A line
         after `close` (a step that ended while the trainer drained) is left to metrics.jsonl."""
@@ -122,6 +130,13 @@ class Tracker:
         for name, open_sink in sinks.items():
             try:
                 self._open[name] = open_sink()
+            except Exception as exc:  # any library error: that sink is off, training goes on
+                self._disable(name, "open", exc)
+
+    def _starts_at(self, step: int) -> None:
+        for name, sink in list(self._open.items()):
+            try:
+                sink.starts_at(step)
             except Exception as exc:  # any library error: that sink is off, training goes on
                 self._disable(name, "open", exc)
 

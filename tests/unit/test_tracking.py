@@ -96,6 +96,30 @@ def test_tensorboard_gets_the_lines_numbers_flattened_by_step_and_the_baseline_a
     assert step_scalars({"step": True, "x": 1}) is None  # a bool is no step
 
 
+def test_a_resumed_trainers_steps_replace_in_tensorboard_what_its_last_life_logged_after_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    run = RunDir(tmp_path / "run")
+    first = Tracker.from_spec(TrackingSpec(), run)
+    first.starts_at(0)
+    feed(first, steps=5)  # checkpointed after step 3, then killed after step 5
+    time.sleep(1.1)  # TensorBoard reads event files in name order, which begins with the second each opened
+    second = Tracker.from_spec(TrackingSpec(), run)
+    second.starts_at(4)
+    for step in (4, 5, 6):
+        second.log(step_line(step) | {"reward_mean": 10.0 * step})
+    second.close()
+    scalars = tensorboard_scalars(run.tensorboard)
+    assert scalars["reward_mean"] == [(1, 0.25), (2, 0.5), (3, 0.75), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert scalars["baseline/tasks/frozen_lake/success_rate"] == [(0, pytest.approx(0.01))]
+    # A life that starts again from no checkpoint logs from 0: the earlier lives' steps are gone.
+    time.sleep(1.1)
+    third = Tracker.from_spec(TrackingSpec(), run)
+    third.starts_at(0)
+    feed(third, steps=1)
+    assert tensorboard_scalars(run.tensorboard)["reward_mean"] == [(1, 0.25)]
+
+
 def test_tensorboard_dir_is_relative_to_the_run_folder_and_off_writes_nothing(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
     feed(Tracker.from_spec(TrackingSpec(dir="tb"), run))
@@ -240,6 +264,9 @@ class RaisesOnSecondLine:
     def __init__(self) -> None:
         self.lines = 0
         self.closed = False
+
+    def starts_at(self, step: int) -> None:
+        pass
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         self.lines += 1
