@@ -407,9 +407,8 @@ class TcpConnection(FrameReceiver, asyncio.BufferedProtocol):
         if transport is None or transport.is_closing() or not transport.can_write_eof():  # TLS cannot half-close
             self.close()
             return
-        self._discarding = True
+        self._discarding = True  # `buffer_updated` drops what comes from here on
         self._frames.clear()
-        self._bulk, self._start, self._end = None, 0, 0
         transport.write_eof()
         if self._reading_paused:
             transport.resume_reading()

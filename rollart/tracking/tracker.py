@@ -134,18 +134,17 @@ class Tracker:
                 self._disable(name, "open", exc)
 
     def _starts_at(self, step: int) -> None:
-        for name, sink in list(self._open.items()):
-            try:
-                sink.starts_at(step)
-            except Exception as exc:  # any library error: that sink is off, training goes on
-                self._disable(name, "open", exc)
+        self._each("open", lambda sink: sink.starts_at(step))
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
+        self._each("log", lambda sink: sink.log(step, scalars))
+
+    def _each(self, doing: str, call: Callable[[Sink], None]) -> None:
         for name, sink in list(self._open.items()):
             try:
-                sink.log(step, scalars)
+                call(sink)
             except Exception as exc:  # any library error: that sink is off, training goes on
-                self._disable(name, "log", exc)
+                self._disable(name, doing, exc)
 
     def _close_all(self) -> None:
         for name, sink in list(self._open.items()):
