@@ -24,10 +24,10 @@ measured, so a run cut short still leaves the rows it finished; a row that fails
 next one runs. The rows, in order (`--only N`): fsdp2 fp32 master, torch, generation, weight push,
 megatron, fsdp2 pure bf16, fsdp2 with activation checkpointing.
 
-Time: estimated (not measured: it has not run on a GPU yet) at under a minute to build the model,
-about a minute per training row, half a minute for generation and one to one and a half for the
-push; no row starts after `--budget-s` (300 s), so a run ends within about 7 minutes, leaving room
-for the machine's start in an 8-minute slot (the last rows are the first to be cut).
+Time, measured on an H200 (benchmarks/results/gpu/README.md): 15 s to build the model, 25-60 s per
+training row (fsdp2's rank process starts in 15-18 s), 25 s for generation, 15 s for the push; the
+whole table in about 4 minutes, the CUDA tests after it (bin/gpu-check) in 1 more. No row starts after
+`--budget-s` (300 s; the last rows are the first to be cut).
 
 What the columns mean:
 - step s: the median wall time of `train_step` as the trainer node calls it (one optimizer step;
@@ -98,7 +98,7 @@ class Row:
     name: str
     spec: dict[str, Any]
     """TrainerSpec fields on top of the common ones (generate: none)."""
-    micro_batch_factor: int = 1
+    micro_batch_scale: float = 1.0
     """micro_batch_tokens: this many times --micro-batch-tokens."""
     kind: Literal["train", "generate", "push"] = "train"
 
@@ -112,15 +112,18 @@ ROWS = [
         {"backend": "torch", "precision": "bf16"},
         kind="push",
     ),
-    Row(
-        "megatron, tp 1, pp 1, fp32 master, bf16 compute",
+    Row(  # without Transformer Engine, Megatron's attention is unfused: each layer keeps its [rows, heads,
+        # T, T] scores for the backward pass, and at 16,384 tokens a micro-batch the whole did not fit
+        # on 140 GiB (a CUDA out-of-memory error, the first GPU run)
+        "megatron, tp 1, pp 1, fp32 master, bf16 compute, 1/4 micro-batch",
         {"backend": "megatron", "precision": "bf16", "tensor_parallel": 1, "pipeline_parallel": 1},
+        micro_batch_scale=0.25,
     ),
     Row("fsdp2, 1 rank, pure bf16", {"backend": "fsdp2", "master_dtype": "bf16"}),
     Row(
         "fsdp2, 1 rank, fp32 master, bf16 compute, activation checkpointing, 4x micro-batch",
         {"backend": "fsdp2", "precision": "bf16", "activation_checkpointing": True},
-        micro_batch_factor=4,
+        micro_batch_scale=4.0,
     ),
 ]
 """The rows, most important first (what has never run on a GPU before the variants)."""
@@ -169,7 +172,8 @@ def random_batch(seed: int, *, rows: int, tokens: int, vocab: int) -> PackedBatc
 
 def run_row(row: Row, model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:
     """The row's numbers, or {"skipped": why} for a row this machine cannot run."""
-    spec = {"device": args.device, "lr": 1e-6, "micro_batch_tokens": args.micro_batch_tokens * row.micro_batch_factor}
+    micro_batch_tokens = int(args.micro_batch_tokens * row.micro_batch_scale)
+    spec = {"device": args.device, "lr": 1e-6, "micro_batch_tokens": micro_batch_tokens}
     spec |= row.spec | ({"threads": 1} if args.device == "cpu" else {})
     if row.kind == "generate":
         return measure_generation(model, args)

@@ -304,9 +304,19 @@ class MegatronRank(CommandLoop):
                 f"pipeline_parallel={engine.get('pipeline_parallel')}, not {self.parallel.tp} x {self.parallel.pp}: "
                 "resume with that split, or start a new run from its weights (run.model.path: the folder)"
             )
-        self._load_weights(path)
-        self.optimizer.reload_model_params()  # the fp32 master weights from the loaded ones
-        self.optimizer.load_state_dict(torch.load(self._optim_file(path), map_location="cpu", weights_only=False))
-        self.optimizer.load_parameter_state(str(self._optim_file(path)) + ".params")
+        # Without no_grad, the distributed optimizer's copy into its fp32 master weights (views of leaves
+        # that require grad) raised on the GPU: "a view of a leaf Variable ... in-place operation".
+        with torch.no_grad():
+            self._load_weights(path)
+            self.optimizer.reload_model_params()  # the fp32 master weights from the loaded ones
+            self.optimizer.load_state_dict(torch.load(self._optim_file(path), map_location="cpu", weights_only=False))
+            # With torch's Adam (no Transformer Engine or Apex), the state holds a "step" the parameter
+            # file lacks, and megatron-core 0.16's load copies every key of the state from that file
+            # (KeyError: 'step', on the GPU): the step comes from load_state_dict; set it aside meanwhile.
+            inner = [chained.optimizer for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+            steps = [(state, state.pop("step")) for opt in inner for state in opt.state.values() if "step" in state]
+            self.optimizer.load_parameter_state(str(self._optim_file(path)) + ".params")
+            for state, step in steps:
+                state["step"] = step
         self.steps = int(engine["steps"])
         return self.steps

@@ -67,14 +67,15 @@ def test_the_cpu_smoke_run_measures_every_row(tmp_path: Path) -> None:
 
 def test_the_gpu_machine_gets_wheels_for_what_it_lacks_and_they_are_small() -> None:
     """The GPU machine (python 3.12, x86_64) lacks msgspec, structlog, crc32c and zstandard, which the
-    weight path and the configs import, and megatron-core; the wheels travel with the working tree,
+    weight path and the configs import, looptime, which the CUDA tests' conftest imports, and
+    megatron-core; the wheels travel with the working tree,
     which may carry 64 MiB in all. Each is listed in the folder's README with its sha256, and
     `bin/gpu-check` names it."""
     wheels = sorted(WHEELS.glob("*.whl"))
     names = [p.name.split("-")[0] for p in wheels]
-    assert names == ["crc32c", "megatron_core", "msgspec", "structlog", "zstandard"]
+    assert names == ["crc32c", "looptime", "megatron_core", "msgspec", "structlog", "zstandard"]
     for path in wheels:
-        if path.name.startswith("structlog"):
+        if path.name.startswith(("structlog", "looptime")):
             assert path.name.endswith("py3-none-any.whl")
         else:
             assert "-cp312-cp312-manylinux" in path.name and path.name.endswith("x86_64.whl"), path.name
