@@ -19,7 +19,12 @@ Trainer (per rank; `run.trainer`):
     q/k/v, attention output, the SwiGLU MLP's four I-wide tensors); with `activation_checkpointing`
     T x L x h x b (each layer's input) + T x (10h + 4I) x b (the layer being recomputed); plus the
     logits of one chunk and their gradient, 2 x C x V x 4 B (C: `logprob_chunk_tokens`, 0: all T);
-    megatron divides activations by tensor parallel (sequence parallel).
+    megatron divides activations by tensor parallel (sequence parallel). Megatron, without Transformer
+    Engine, has no chunked log-probs (C = T) and unfused attention, whose every layer keeps its scores'
+    softmax in fp32 and the probabilities in the compute dtype for the backward pass: (T / S) rows x
+    heads x S^2 x (4 + b) B a layer (S: the longest task's `max_total_tokens`), one layer's with
+    checkpointing. Measured on an H200 (Qwen3-1.7B shape, bf16, S = 1024): 16,384 tokens a micro-batch
+    ran out of 140 GiB, 4,096 ran (benchmarks/results/gpu/README.md); this estimate gives 128 and 54 GiB.
   usable: 90% of the GPU (the rest: CUDA context, NCCL buffers, allocator slack; an assumption).
 Generator engine (per GPU of one engine; `run.generator`):
   weights: P x dtype bytes / tensor_parallel_size (dtype auto: the checkpoint's).
@@ -109,9 +114,13 @@ def trainer_activations(
     checkpointing = spec.activation_checkpointing if checkpointing is None else checkpointing
     layer = tokens * (10 * shape.hidden + 4 * shape.intermediate) * b
     kept = shape.layers * tokens * shape.hidden * b + layer if checkpointing else shape.layers * layer
-    chunk = min(spec.logprob_chunk_tokens or tokens, tokens)
-    total = kept + 2 * chunk * shape.vocab * 4
-    return total / spec.tensor_parallel if spec.backend == "megatron" else total
+    if spec.backend != "megatron":
+        chunk = min(spec.logprob_chunk_tokens or tokens, tokens)
+        return kept + 2 * chunk * shape.vocab * 4
+    row = min(longest_task(topology), tokens)
+    scores = tokens * row * shape.heads * (4 + b if b < 4 else 4)  # (tokens / row) rows of row^2 per head
+    kept += scores if checkpointing else shape.layers * scores
+    return (kept + 2 * tokens * shape.vocab * 4) / spec.tensor_parallel
 
 
 def compute_bytes(topology: Topology, node: NodeSpec) -> int:

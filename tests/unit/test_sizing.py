@@ -241,3 +241,26 @@ nodes:
     assert trainer.weights == params * 2 / 2
     assert trainer.grads_optim == params * 4 / 2 + params * 12 / 4
     assert trainer.verdict == "ok" and "megatron tp 2 x pp 1 x dp 2, optimizer sharded over dp" in trainer.notes[0]
+
+
+@pytest.mark.parametrize(("tokens", "fits"), [(16384, False), (4096, True)])
+def test_megatron_counts_its_unfused_attention_and_whole_logits_as_measured_on_an_h200(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokens: int, fits: bool
+) -> None:
+    """benchmarks/results/gpu/README.md: the megatron backend on one H200 (Qwen3-1.7B shape, bf16, rows of
+    up to 1,024 tokens) ran out of memory at 16,384 tokens a micro-batch and trained at 4,096."""
+    monkeypatch.chdir(tmp_path)
+    topology = parse_topology(
+        f"""
+run:
+  model: {{path: models/none, shape: qwen3-1.7b}}
+  trainer: {{backend: megatron, precision: bf16, micro_batch_tokens: {tokens}}}
+  rollout: {{mode: train, tasks: [{{name: t, env: frozen-lake, max_total_tokens: 1024}}]}}
+nodes:
+  - {{name: trainer, role: trainer, port: 7100, admin_port: 7200, resources: {{gpus: 1, gpu_type: H200}}}}
+"""
+    )
+    [trainer] = size_topology(topology).nodes
+    assert (trainer.verdict == "ok") is fits, (trainer.need, trainer.usable, trainer.problem)
+    if not fits:
+        assert trainer.problem is not None and "a smaller micro-batch" in trainer.problem[1]
