@@ -314,11 +314,15 @@ class EnvHostNode(NodeDaemon):
             request = msgspec.structs.replace(request, timeout_s=spec.reward_timeout_s)
             return (await reward.request(request, timeout=spec.reward_timeout_s)).reward
 
-        # Versions only mean weights in train mode; rollout-only runs bump them with no push.
-        alpha = spec.alpha if spec.mode == "train" and not group.evaluation else None
+        # Versions only mean weights in train mode; rollout-only runs bump them with no push. An evaluation
+        # measures the policy it names: its calls wait for that version's weights where a generator is
+        # still behind (with the staleness bound's alpha they could sample from older ones).
+        train = spec.mode == "train"
 
         def min_version() -> int:
-            return max(0, self.version - alpha) if alpha is not None else 0
+            if not train:
+                return 0
+            return group.version if group.evaluation else max(0, self.version - spec.alpha)
 
         if task.agent is not None:
             assert self.agents is not None  # set by roll_out when a task is an agent's

@@ -6,8 +6,9 @@ task, one group per problem (`problems` seeds from `first_seed`, the same every 
 trajectories, the first greedy (`GroupTask.greedy`), the others sampled as the run samples. The groups
 are handed out ahead of training work and outside admission (a round is small, and training work waits
 for nobody), never trained on, and never aborted as stale: a round measures the policy of the version
-it started at, though a long one may see a newer version's weights for its later turns (the line says
-the range of versions its tokens came from).
+it started at (its calls wait for those weights on a generator still behind: `min_version`), though a
+long one may see a newer version's weights for its later turns (the line says the range of versions its
+tokens came from).
 
 A problem is solved when its trajectory's episode succeeded (the env's `success`) or, where the env says
 nothing of success, when its reward is at least `SOLVED_REWARD`. Per eval task a round gives
