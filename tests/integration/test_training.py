@@ -243,9 +243,15 @@ def test_a_generator_that_misses_versions_catches_up_on_the_newest(
     cluster.signal("gen-compute", signal.SIGSTOP)  # its turns fail over to gen-bandwidth meanwhile
     stopped = time.monotonic()
     frozen_at = receiver_version(held)  # or the next one, if a push landed just before the stop
-    cluster.wait_status(
-        "trainer", lambda s: s["rollout"]["version"] >= frozen_at + 3, 120, "three versions while it is stopped"
-    )
+
+    def superseded(status: dict[str, Any]) -> bool:
+        """Three versions on, and two past what it holds or is being sent: the one between is never sent
+        to it (counting from `frozen_at` alone, a push in flight at the stop left only one past it, once)."""
+        target = status["training"]["weights"]["gen-compute"]
+        sent = max(target["version"], -1 if target["in_flight"] is None else target["in_flight"])
+        return bool(status["rollout"]["version"] >= max(frozen_at + 3, sent + 2))
+
+    cluster.wait_status("trainer", superseded, 120, "versions it never gets while it is stopped")
     cluster.signal("gen-compute", signal.SIGCONT)
     stopped_s = time.monotonic() - stopped
     done = trainer_done(cluster, timeout=180)
