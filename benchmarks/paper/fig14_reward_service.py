@@ -147,6 +147,7 @@ def run_shared(model: Path, args: argparse.Namespace, jobs: int) -> tuple[list[R
             "workers": args.service_workers,
             "idle_timeout_s": args.service_idle_s,
             "release": args.service_release,
+            "warm_start_s": args.service_warm_s,
         }
         service_spec = run_spec(model, args, 8, SERVICE | judges)
         del service_spec["rollout"]
@@ -195,6 +196,13 @@ def main() -> None:
     parser.add_argument("--service-workers", type=int, default=16, help="judges the shared service may start")
     parser.add_argument("--service-idle-s", type=float, default=30.0, help="the shared service's judges' idle timeout")
     parser.add_argument(
+        "--service-warm-s",
+        type=float,
+        default=None,
+        help="the shared service's starts once it holds the judge's weights in host memory (run.sim.reward."
+        "warm_start_s; default: every start cold, 15 s)",
+    )
+    parser.add_argument(
         "--service-release",
         choices=["idle", "by-gap"],
         default="idle",
@@ -239,6 +247,11 @@ def main() -> None:
             released = (
                 "once their next request is predicted further off than a cold start or the load does not need "
                 f"them, at most {released}"
+            )
+        if args.service_warm_s is not None:
+            released += (
+                f"; after the first cold start (15 s) every start is warm, {args.service_warm_s:g} s, the judge's "
+                "weights loaded from the service's host memory"
             )
         table += (
             f"\n\n### One reward service shared by several runs ({args.shared_schedule} schedule; up to "

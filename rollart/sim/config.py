@@ -89,6 +89,10 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     """service: workers kept even when idle."""
     cold_start_s: float = 15.0
     """service: from asking for a worker to it serving (the function's start and model load)."""
+    warm_start_s: float | None = None
+    """service: a start once the service holds the judge's weights in its hosts' memory, which it does from
+    its first cold start on (the weights onto a GPU at PCIe speed, and the process); None: every start is
+    cold. Scaling up still waits for a queue longer than `cold_start_s`; releasing weighs the warm start."""
     idle_timeout_s: float = 30.0
     """service: an idle worker is released after this long (`release: idle`), or at most this long (`by-gap`)."""
     release: Release = "idle"
@@ -110,6 +114,9 @@ class SimRewardSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
             problems.append(("reward.min_workers", f"expected 0 <= min_workers <= workers; got {self.min_workers}"))
         if self.cold_start_s < 0 or self.idle_timeout_s <= 0:
             problems.append(("reward", "expected cold_start_s >= 0 and idle_timeout_s > 0"))
+        warm = self.warm_start_s
+        if warm is not None and not 0 <= warm <= self.cold_start_s:
+            problems.append(("reward.warm_start_s", f"expected 0 <= warm_start_s <= cold_start_s; got {warm}"))
         return problems
 
 

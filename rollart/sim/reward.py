@@ -15,8 +15,11 @@ Placements (the paper's Fig. 14 compares the first two):
   among the workers there are, would keep its last request waiting longer than a cold start
   (`scale_up: by-wait`), or one per waiting request (`per-request`); a worker idle for
   `idle_timeout_s` is released (down to `min_workers`, zero allowed), or with `release: by-gap` one
-  whose next request is predicted further off than a cold start or whom the recent load does not need
-  (`rollart.rewards.release`).
+  whose next request is predicted further off than a start or whom the recent load does not need
+  (`rollart.rewards.release`). With `warm_start_s` the service keeps the judge's weights in its hosts'
+  memory after its first cold start, and later starts take `warm_start_s` (loading them onto a GPU):
+  releasing then weighs that shorter start, while scaling up still waits for a queue of a cold start's
+  work per worker, so the workers follow the load rather than every burst.
   A worker is live, and billed, from its start to its release.
 - `instant`: no reward model: the verdict at once (rule-based rewards cost next to nothing).
 
@@ -85,6 +88,8 @@ class SimRewardPool:
     _running: bool = False
     _started_at: float = 0.0
     _arrivals: Arrivals = field(default_factory=Arrivals)
+    _cached: bool = False
+    """Whether the judge's weights are in the hosts' memory (`warm_start_s`): from the first start on."""
 
     def __post_init__(self) -> None:
         self._queue = FairQueue(self.job_weights)
@@ -168,14 +173,21 @@ class SimRewardPool:
                 break
             self._start_worker(cold=True)
 
+    @property
+    def start_s(self) -> float:
+        """What starting a worker takes now: a cold start, or a warm one once the weights are cached."""
+        warm = self.spec.warm_start_s
+        return warm if warm is not None and self._cached else self.spec.cold_start_s
+
     def _start_worker(self, *, cold: bool) -> None:
         w = _Worker(next(self._ids), self.clock.now())
         self._workers.append(w)
         self.meters.peak = max(self.meters.peak, len(self._workers))
-        self._spawn(self._warm_up(w, self.spec.cold_start_s if cold else 0.0))
+        self._spawn(self._warm_up(w, self.start_s if cold else 0.0))
 
     async def _warm_up(self, w: _Worker, seconds: float) -> None:
         await self.clock.sleep(seconds)
+        self._cached = True  # its load brought the weights into the hosts' memory for the next starts
         self.meters.cold.add(seconds)
         self._idle(w)
         self._pump()
@@ -211,8 +223,8 @@ class SimRewardPool:
 
     def _retire_later(self, w: _Worker) -> None:
         after = self.spec.idle_timeout_s
-        if self.spec.release == "by-gap":  # look again after a cold start, and release at idle_timeout_s anyway
-            after = min(after - (self.clock.now() - w.idle_since), self.spec.cold_start_s)
+        if self.spec.release == "by-gap":  # look again after a start's time, and release at idle_timeout_s anyway
+            after = min(after - (self.clock.now() - w.idle_since), self.start_s)
         w.retire = asyncio.get_running_loop().call_later(max(0.0, after) / self.clock.speedup, self._retire, w)
 
     def _retire(self, w: _Worker) -> None:
@@ -230,13 +242,11 @@ class SimRewardPool:
         """`release: by-gap` (`rollart.rewards.release`)."""
         window = min(self.meters.busy.window_s, now - self._started_at)
         load = None
-        if window >= self.spec.cold_start_s:
+        if window >= self.start_s:
             busy = [w.busy_since for w in self._workers if w.state is State.BUSY]
             load = self.meters.busy.in_window(busy, now) / window
         idle = sum(w.state is State.IDLE for w in self._workers)
-        return spare(
-            self._arrivals, now, idle=idle, live=len(self._workers), load=load, cold_start_s=self.spec.cold_start_s
-        )
+        return spare(self._arrivals, now, idle=idle, live=len(self._workers), load=load, cold_start_s=self.start_s)
 
     def _release(self, w: _Worker) -> None:
         if w.retire is not None:

@@ -119,6 +119,31 @@ async def test_by_gap_workers_beyond_the_recent_load_go_even_while_requests_keep
 
 
 @virtual
+async def test_after_its_first_cold_start_the_service_starts_judges_warm_and_lets_them_go_sooner() -> None:
+    spec = SimRewardSpec(
+        placement="service", workers=4, cold_start_s=10.0, warm_start_s=2.0, idle_timeout_s=60.0, release="by-gap"
+    )
+    async with SimRewardPool(spec, SimClock()) as pool:
+        one = pool.score_s(8000)
+        item = msgspec.structs.replace(ITEM, tokens=8000)
+        started = pool.clock.now()
+        stream = []
+        for _ in range(6):  # a request every 4 s: kept between them at a 10 s start (the by-gap test above)
+            stream.append(asyncio.ensure_future(pool.score("env-reward", item, timeout=1e6)))
+            await pool.clock.sleep(4.0)
+        await asyncio.gather(*stream)
+        stats = pool.stats()
+        # The first start loads the weights from storage (10 s: the requests at 0, 4 and 8 s wait for it);
+        # each later one from memory (2 s, cheaper than 4 s idle, so the judge goes between requests).
+        assert stats.peak_workers == 1 and stats.cold_starts.count == 1 + 3
+        assert stats.cold_starts.max_s == 10.0 and stats.cold_starts.last_s == 2.0
+        assert stats.live_workers == 0 and pool.clock.now() - started == pytest.approx(24.0, rel=1e-6)
+        few = int(10.0 / one)  # scaling up still waits for a cold start's work per worker
+        took, _ = await score_many(pool, 3 * few, 8000)
+        assert pool.stats().peak_workers == 3 and took <= 2.0 + few * one + one
+
+
+@virtual
 async def test_instant_scores_at_once_and_errors_come_back_clearly() -> None:
     async with SimRewardPool(SimRewardSpec(placement="instant"), SimClock()) as pool:
         took, rewards = await score_many(pool, 3, 8000)
@@ -128,6 +153,6 @@ async def test_instant_scores_at_once_and_errors_come_back_clearly() -> None:
 
 
 def test_bad_reward_settings_are_named() -> None:
-    problems = dict(SimRewardSpec(model="gpt-9", workers=0, min_workers=2).validate())
-    assert "gpt-9" in problems["reward.model"]
+    problems = dict(SimRewardSpec(model="gpt-9", workers=0, min_workers=2, warm_start_s=20.0).validate())
+    assert "gpt-9" in problems["reward.model"] and "warm_start_s <= cold_start_s" in problems["reward.warm_start_s"]
     assert "reward.workers" in problems and "reward.min_workers" in problems
