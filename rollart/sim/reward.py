@@ -89,7 +89,7 @@ class SimRewardPool:
     _started_at: float = 0.0
     _arrivals: Arrivals = field(default_factory=Arrivals)
     _cached: bool = False
-    """Whether the judge's weights are in the hosts' memory (`warm_start_s`): from the first start on."""
+    """Whether the judge's weights are in the hosts' memory (`warm_start_s`): once a first start has loaded them."""
 
     def __post_init__(self) -> None:
         self._queue = FairQueue(self.job_weights)
