@@ -5,9 +5,10 @@ Run from the repository root (about a minute):
 
     .venv/bin/python benchmarks/scheduler.py            # writes benchmarks/results/scheduler.md
     .venv/bin/python benchmarks/scheduler.py --quick    # 1x, 10x, 100x only
+    .venv/bin/python benchmarks/scheduler.py --routing disaggregated   # scheduler-disaggregated.md
 
 What one growth factor F runs, in one asyncio loop: 2F env-hosts, each with its own LLMProxy
-(`routing: finish-time`) over
+(`routing: finish-time`, or as `--routing` says; `disaggregated` makes two calls a turn) over
 every generator node (F engines of each class, 64 per node, as benchmarks/paper/scale.py lays them
 out), a Dispenser and SampleBuffer of batch 2F groups of 8 at alpha 1, and 4 batches of groups:
 each group granted to an env-host by the dispenser (waiting for room like the trainer's grants),
@@ -60,7 +61,7 @@ from rollart.launch.inprocess import GC_THRESHOLD  # noqa: E402
 from rollart.protocol import State  # noqa: E402
 from rollart.protocol.messages import Generate, Generated, GroupDone, Trajectory  # noqa: E402
 from rollart.rollout.buffer import SampleBuffer  # noqa: E402
-from rollart.rollout.config import RolloutSpec, TaskSpec  # noqa: E402
+from rollart.rollout.config import RolloutSpec, Routing, TaskSpec  # noqa: E402
 from rollart.rollout.dispenser import Dispenser  # noqa: E402
 from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler  # noqa: E402
 
@@ -109,7 +110,7 @@ def trajectory(tid: str, group: str, version: int) -> Trajectory:
     )
 
 
-async def run(factor: int) -> dict[str, int]:
+async def run(factor: int, routing: Routing) -> dict[str, int]:
     batch = 2 * factor
     spec = RolloutSpec(
         tasks=[
@@ -131,7 +132,7 @@ async def run(factor: int) -> dict[str, int]:
             [GeneratorRef(s.name, s.name.split("-")[1], s) for s in sessions],  # type: ignore[arg-type]
             TaskProfiler({"game": "prefill-heavy", "math": "decode-heavy"}, ratio=4.0),
             timeout_s=30.0,
-            routing="finish-time",
+            routing=routing,
         )
         for name in env_hosts
     }
@@ -187,7 +188,7 @@ async def run(factor: int) -> dict[str, int]:
     return counts
 
 
-def measure(factor: int) -> dict[str, Any]:
+def measure(factor: int, routing: Routing) -> dict[str, Any]:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))  # no info lines
     profiler = cProfile.Profile()
     thresholds = gc.get_threshold()
@@ -195,7 +196,7 @@ def measure(factor: int) -> dict[str, Any]:
     began_cpu, began = time.process_time(), time.monotonic()
     profiler.enable()
     try:
-        counts = asyncio.run(run(factor))
+        counts = asyncio.run(run(factor, routing))
     finally:
         profiler.disable()
         gc.set_threshold(*thresholds)
@@ -273,14 +274,17 @@ def table(points: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="1x, 10x, 100x only")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scheduler.md")
+    parser.add_argument("--routing", choices=["finish-time", "disaggregated"], default="finish-time")
+    parser.add_argument("--out", type=Path, default=None, help="default scheduler.md (scheduler-ROUTING.md)")
     args = parser.parse_args()
+    name = "scheduler" + (f"-{args.routing}" if args.routing != "finish-time" else "")
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"{name}.md"
     factors = [1, 10, 100] if args.quick else [1, 10, 100, 1000]
     began = time.monotonic()
-    measure(1)  # warm-up: imports, first-call costs
+    measure(1, args.routing)  # warm-up: imports, first-call costs
     points = []
     for factor in factors:
-        points.append(measure(factor))
+        points.append(measure(factor, args.routing))
         print(f"{factor}x: {points[-1]}", flush=True)
     body = table(points)
     print(body)
@@ -289,12 +293,14 @@ def main() -> None:
     picks_body = pick_table(picks)
     print(picks_body)
     command = "python benchmarks/scheduler.py" + (" --quick" if args.quick else "")
+    command += f" --routing {args.routing}" if args.routing != "finish-time" else ""
     args.out.write_text(
         "# The scheduler alone as the cluster grows\n\n"
         f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}\n"
         f"- machine: {describe(['msgspec'])}\n"
         f"- command: `{command}` (from the repository root; took {time.monotonic() - began:.0f} s)\n"
-        f"- shape: per growth factor F, 2F env-hosts with an LLMProxy each over F engines of each class "
+        f"- shape: per growth factor F, 2F env-hosts with an LLMProxy each (routing: {args.routing}) over F "
+        "engines of each class "
         f"({REPLICAS_PER_NODE} per generator node), batch 2F groups of {GROUP}, alpha 1, {BATCHES} batches, "
         f"{TURNS} turns per trajectory, generators answering at once; gc thresholds {GC_THRESHOLD} as in the "
         "in-process simulation; CPU by cProfile\n\n"

@@ -21,10 +21,11 @@ kind, the paper's numbers, and the bound: a step cannot be shorter than the trai
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
-from simrun import ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
+from simrun import ROOT, Result, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
 
 from rollart.sim.hardware import GPUS
 
@@ -38,6 +39,10 @@ CONFIGS: dict[str, dict[str, dict[str, object]]] = {
     "affinity (48 H800 + 72 H20)": {
         "compute": {"gpu": "H800", "gpus": 8, "replicas": 6},
         "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 9},
+    },
+    "affinity (40 H800 + 88 H20)": {
+        "compute": {"gpu": "H800", "gpus": 8, "replicas": 5},
+        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 11},
     },
     "affinity (32 H800 + 112 H20)": {
         "compute": {"gpu": "H800", "gpus": 8, "replicas": 4},
@@ -67,6 +72,51 @@ def cost_per_hour(engines: dict[str, dict[str, object]]) -> float:
     )
 
 
+def work_table(measured: dict[str, Result]) -> str:
+    """What each configuration's engines did over its whole run (start-up and the work cut off at the end
+    included): the cost of a token is one replica's hourly cost times the replica-seconds it took, so a
+    decode that runs small, bandwidth-bound batches costs more per token than one that fills its batches."""
+    lines = [
+        "What the engines did (whole run; cost per token = a replica's cost per hour x replica-seconds per token, "
+        "in millionths):",
+        "",
+        "| rollout GPUs | generator | prefill tokens | prefill replica-s | cost / prefill token | decode tokens "
+        "| decode replica-s | cost / decode token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, result in measured.items():
+        for gen, work in (result.engine_work or {}).items():
+            prefill, decode = work.dollar_s_per_token()
+            lines.append(
+                f"| {name} | {gen} | {work.prefill_tokens:,} | {work.prefill_s:.0f} | {_millionths(prefill)} "
+                f"| {work.decode_tokens:,} | {work.decode_s:.0f} | {_millionths(decode)} |"
+            )
+    return "\n".join(lines)
+
+
+def _millionths(cost: float) -> str:
+    return "-" if math.isnan(cost) else f"{cost * 1e6:.0f}"
+
+
+def print_work(result: Result) -> None:
+    """What each generator's engines did: prefill and decode, tokens, replica-seconds, cost per token."""
+    for gen, work in (result.engine_work or {}).items():
+        prefill, decode = work.dollar_s_per_token()
+        print(
+            f"  {gen}: prefill {work.prefill_tokens} tokens {work.prefill_s:.0f} replica-s ({prefill * 1e6:.0f} "
+            f"cost-us a token), decode {work.decode_tokens} tokens {work.decode_s:.0f} replica-s "
+            f"({decode * 1e6:.0f} cost-us a token)"
+        )
+
+
+def default_out(args: argparse.Namespace) -> Path:
+    """fig11a[-rollout][-ROUTING][-alphaN].md, in benchmarks/results/paper."""
+    name = "fig11a-rollout" if args.rollout_only else "fig11a"
+    name += f"-{args.routing}" if args.routing != "class" else ""
+    name += (f"-alpha{args.alpha}" if args.alpha != 1 else "") + ".md"
+    return ROOT / "benchmarks" / "results" / "paper" / name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=6)
@@ -78,9 +128,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default fig11a.md (fig11a-rollout.md)")
     parser.add_argument(
         "--routing",
-        choices=["class", "finish-time"],
+        choices=["class", "finish-time", "disaggregated"],
         default="class",
-        help="rollout.routing (default: class, the paper's); finish-time writes fig11a[-rollout]-finish-time.md",
+        help="rollout.routing (default: class, the paper's); another writes fig11a[-rollout]-ROUTING.md (with "
+        "disaggregated, the single kinds' turns stay whole)",
     )
     parser.add_argument(
         "--alpha", type=int, default=1, help="rollout.alpha (default 1, the paper's); another adds -alphaN to the name"
@@ -89,9 +140,7 @@ def main() -> None:
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
-    name = ("fig11a-rollout" if args.rollout_only else "fig11a") + ("-finish-time" if args.routing != "class" else "")
-    name += (f"-alpha{args.alpha}" if args.alpha != 1 else "") + ".md"
-    args.out = args.out or ROOT / "benchmarks" / "results" / "paper" / name
+    args.out = args.out or default_out(args)
     model = tiny_tokenizer_model()
     began = time.monotonic()
     measured = {}
@@ -100,11 +149,13 @@ def main() -> None:
             continue
         print(f"{name} ...", flush=True)
         spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=args.alpha)
-        spec["rollout"]["routing"] = args.routing
+        # one GPU kind has nothing to split a turn across: its turns are whole, as with class routing
+        spec["rollout"]["routing"] = "class" if args.routing == "disaggregated" and len(engines) == 1 else args.routing
         if args.rollout_only:
             spec["sim"]["trainer"] = None
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
+        print_work(result)
     if args.only:
         return
     better = min((measured[name] for name in SINGLE), key=lambda r: r.mean_step_s)
@@ -133,7 +184,7 @@ def main() -> None:
             f"; its step {best.mean_step_s:.0f} s against a training step of {bound:.0f} s "
             f"(efficiency {bound / best.mean_step_s:.2f} of the trainer-bound step)"
         )
-    table = "\n".join(lines) + "\n\n" + summary
+    table = "\n".join(lines) + "\n\n" + work_table(measured) + "\n\n" + summary
     print(table)
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (

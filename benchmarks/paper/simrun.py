@@ -39,6 +39,26 @@ from rollart.rundir import RunDir  # noqa: E402
 
 
 @dataclass
+class EngineWork:
+    """What one generator's simulated engines did over a run, in replica-seconds and tokens."""
+
+    prefill_s: float
+    decode_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    replica_cost_per_hour: float
+    """Of one replica (its GPUs)."""
+
+    def dollar_s_per_token(self) -> tuple[float, float]:
+        """Prefill and decode cost per token, in cost-units x seconds (one replica's hourly cost times the
+        replica-seconds a token took), from what these engines did: NaN where they did none of it."""
+        price = self.replica_cost_per_hour
+        prefill = price * self.prefill_s / self.prefill_tokens if self.prefill_tokens else float("nan")
+        decode = price * self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
+        return prefill, decode
+
+
+@dataclass
 class Result:
     """One run, in simulated seconds."""
 
@@ -73,6 +93,8 @@ class Result:
     weights_pushed: list[int] | None = None
     """In-process runs with a simulated trainer: the versions it pushed, in order (an asynchronous
     push skips a version made while the trainer's link was still busy, when a newer one follows)."""
+    engine_work: dict[str, EngineWork] | None = None
+    """In-process runs: what each generator's simulated engines did over the whole run."""
 
     @property
     def mean_step_s(self) -> float:
@@ -188,8 +210,9 @@ def inprocess_topology(
 
 def inprocess_result(done: InProcessRun) -> Result:
     """What the figures read of an in-process run."""
-    from rollart.nodes import EnvHostNode, TrainerNode
+    from rollart.nodes import EnvHostNode, GeneratorNode, TrainerNode
     from rollart.nodes.trainer_steps import SimulatedStep, as_record
+    from rollart.sim.engine import SimEngine
 
     trajectories, versions = [], []
     for batch in done.batches:
@@ -210,6 +233,18 @@ def inprocess_result(done: InProcessRun) -> Result:
     for node in done.nodes.values():
         if isinstance(node, TrainerNode) and isinstance(node.steps, SimulatedStep):
             result.weights_pushed = list(node.steps.pushed)
+    result.engine_work = {
+        name: EngineWork(
+            sum(e.prefill_s for e in engines),
+            sum(e.busy_s - e.prefill_s for e in engines),
+            sum(e.prefilled_tokens for e in engines),
+            sum(e.generated_tokens for e in engines),
+            engines[0].cost.cost_per_hour / engines[0].cost.shape.replicas,
+        )
+        for name, node in done.nodes.items()
+        if isinstance(node, GeneratorNode) and node.engine is not None
+        if (engines := [e for e in node.engine.engines if isinstance(e, SimEngine)])
+    }
     return result
 
 

@@ -36,6 +36,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     """Generation ends after any of these (the tokenizer's EOS is always one)."""
     seed: int | None = None
     """Per-request seed, for reproducible sampling."""
+    prefill_only: bool = False
+    """Disaggregated serving, the prefill half: compute the prompt's KV cache and hand it on to the engine
+    that decodes (`kv_from` there); the result has no tokens. Only the simulated engine models it."""
+    kv_from: str | None = None
+    """Disaggregated serving, the decode half: the prompt's KV cache comes from the engine that prefilled
+    it (this names that generator and request), so this engine decodes without prefilling."""
 
 
 class EngineClosed(RollartError):

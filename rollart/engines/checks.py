@@ -32,6 +32,11 @@ def check_request(
 
     `context`: the most prompt + response tokens and how the error names that limit ("the model's 1024"); None
     when the model sets none."""
+    if params.prefill_only or params.kv_from is not None:
+        raise InvalidRequest(
+            "this engine does not hand KV cache to another engine (rollout.routing: disaggregated); "
+            "only the simulated engine (generator.backend: sim) models it"
+        )
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty")
     if not all(0 <= token < vocab_size for token in prompt_ids):

@@ -14,7 +14,7 @@ import msgspec
 from rollart.envexec.config import EnvWorkersSpec
 
 Profile = Literal["prefill-heavy", "decode-heavy"]
-Routing = Literal["finish-time", "class"]
+Routing = Literal["finish-time", "class", "disaggregated"]
 
 _STRUCT = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
 
@@ -250,7 +250,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     queues or is saturated while another has room. Measured in the paper's simulated shape
     (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an undersized class
     (the paper's mix, 0.67x -> 0.98x of H800 only) but costs the best-sized mix throughput (1.27x ->
-    1.21x), so it is not the default yet."""
+    1.21x), so it is not the default yet. `disaggregated`: every turn is prefilled on a compute generator
+    and decoded on a bandwidth one, its KV cache handed over (vLLM's disaggregated prefill across GPU
+    kinds), each half routed as `class` routes a turn; simulated engines only (generator.backend: sim)."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""

@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from rollart.errors import RollartError
@@ -117,7 +118,9 @@ class GeneratorRef:
     failures: int = 0
     avoid_until: float = 0.0
     calls: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Calls served, by the task profile they were routed as."""
+    """Calls served, by the task profile they were routed as (a disaggregated turn: its decode half)."""
+    prefills: int = 0
+    """Prefill halves of disaggregated turns served (`routing: disaggregated`)."""
     service_s: dict[str, float] = field(default_factory=dict)
     """Per task: mean seconds its calls took here once started (exponentially weighted)."""
     mean_service_s: float = 0.0
@@ -311,10 +314,30 @@ class LLMProxy:
                 wait.cancel()
 
     async def generate(self, task: str, request: Generate) -> Generated:
-        """Generate one turn of a trajectory, on the best generator that answers."""
+        """Generate one turn of a trajectory, on the best generator that answers; with `routing: disaggregated`,
+        prefilled on a compute generator and decoded on a bandwidth one, which takes the prompt's KV cache
+        from the first (each half re-issued on its own; a class with no generator up takes the whole turn
+        to the other, as failover)."""
         profile = self.profiler.profile(task)
+        if self.routing == "disaggregated" and await self._both_up():
+            half = msgspec.structs.replace(request, request_id=f"{request.request_id}/prefill", prefill_only=True)
+            prefilled = await self._generate_on(task, half, "compute", profile)
+            decode = msgspec.structs.replace(request, kv_from=f"{prefilled.generator}/{prefilled.request_id}")
+            return await self._generate_on(task, decode, "bandwidth", profile)
         want = CLASS_FOR[profile]
         await self._first_connection(want)
+        return await self._generate_on(task, request, want, profile)
+
+    async def _both_up(self) -> bool:
+        """Whether the compute and the bandwidth class each have a generator up (after start-up's wait)."""
+        for hardware in ("compute", "bandwidth"):
+            await self._first_connection(hardware)
+            if not any(g.session.state is State.UP for g in self.by_class.get(hardware, [])):
+                return False
+        return True
+
+    async def _generate_on(self, task: str, request: Generate, want: str, profile: Profile) -> Generated:
+        """`request` on the best generator of class `want` (or another, as the routing allows) that answers."""
         excluded: set[str] = set()
         last_error = "no generator is up"
         attempt = 0
@@ -343,6 +366,9 @@ class LLMProxy:
                 self.reissued += 1
                 log.warning("proxy.reissue", trajectory=request.trajectory_id, generator=generator.name, error=str(exc))
             else:
+                if request.prefill_only:  # half a turn: nothing to profile, and the trajectory's prefix stays
+                    generator.prefills += 1  # where it is decoded
+                    return result
                 self.sticky[request.trajectory_id] = generator.name
                 generator.calls[profile] += 1
                 self.profiler.record(task, result.prompt_tokens, len(result.token_ids))
@@ -435,6 +461,7 @@ class LLMProxy:
                     "in_flight": g.in_flight,
                     "failures": g.failures,
                     "calls": dict(g.calls),
+                    "prefills": g.prefills,
                     "service_s": {task: round(seconds, 3) for task, seconds in g.service_s.items()},
                     "backlog_s": round(g.backlog_s(now), 3),
                 }

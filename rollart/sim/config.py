@@ -133,6 +133,9 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """Responses are `max_tokens` long, or with this < 1 drawn between this fraction of it and all of it."""
     max_steps_per_wake: int = 8
     """Decode steps a simulated engine runs between looks at its queue."""
+    kv_link_gbps: float = 200.0
+    """`rollout.routing: disaggregated`: each engine replica's link (Gb/s) for KV cache handed to it by the
+    engine that prefilled the prompt (default: the paper's 200 Gb/s Ethernet between its two clusters)."""
     trainer: SimTrainerSpec | None = None
     """In rollout-only mode, make each batch cost a simulated training step and weight push (the
     sync schedule waits for both; async only for the step). None: batches cost nothing."""
@@ -150,6 +153,8 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
             problems += _unknown(f"engines.{kind}.gpu", shape.gpu, GPUS)
             for key in ("gpus", "replicas"):
                 problems += _at_least(f"engines.{kind}.{key}", getattr(shape, key), 1)
+        if self.kv_link_gbps <= 0:
+            problems.append(("kv_link_gbps", f"expected a value > 0; got {self.kv_link_gbps}"))
         if not 0 < self.response_length_min_frac <= 1:
             problems.append(
                 ("response_length_min_frac", f"expected a value in (0, 1]; got {self.response_length_min_frac}")

@@ -15,6 +15,13 @@ To keep the event loop's work per simulated second small, decode steps run in ru
 meanwhile waits for the end of the run (at most that many steps, a few tens of milliseconds of
 simulated time). The engine keeps its own timeline (`sleep_until`), so loop overhead does not add up.
 
+Disaggregated serving (`rollout.routing: disaggregated`, as vLLM's disaggregated prefill): a request with
+`prefill_only` is prefilled, then holds its KV cache while it leaves on its replica's link, and ends with
+no tokens; one with `kv_from` first receives its prompt's KV cache on one of the engine's links (the
+first to come free), then queues and is decoded without a prefill. Each replica has one link of
+`kv_link_gbps`; a transfer takes prompt tokens x KV bytes per token over it, at the sender and then
+again at the receiver: one after the other, an overestimate (a real transfer holds both links at once).
+
 Tokens are drawn uniformly from `token_ids` (ids the tokenizer can decode), so `logprobs` are
 log(1 / len(token_ids)): what the sampler did. A response is `max_tokens` long, or, with
 `length_min_frac < 1`, a length drawn uniformly between that fraction of `max_tokens` and all of
@@ -67,6 +74,8 @@ class _Request:
     """Tokens decoded so far; the ids themselves are drawn when the request ends."""
     versions: list[tuple[int, int]] = field(default_factory=list)
     """(policy version, tokens decoded under it), in order."""
+    prefilled: bool = False
+    """Its prompt's KV cache came from the engine that prefilled it: no prefill here."""
 
     @property
     def kv_tokens(self) -> int:
@@ -88,6 +97,8 @@ class _Replica:
     timeline: float = 0.0
     """Simulated time at which this replica's current work ends."""
     busy_s: float = 0.0
+    sending: dict[str, _Request] = field(default_factory=dict)
+    """Prefill halves whose KV cache is leaving on the replica's link (holding their KV cache, not decoded)."""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to wake the replica while it is idle (nothing running, nothing it could take)."""
     idle: bool = False
@@ -107,6 +118,7 @@ class SimEngine:
         replicas: int = 1,
         length_min_frac: float = 1.0,
         max_steps_per_wake: int = 8,
+        kv_link_gbps: float = 200.0,
         seed: int = 0,
     ) -> None:
         if not token_ids:
@@ -122,6 +134,10 @@ class SimEngine:
         self.max_batch_size = max_batch_size
         self.length_min_frac = length_min_frac
         self.max_steps_per_wake = max_steps_per_wake
+        self.kv_link_gbps = kv_link_gbps
+        self._links = [0.0] * replicas
+        """When each replica's KV link is free (simulated time)."""
+        self._sends: set[asyncio.Task[None]] = set()
         self.version = 0
         self._rng = random.Random(seed)
         self._logprob = -math.log(len(token_ids))
@@ -135,6 +151,8 @@ class SimEngine:
         self.prefill_s = 0.0
         self.generated_tokens = 0
         self.prefilled_tokens = 0
+        self.kv_received_tokens = 0
+        """Prompt tokens whose KV cache arrived from another engine (`kv_from`)."""
 
     @property
     def busy_s(self) -> float:
@@ -162,11 +180,11 @@ class SimEngine:
                 request.done.set_exception(error)
 
     async def close(self) -> None:
-        for task in self._schedulers:
+        for task in [*self._schedulers, *self._sends]:
             task.cancel()
-        await asyncio.gather(*self._schedulers, return_exceptions=True)
+        await asyncio.gather(*self._schedulers, *self._sends, return_exceptions=True)
         self._schedulers = []
-        running = [request for replica in self._replicas for request in replica.running.values()]
+        running = [request for r in self._replicas for request in [*r.running.values(), *r.sending.values()]]
         for request in [*self._waiting, *running]:
             if not request.done.done():
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
@@ -176,10 +194,14 @@ class SimEngine:
             raise EngineClosed("the simulated engine is not running")
         if params.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.prefill_only and params.kv_from is not None:
+            raise InvalidRequest("a request is either the prefill half (prefill_only) or the decode half (kv_from)")
         rng = random.Random(params.seed) if params.seed is not None else random.Random(self._rng.random())
         target = params.max_tokens
         if self.length_min_frac < 1.0:
             target = rng.randint(max(1, math.ceil(self.length_min_frac * params.max_tokens)), params.max_tokens)
+        if params.prefill_only:
+            target = 0
         request = _Request(
             request_id,
             len(prompt_ids),
@@ -188,12 +210,16 @@ class SimEngine:
             rng=rng,
             done=asyncio.get_running_loop().create_future(),
             arrived_s=self.clock.now(),
+            prefilled=params.kv_from is not None,
         )
         if request.kv_tokens > self.cost.kv_capacity_tokens:
             raise InvalidRequest(
                 f"request {request_id} needs {request.kv_tokens} tokens of KV cache; the engine holds "
                 f"{self.cost.kv_capacity_tokens}"
             )
+        if request.prefilled:
+            await self._receive_kv(request.prompt_tokens)
+            request.arrived_s = self.clock.now()
         self._waiting.append(request)
         self._wake_one()
         try:
@@ -202,6 +228,27 @@ class SimEngine:
             await self.abort(request_id)
             raise
 
+    def _transfer(self, link: int, tokens: int) -> float:
+        """Book `tokens` tokens of KV cache on replica `link`'s link, after what it carries already: when it ends."""
+        seconds = tokens * self.cost.model.kv_bytes_per_token * 8 / (self.kv_link_gbps * 1e9)
+        self._links[link] = max(self._links[link], self.clock.now()) + seconds
+        return self._links[link]
+
+    async def _receive_kv(self, tokens: int) -> None:
+        """Wait while `tokens` tokens of KV cache arrive, on the first of the replicas' links to come free."""
+        link = min(range(len(self._links)), key=self._links.__getitem__)
+        self.kv_received_tokens += tokens
+        await self.clock.sleep_until(self._transfer(link, tokens))
+
+    async def _send_kv(self, replica: _Replica, request: _Request) -> None:
+        """A prefill half's KV cache leaves on its replica's link; then its KV cache is free and it is answered."""
+        await self.clock.sleep_until(self._transfer(replica.index, request.prompt_tokens))
+        if replica.sending.pop(request.request_id, None) is not None:  # not aborted meanwhile
+            replica.kv_used -= request.kv_tokens
+            self._finish(request, "length")
+            if replica.idle:
+                replica.wake.set()  # room in its KV cache
+
     async def abort(self, request_id: str) -> bool:
         for request in self._waiting:
             if request.request_id == request_id:
@@ -209,11 +256,13 @@ class SimEngine:
                 self._finish(request, "abort")
                 return True
         for replica in self._replicas:
-            running = replica.running.pop(request_id, None)
+            if (sending := replica.sending.pop(request_id, None)) is not None:
+                replica.kv_used -= sending.kv_tokens
+                self._finish(sending, "abort")
+                return True
+            running = replica.running.get(request_id)
             if running is not None:
-                replica.kv_used -= running.kv_tokens
-                self._running -= 1
-                self._finish(running, "abort")
+                self._retire(replica, running, "abort")
                 self._wake_one()  # room for a waiting request
                 return True
         return False
@@ -244,6 +293,13 @@ class SimEngine:
             version=self.version,
         )
 
+    def _retire(self, replica: _Replica, request: _Request, reason: FinishReason) -> None:
+        """Take a running request off `replica`, free its KV cache, and answer it."""
+        del replica.running[request.request_id]
+        replica.kv_used -= request.kv_tokens
+        self._running -= 1
+        self._finish(request, reason)
+
     def _finish(self, request: _Request, reason: FinishReason) -> None:
         if request.done.done():
             return
@@ -266,9 +322,13 @@ class SimEngine:
         is idle; busy ones look on their own after each step. Waking all of them for every arrival
         made each arrival cost O(replicas) wake-ups."""
         for replica in self._replicas:
-            if replica.idle and not replica.wake.is_set():
+            if replica.idle and not replica.wake.is_set() and self._fits(replica):
                 replica.wake.set()
                 return
+
+    def _fits(self, replica: _Replica) -> bool:
+        """Whether a request waits that `replica` has the KV cache to take."""
+        return bool(self._waiting) and replica.kv_used + self._waiting[0].kv_tokens <= self.cost.kv_capacity_tokens
 
     def _admit(self, replica: _Replica) -> list[_Request]:
         """Move waiting requests into this replica's batch, oldest first, while the batch and the KV
@@ -296,19 +356,25 @@ class SimEngine:
 
     async def _schedule(self, replica: _Replica) -> None:
         while True:
-            if not replica.running and not self._waiting:
+            if not replica.running and not self._fits(replica):
                 replica.idle = True
                 replica.wake.clear()
                 await replica.wake.wait()
                 replica.idle = False
                 replica.timeline = max(replica.timeline, self.clock.now())
             admitted = self._admit(replica)
-            if admitted:
-                tokens = sum(r.prompt_tokens for r in admitted)
+            if tokens := sum(r.prompt_tokens for r in admitted if not r.prefilled):
                 seconds = self.cost.prefill_s(tokens)
                 self.prefill_s += seconds
                 self.prefilled_tokens += tokens
                 await self._work(replica, seconds)
+            for request in admitted:
+                if request.target == 0 and request.request_id in replica.running:  # prefill_only: sent on
+                    del replica.running[request.request_id]
+                    self._running -= 1
+                    replica.sending[request.request_id] = request
+                    self._sends.add(send := asyncio.create_task(self._send_kv(replica, request)))
+                    send.add_done_callback(self._sends.discard)
             if not replica.running:
                 # Nothing to decode: what it admitted was aborted during the prefill, or another
                 # replica took the work; look again after the others run.
@@ -334,10 +400,7 @@ class SimEngine:
                 request.versions.append((self.version, steps))
             self.generated_tokens += steps
             if request.generated >= request.target:
-                del replica.running[request.request_id]
-                replica.kv_used -= request.kv_tokens
-                self._running -= 1
-                self._finish(request, "stop" if request.stop else "length")
+                self._retire(replica, request, "stop" if request.stop else "length")
 
 
 def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_batch_size: int) -> SimEngine:
@@ -352,6 +415,7 @@ def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_b
         replicas=spec.engines[hardware].replicas,
         length_min_frac=spec.response_length_min_frac,
         max_steps_per_wake=spec.max_steps_per_wake,
+        kv_link_gbps=spec.kv_link_gbps,
     )
 
 

@@ -343,6 +343,30 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
     return topology
 
 
+def _check_generators(topology: Topology) -> list[tuple[str, str]]:
+    """Simulated generators need an engine shape for their hardware. `rollout.routing: disaggregated` hands KV
+    cache between engines: only simulated engines model that, and it needs a generator to prefill on
+    (hardware compute) and one to decode on (bandwidth)."""
+    run, problems = topology.run, []
+    if run.generator.backend == "sim":
+        for i, node in enumerate(topology.nodes):
+            if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
+                problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
+    if run.rollout is None or run.rollout.routing != "disaggregated":
+        return problems
+    if run.generator.backend != "sim":
+        problem = (
+            "disaggregated prefill hands KV cache between engines, which only the simulated engine models "
+            f"(generator.backend: sim); got backend {run.generator.backend}"
+        )
+        problems.append(("run.rollout.routing", problem))
+    kinds = {node.hardware for node in topology.nodes if node.role is Role.GENERATOR}
+    if missing := sorted({"compute", "bandwidth"} - kinds):
+        problem = f"disaggregated prefill needs compute and bandwidth generators; none has hardware {missing}"
+        problems.append(("run.rollout.routing", problem))
+    return problems
+
+
 def _check(topology: Topology) -> list[tuple[str, str]]:
     """Problems msgspec's types cannot see, as (YAML path, problem), all of them."""
     run = topology.run
@@ -364,10 +388,7 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
     problems += [(f"run.tracking.{field}", problem) for field, problem in run.tracking.validate()]
     if run.model.shape is not None and preset(run.model.shape) is None:
         problems.append(("run.model.shape", unknown_preset(run.model.shape)))
-    if run.generator.backend == "sim":
-        for i, node in enumerate(topology.nodes):
-            if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
-                problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
+    problems += _check_generators(topology)
     problems += _check_reward_pool(run.reward_pool, run.name)
     problems += _check_reward_service(topology)
     if not topology.nodes:

@@ -95,11 +95,11 @@ INPROCESS = """
     trainer: {gpu: H800, gpus: 8, link_gbps: 50.0, push: PUSH}"""
 
 
-def inprocess(tmp_path: Path, push: str = "async") -> InProcessRun:
+def inprocess(tmp_path: Path, push: str = "async", routing: str = "class") -> InProcessRun:
     from rollart.tiny.model import ensure_tiny_model
 
     model = ensure_tiny_model(tmp_path / "model", seed=0)
-    extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", push))
+    extra = sim_yaml(model, speedup=1.0, sim_extra=INPROCESS.replace("PUSH", push), routing=routing)
     path, _ = write_topology(tmp_path, NODES, hardware=HARDWARE, extra_run=extra)
     return run_inprocess(load_topology(path), log=tmp_path / "nodes.log")
 
@@ -121,6 +121,32 @@ def test_the_same_nodes_run_in_process_on_a_virtual_clock(tmp_path: Path) -> Non
     assert done.sim_s > 10 * done.wall_s or done.sim_s > 60  # simulated time is not paid in real time
     assert done.generator_busy.keys() == {"gen-compute", "gen-bandwidth"}
     assert 0 < done.generator_busy["gen-bandwidth"] <= 1
+
+
+@pytest.mark.timeout(300)
+def test_disaggregated_routing_prefills_on_compute_and_decodes_on_bandwidth(tmp_path: Path) -> None:
+    """`routing: disaggregated`: every turn is prefilled on the H800 and decoded on the H20, which receives
+    the prompt's KV cache instead of prefilling it."""
+    from rollart.nodes import GeneratorNode
+    from rollart.nodes.trainer_steps import as_record
+    from rollart.sim.engine import SimEngine
+
+    done = inprocess(tmp_path, routing="disaggregated")
+    trajectories = [as_record(t) for b in done.batches for g in b.groups for t in g.trajectories]
+    assert len(trajectories) == 4 * 4 * 4
+    for t in trajectories:
+        check_trajectory(t)
+        assert set(t["generators"]) == {"gen-bandwidth"}  # where each turn was decoded
+    engines = {}
+    for name in ("gen-compute", "gen-bandwidth"):
+        node = done.nodes[name]
+        assert isinstance(node, GeneratorNode) and node.engine is not None
+        engines[name] = engine = node.engine.engines[0]
+        assert isinstance(engine, SimEngine)
+    compute, bandwidth = engines["gen-compute"], engines["gen-bandwidth"]
+    assert compute.generated_tokens == 0 and compute.prefilled_tokens > 0
+    assert bandwidth.prefilled_tokens == 0 and 0 < bandwidth.kv_received_tokens <= compute.prefilled_tokens
+    assert bandwidth.generated_tokens >= sum(sum(t["response_mask"]) for t in trajectories)
 
 
 @pytest.mark.timeout(300)

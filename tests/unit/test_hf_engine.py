@@ -352,6 +352,9 @@ async def test_bad_requests_are_refused(engine: HFEngine) -> None:
         await engine.generate("v", [5, 1000], SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequest, match="exceeds"):
         await engine.generate("m", [5], SamplingParams(max_tokens=1024))
+    for half in (SamplingParams(max_tokens=4, prefill_only=True), SamplingParams(max_tokens=4, kv_from="g/r")):
+        with pytest.raises(InvalidRequest, match=r"does not hand KV cache .* only the simulated engine"):
+            await engine.generate("d", [5], half)
 
 
 async def test_close_aborts_what_is_pending(model_dir: Path, prompts: list[list[int]]) -> None:

@@ -363,3 +363,43 @@ def test_a_generator_reports_how_busy_it_was_lately_not_since_it_started() -> No
     assert recent.update(10 / 30, 130.0) == 0.0
     assert recent.update(20 / 40, 140.0) == pytest.approx(1.0)  # busy again
     assert recent.update(25 / 45, 145.0) == pytest.approx(1.0)
+
+
+class Records:
+    """A session that answers at once as generator `name`, keeping what it was sent."""
+
+    def __init__(self, name: str, *, up: bool = True) -> None:
+        self.name = name
+        self.sent: list[Generate] = []
+        self.state = State.UP if up else State.DOWN
+        self.up, self.down = asyncio.Event(), asyncio.Event()
+        (self.up if up else self.down).set()
+
+    async def request(self, msg: Generate, timeout: float) -> Generated:
+        self.sent.append(msg)
+        tokens = [] if msg.prefill_only else [1, 2]
+        return Generated(msg.request_id, tokens, [0.0] * len(tokens), [0] * len(tokens), "length", 10, self.name)
+
+
+async def test_disaggregated_routing_prefills_on_compute_and_decodes_on_bandwidth_with_its_kv() -> None:
+    compute, bandwidth = Records("gen-c"), Records("gen-b")
+    refs = [
+        GeneratorRef("gen-c", "compute", cast(Session, compute)),
+        GeneratorRef("gen-b", "bandwidth", cast(Session, bandwidth)),
+    ]
+    p = LLMProxy(refs, TaskProfiler({"game": "prefill-heavy"}, ratio=4.0), timeout_s=1.0, routing="disaggregated")
+    result = await p.generate("game", Generate("r", "t", [1] * 10, max_tokens=4))
+    ((prefill,), (decode,)) = compute.sent, bandwidth.sent
+    assert (prefill.request_id, prefill.prefill_only, prefill.kv_from) == ("r/prefill", True, None)
+    assert (decode.request_id, decode.prefill_only, decode.kv_from) == ("r", False, "gen-c/r/prefill")
+    assert result.generator == "gen-b" and result.token_ids == [1, 2]
+    assert p.sticky["t"] == "gen-b" and (refs[0].prefills, dict(refs[0].calls)) == (1, {})
+    assert dict(refs[1].calls) == {"prefill-heavy": 1} and p.profiler.samples["game"] == 1  # one turn, once
+    # with no bandwidth generator up, the turn is whole, on the compute class (failover)
+    alone = [
+        GeneratorRef("gen-c", "compute", cast(Session, Records("gen-c"))),
+        GeneratorRef("gen-b", "bandwidth", cast(Session, Records("gen-b", up=False))),
+    ]
+    p = LLMProxy(alone, TaskProfiler({"game": "prefill-heavy"}, ratio=4.0), timeout_s=1.0, routing="disaggregated")
+    whole = await p.generate("game", Generate("r", "t", [1] * 10, max_tokens=4))
+    assert whole.generator == "gen-c" and not cast(Records, alone[0].session).sent[0].prefill_only

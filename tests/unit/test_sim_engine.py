@@ -168,3 +168,67 @@ async def test_a_pause_for_loading_weights_delays_generation_by_its_length() -> 
     assert eng.clock.now() - start == pytest.approx(plain + 7.0, rel=1e-4)
     await eng.close()
     assert len(result.token_ids) == 50
+
+
+@virtual
+async def test_disaggregated_halves_prefill_on_one_engine_and_decode_on_another() -> None:
+    """A prefill_only request costs the prefill, sends the prompt's KV cache on its link (tokens x KV bytes
+    per token at kv_link_gbps) and ends with no tokens; the decode half receives it on its own link, then
+    decodes with no prefill, exactly as long as a whole request decodes."""
+    prompt, decoded = 20_000, 64
+    prefill, decode = engine("H800", model="qwen3-32b", gpus=8), engine("H20", model="qwen3-32b", gpus=8)
+    await prefill.start()
+    await decode.start()
+    start = prefill.clock.now()
+    first = await prefill.generate("t/prefill", [1] * prompt, SamplingParams(max_tokens=decoded, prefill_only=True))
+    assert first.token_ids == [] and first.finish_reason == "length" and first.prompt_tokens == prompt
+    link_s = prompt * MODELS["qwen3-32b"].kv_bytes_per_token * 8 / 200e9
+    assert prefill.clock.now() - start == pytest.approx(prefill.cost.prefill_s(prompt) + link_s, abs=1e-5)
+    assert prefill.generated_tokens == 0 and prefill.prefilled_tokens == prompt
+    handed = prefill.clock.now()
+    second = await decode.generate("t", [1] * prompt, SamplingParams(max_tokens=decoded, kv_from="gen-compute/t"))
+    decode_s = sum(decode.cost.decode_step_s(1, prompt + i) for i in range(decoded))
+    assert decode.clock.now() - handed == pytest.approx(link_s + decode_s, abs=1e-4)
+    assert len(second.token_ids) == decoded and second.prompt_tokens == prompt
+    assert decode.prefilled_tokens == 0 and decode.prefill_s == 0 and decode.kv_received_tokens == prompt
+    with pytest.raises(InvalidRequest, match="either the prefill half"):
+        await decode.generate("x", [1], SamplingParams(max_tokens=1, prefill_only=True, kv_from="g/x"))
+    await prefill.close()
+    await decode.close()
+
+
+@virtual
+async def test_kv_transfers_share_the_replicas_links() -> None:
+    """Two decode halves arriving together on one replica's link: the second waits for the first's transfer;
+    with two replicas (two links) they arrive together."""
+    prompt = 50_000
+    params = SamplingParams(max_tokens=1, kv_from="gen-compute/r")
+    link_s = prompt * MODELS["qwen3-32b"].kv_bytes_per_token * 8 / 100e9
+    for replicas, last_arrival in ((1, 2 * link_s), (2, link_s)):
+        eng = engine("H20", model="qwen3-32b", gpus=8, replicas=replicas, kv_link_gbps=100.0)
+        await eng.start()
+        start = eng.clock.now()
+        await asyncio.gather(*(eng.generate(f"r{i}", [1] * prompt, params) for i in range(2)))
+        # each decodes its one token alone, as soon as its KV cache is in
+        assert eng.clock.now() - start == pytest.approx(last_arrival + eng.cost.decode_step_s(1, prompt), abs=1e-5)
+        await eng.close()
+
+
+@virtual
+async def test_a_prefill_half_holds_its_kv_cache_until_it_is_sent() -> None:
+    eng = engine("H800", model="qwen3-8b", kv_link_gbps=10.0)
+    await eng.start()
+    prompt = eng.cost.kv_capacity_tokens // 2 + 1  # two do not fit at once
+    params = SamplingParams(max_tokens=8, prefill_only=True)
+    link_s = prompt * eng.cost.model.kv_bytes_per_token * 8 / 10e9
+    start = eng.clock.now()
+    await asyncio.gather(eng.generate("a", [1] * prompt, params), eng.generate("b", [1] * prompt, params))
+    # b is admitted only once a's KV cache has left: prefill, send, prefill, send
+    assert eng.clock.now() - start == pytest.approx(2 * (eng.cost.prefill_s(prompt) + link_s), abs=1e-4)
+    sending = asyncio.ensure_future(eng.generate("c", [1] * prompt, params))
+    await eng.clock.sleep(eng.cost.prefill_s(prompt) + link_s / 2)  # its KV cache is on the link now
+    assert await eng.abort("c")
+    assert (await sending).finish_reason == "abort"
+    after = await eng.generate("d", [1] * prompt, SamplingParams(max_tokens=8))  # c's KV cache was freed
+    assert len(after.token_ids) == 8
+    await eng.close()

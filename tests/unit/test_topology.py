@@ -330,6 +330,31 @@ def test_sim_mode_problems_name_their_paths() -> None:
     ]
 
 
+def test_disaggregated_routing_needs_simulated_engines_of_both_classes() -> None:
+    rollout = {"routing": "disaggregated", "tasks": [{"name": "lake", "env": "frozen-lake"}]}
+    text = _yaml(_nodes(), run={"rollout": rollout, "sim": {"kv_link_gbps": 0}})
+    assert _error(text).splitlines() == [
+        "t.yaml: run.sim.kv_link_gbps: expected a value > 0; got 0.0",
+        "t.yaml: run.rollout.routing: disaggregated prefill hands KV cache between engines, which only the "
+        "simulated engine models (generator.backend: sim); got backend vllm",
+        "t.yaml: run.rollout.routing: disaggregated prefill needs compute and bandwidth generators; none has "
+        "hardware ['bandwidth', 'compute']",
+    ]
+    both = [
+        _node("c", "generator", 7102, 7202, hardware="compute"),
+        _node("b", "generator", 7103, 7203, hardware="bandwidth"),
+    ]
+    text = _yaml(
+        _nodes(*both),
+        run={
+            "rollout": rollout,
+            "generator": {"backend": "sim"},
+            "sim": {"engines": {"compute": {}, "bandwidth": {}, "cpu": {}}},
+        },
+    )
+    assert parse_topology(text).run.rollout.routing == "disaggregated"  # type: ignore[union-attr]
+
+
 def test_a_listen_port_is_bound_and_checked_in_place_of_the_port_peers_dial() -> None:
     behind = _node("g", "generator", 7101, 7201, listen_port=7301)
     node = parse_topology(_yaml([_node("a", "trainer", 7100, 7200), behind])).nodes[1]

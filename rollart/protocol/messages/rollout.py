@@ -28,6 +28,10 @@ class Generate(Request["Generated"], tag="gen", **_WIRE):
     min_version: int = 0
     """Serve with weights of this version or newer (the trainer's version minus alpha): a generator
     still on older weights waits for the push (within the request's deadline)."""
+    prefill_only: bool = False
+    """`rollout.routing: disaggregated`: prefill only, the KV cache handed to the generator that decodes."""
+    kv_from: str | None = None
+    """`rollout.routing: disaggregated`: decode only, the prompt's KV cache from this prefill (generator/request)."""
 
 
 class Generated(msgspec.Struct, tag="generated", **_WIRE):
