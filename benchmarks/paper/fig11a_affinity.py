@@ -153,7 +153,7 @@ def main() -> None:
         spec["rollout"]["routing"] = "class" if args.routing == "disaggregated" and len(engines) == 1 else args.routing
         if args.rollout_only:
             spec["sim"]["trainer"] = None
-        measured[name] = result = run(spec, nodes_for(engines), inprocess=True)
+        measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
         print_work(result)
     if args.only:
