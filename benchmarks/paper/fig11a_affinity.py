@@ -11,6 +11,11 @@ rollout GPUs of the paper's Fig. 11a, each set costing about the same per hour (
   64 H800 + 24 H20 (8 + 3 engines), and two mixes with more H20, which suit this shape's
   decode-heavy half (math answers of 2-8K tokens) better: 48 + 72 and 32 + 112.
 
+`--routing` runs the mixes under another `rollout.routing`: `finish-time`, or `disaggregated` (each turn
+prefilled on the H800s and decoded on the H20s, its KV cache handed over: simulated engines only).
+Every report ends with a table of what each configuration's engines did (prefill and decode tokens,
+replica-seconds, cost per token).
+
 In-process on a virtual clock (`rollart.launch.inprocess`): the real nodes and scheduling code, no
 host speed in the numbers. Reports step time, the speed-up of affinity routing over each single
 kind, the paper's numbers, and the bound: a step cannot be shorter than the training step.
@@ -176,7 +181,10 @@ def main() -> None:
     ratio = better.mean_step_s / best.mean_step_s
     bound = train_step_s(best)
     verdict = "met" if ratio >= TARGET else "missed"
-    summary = f"best mix ({best_name}) vs the better single kind: {ratio:.2f}x (target >= {TARGET}x: {verdict})"
+    summary = (
+        f"best mix ({best_name}) vs the better single kind: {ratio:.2f}x ({ratio:.4f} unrounded; target >= {TARGET}x: "
+        f"{verdict})"
+    )
     if args.rollout_only:
         summary += "; no trainer: the step is the rollout's throughput"
     else:
