@@ -174,17 +174,21 @@ class SimEngine:
         if task.cancelled() or task.exception() is None:
             return
         error = EngineClosed(f"a simulated engine replica died: {task.exception()!r}")
-        running = [request for replica in self._replicas for request in replica.running.values()]
+        running = self._held()
         for request in [*self._waiting, *running]:
             if not request.done.done():
                 request.done.set_exception(error)
+
+    def _held(self) -> list[_Request]:
+        """Every request a replica holds: running, or sending its KV cache on."""
+        return [request for r in self._replicas for request in [*r.running.values(), *r.sending.values()]]
 
     async def close(self) -> None:
         for task in [*self._schedulers, *self._sends]:
             task.cancel()
         await asyncio.gather(*self._schedulers, *self._sends, return_exceptions=True)
         self._schedulers = []
-        running = [request for r in self._replicas for request in [*r.running.values(), *r.sending.values()]]
+        running = self._held()
         for request in [*self._waiting, *running]:
             if not request.done.done():
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
