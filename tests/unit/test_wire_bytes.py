@@ -78,7 +78,8 @@ PINNED: list[tuple[Channel[Any], Any, str]] = [
     (
         APP,
         Generate("r", "t", [1, 2], 8, 0.5, 0.9, [3], 11, 2),
-        "9aa367656ea172a17492010208cb3fe0000000000000cb3feccccccccccccd91030b02",
+        # prefill_only (false) and kv_from (none) appended (disaggregated routing): old peers skip them
+        "9ca367656ea172a17492010208cb3fe0000000000000cb3feccccccccccccd91030b02c2c0",
     ),
     # busy (none) appended (routing's spill by how busy each class is): old peers skip it
     (
