@@ -90,28 +90,24 @@ def work_table(measured: dict[str, Result]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, result in measured.items():
-        for gen, work in (result.engine_work or {}).items():
-            prefill, decode = work.dollar_s_per_token()
-            lines.append(
-                f"| {name} | {gen} | {work.prefill_tokens:,} | {work.prefill_s:.0f} | {_millionths(prefill)} "
-                f"| {work.decode_tokens:,} | {work.decode_s:.0f} | {_millionths(decode)} |"
-            )
+        lines += work_rows(name, result)
     return "\n".join(lines)
+
+
+def work_rows(name: str, result: Result) -> list[str]:
+    """`work_table`'s rows of one configuration: one per generator."""
+    rows = []
+    for gen, work in (result.engine_work or {}).items():
+        prefill, decode = (_millionths(cost) for cost in work.cost_per_token())
+        rows.append(
+            f"| {name} | {gen} | {work.prefill_tokens:,} | {work.prefill_s:.0f} | {prefill} "
+            f"| {work.decode_tokens:,} | {work.decode_s:.0f} | {decode} |"
+        )
+    return rows
 
 
 def _millionths(cost: float) -> str:
     return "-" if math.isnan(cost) else f"{cost * 1e6:.0f}"
-
-
-def print_work(result: Result) -> None:
-    """What each generator's engines did: prefill and decode, tokens, replica-seconds, cost per token."""
-    for gen, work in (result.engine_work or {}).items():
-        prefill, decode = work.dollar_s_per_token()
-        print(
-            f"  {gen}: prefill {work.prefill_tokens} tokens {work.prefill_s:.0f} replica-s ({prefill * 1e6:.0f} "
-            f"cost-us a token), decode {work.decode_tokens} tokens {work.decode_s:.0f} replica-s "
-            f"({decode * 1e6:.0f} cost-us a token)"
-        )
 
 
 def default_out(args: argparse.Namespace) -> Path:
@@ -160,7 +156,7 @@ def main() -> None:
             spec["sim"]["trainer"] = None
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
-        print_work(result)
+        print("\n".join(work_rows(name, result)))
     if args.only:
         return
     better = min((measured[name] for name in SINGLE), key=lambda r: r.mean_step_s)

@@ -49,7 +49,7 @@ class EngineWork:
     replica_cost_per_hour: float
     """Of one replica (its GPUs)."""
 
-    def dollar_s_per_token(self) -> tuple[float, float]:
+    def cost_per_token(self) -> tuple[float, float]:
         """Prefill and decode cost per token, in cost-units x seconds (one replica's hourly cost times the
         replica-seconds a token took), from what these engines did: NaN where they did none of it."""
         price = self.replica_cost_per_hour

@@ -297,11 +297,15 @@ class SimEngine:
             version=self.version,
         )
 
+    def _unrun(self, replica: _Replica, request: _Request) -> None:
+        """Take a running request out of `replica`'s batch (its KV cache stays reserved)."""
+        del replica.running[request.request_id]
+        self._running -= 1
+
     def _retire(self, replica: _Replica, request: _Request, reason: FinishReason) -> None:
         """Take a running request off `replica`, free its KV cache, and answer it."""
-        del replica.running[request.request_id]
+        self._unrun(replica, request)
         replica.kv_used -= request.kv_tokens
-        self._running -= 1
         self._finish(request, reason)
 
     def _finish(self, request: _Request, reason: FinishReason) -> None:
@@ -340,11 +344,8 @@ class SimEngine:
         total = len(self._waiting) + self._running
         share = max(1, -(-total // len(self._replicas)))
         admitted = []
-        while self._waiting and len(replica.running) < min(self.max_batch_size, share):
-            head = self._waiting[0]
-            if replica.kv_used + head.kv_tokens > self.cost.kv_capacity_tokens:
-                break
-            self._waiting.popleft()
+        while self._fits(replica) and len(replica.running) < min(self.max_batch_size, share):
+            head = self._waiting.popleft()
             head.queued_s = max(0.0, replica.timeline - head.arrived_s)  # its prefill starts at the replica's time
             replica.running[head.request_id] = head
             replica.kv_used += head.kv_tokens
@@ -374,8 +375,7 @@ class SimEngine:
                 await self._work(replica, seconds)
             for request in admitted:
                 if request.target == 0 and request.request_id in replica.running:  # prefill_only: sent on
-                    del replica.running[request.request_id]
-                    self._running -= 1
+                    self._unrun(replica, request)
                     replica.sending[request.request_id] = request
                     self._sends.add(send := asyncio.create_task(self._send_kv(replica, request)))
                     send.add_done_callback(self._sends.discard)
