@@ -38,7 +38,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, array_like=True,
     """Per-request seed, for reproducible sampling."""
     prefill_only: bool = False
     """Disaggregated serving, the prefill half: compute the prompt's KV cache and hand it on to the engine
-    that decodes (`kv_from` there); the result has no tokens. Only the simulated engine models it."""
+    that decodes (`kv_from` there); the result has no tokens. The vLLM engine does it with a KV store
+    (`rollart.engines.vllm_kv`), the simulated engine models it, the transformers engine refuses it."""
     kv_from: str | None = None
     """Disaggregated serving, the decode half: the prompt's KV cache comes from the engine that prefilled
     it (this names that generator and request), so this engine decodes without prefilling."""
@@ -89,6 +90,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens generated since start."""
     version: int
     """Policy version of the weights in use."""
+    kv_reused_tokens: int = 0
+    """Prompt tokens of decode halves (`kv_from`) that the engine did not compute: their KV cache came from the
+    engine that prefilled them (or, vLLM, from its own prefix cache)."""
 
 
 BUSY_WINDOW_S = 10.0

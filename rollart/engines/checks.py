@@ -26,17 +26,24 @@ def describe(names: list[str], limit: int = 8) -> str:
 
 
 def check_request(
-    prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, context: tuple[int, str] | None
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    context: tuple[int, str] | None,
+    kv_handoff: bool = False,
 ) -> None:
     """`InvalidRequest` unless the prompt and sampling settings fit the model.
 
     `context`: the most prompt + response tokens and how the error names that limit ("the model's 1024"); None
-    when the model sets none."""
-    if params.prefill_only or params.kv_from is not None:
+    when the model sets none. `kv_handoff`: whether the engine takes the halves of a disaggregated turn."""
+    if (params.prefill_only or params.kv_from is not None) and not kv_handoff:
         raise InvalidRequest(
-            "this engine does not hand KV cache to another engine (rollout.routing: disaggregated); "
-            "only the simulated engine (generator.backend: sim) models it"
+            "this engine does not hand KV cache to another engine (rollout.routing: disaggregated): the vLLM "
+            "engine does with generator.kv_store set, and the simulated engine (generator.backend: sim) models it"
         )
+    if params.prefill_only and params.kv_from is not None:
+        raise InvalidRequest("a request is either the prefill half (prefill_only) or the decode half (kv_from)")
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty")
     if not all(0 <= token < vocab_size for token in prompt_ids):
@@ -115,7 +122,7 @@ class LoadMeter:
             self._busy_s += time.monotonic() - self._busy_since
             self._busy_since = None
 
-    def snapshot(self, *, running: int, waiting: int, version: int) -> EngineLoad:
+    def snapshot(self, *, running: int, waiting: int, version: int, kv_reused_tokens: int = 0) -> EngineLoad:
         now = time.monotonic()
         elapsed = now - self._started_at if self._started_at else 0.0
         busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
@@ -125,4 +132,5 @@ class LoadMeter:
             busy_fraction=min(1.0, busy / elapsed) if elapsed > 0 else 0.0,
             generated_tokens=self.generated_tokens,
             version=version,
+            kv_reused_tokens=kv_reused_tokens,
         )

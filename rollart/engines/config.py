@@ -42,6 +42,10 @@ class GeneratorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
     enforce_eager: bool | None = None
     """vLLM without CUDA graphs / compilation; None: eager on CPU (compiling costs more start-up than it saves
     there), compiled on GPU."""
+    kv_store: str | None = None
+    """vllm, for `rollout.routing: disaggregated`: a folder every generator reaches (on one machine `/dev/shm/...`,
+    across hosts a shared filesystem), through which one engine hands a prefilled prompt's KV cache to the engine
+    that decodes it (`rollart.engines.vllm_kv`); a relative path is from the directory the node starts in."""
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) pairs for values that are well-typed but unusable."""
@@ -62,6 +66,8 @@ class GeneratorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
             problems.append(
                 ("tensor_parallel_size", f"only the vllm backend shards a model; backend is {self.backend}")
             )
+        if self.kv_store is not None and self.backend != "vllm":
+            problems.append(("kv_store", f"only the vllm backend hands KV cache on; backend is {self.backend}"))
         if self.backend == "sim" and self.engines > 1:
             problems.append(("engines", "the sim backend models its replicas with run.sim; expected 1"))
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -103,6 +103,7 @@ class EngineSet:
             busy_fraction=sum(load.busy_fraction for load in loads) / len(loads),
             generated_tokens=sum(load.generated_tokens for load in loads),
             version=min(load.version for load in loads),
+            kv_reused_tokens=sum(load.kv_reused_tokens for load in loads),
         )
 
     async def close(self) -> None:

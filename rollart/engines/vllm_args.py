@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollart.engines.base import FinishReason, SamplingParams
+from rollart.engines.kv_store import KV_ARG
 from rollart.engines.vllm_worker import EXTENSION as WORKER_EXTENSION
 from rollart.errors import RollartError
 
@@ -55,6 +56,9 @@ class EngineSettings:
     """LoRA adapters one batch may mix."""
     max_cpu_loras: int | None = None
     """LoRA adapters vLLM keeps loaded (None: `max_loras`)."""
+    kv_store: Path | None = None
+    """None: no KV handoff; else the folder the KV store connector writes prefilled prompts to and reads them
+    from (`rollart.engines.vllm_kv`)."""
 
 
 def create_engine(settings: EngineSettings, created: list[Any]) -> None:
@@ -87,6 +91,16 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
             "max_loras": settings.max_loras,
             "max_cpu_loras": settings.max_cpu_loras,
         }
+    kv: dict[str, Any] = {}
+    if settings.kv_store is not None:
+        from vllm.config import KVTransferConfig  # type: ignore[import-not-found,unused-ignore]
+
+        kv["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="RollartKVStore",
+            kv_connector_module_path="rollart.engines.vllm_kv",
+            kv_role="kv_both",  # a generator may serve either half, as the proxy routes
+            kv_connector_extra_config={"shared_storage_path": str(settings.kv_store)},
+        )
     args = AsyncEngineArgs(
         model=str(settings.model_path),
         dtype=settings.dtype,  # type: ignore[arg-type,unused-ignore]
@@ -103,6 +117,7 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
         # New weights arrive through a method of ours in vLLM's worker (rollart.engines.vllm_worker).
         worker_extension_cls=WORKER_EXTENSION,
         **lora,
+        **kv,
     )
     with _environ(env):
         created.append(AsyncLLM.from_engine_args(args))
@@ -129,15 +144,17 @@ def _environ(updates: Mapping[str, str | None]) -> Iterator[None]:
             apply(saved)
 
 
-def vllm_sampling_params(params: SamplingParams) -> Any:
-    """vLLM's sampling parameters for `params`: token ids out, one log-prob per sampled token, streamed as deltas."""
+def vllm_sampling_params(params: SamplingParams, kv: tuple[str, str] | None = None) -> Any:
+    """vLLM's sampling parameters for `params`: token ids out, one log-prob per sampled token, streamed as deltas.
+    `kv`: what it asks of the KV store (`KVStore.handoff`); a prefill half generates one token, which its caller
+    drops."""
     from vllm import SamplingParams as VLLMSamplingParams  # type: ignore[import-not-found,unused-ignore]
     from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found,unused-ignore]
 
     greedy = params.temperature == 0
     # Every field that shapes the distribution is set, so the log-probs are the behaviour policy's.
     return VLLMSamplingParams(
-        max_tokens=params.max_tokens,
+        max_tokens=1 if params.prefill_only else params.max_tokens,
         temperature=params.temperature,
         top_p=1.0 if greedy else params.top_p,
         top_k=0,
@@ -150,6 +167,7 @@ def vllm_sampling_params(params: SamplingParams) -> Any:
         logprobs=0,
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        extra_args=None if kv is None else {KV_ARG: list(kv)},
     )
 
 

@@ -55,6 +55,7 @@ import structlog
 
 from rollart.engines.base import EngineClosed, EngineLoad, GenerationResult, InvalidRequest, SamplingParams
 from rollart.engines.checks import LoadMeter, check_newer, check_request
+from rollart.engines.kv_store import KVStore
 from rollart.engines.vllm_args import (
     FINISH_REASONS,
     EngineSettings,
@@ -111,6 +112,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         cuda_devices: str | None = None,
         lora: LoraSpec | None = None,
+        kv_store: Path | str | None = None,
     ) -> None:
         """`kv_cache_gb`: memory for the KV cache (None: 1 GiB on CPU; on GPU vLLM sizes it from
         `gpu_memory_utilization`, the fraction of each GPU the engine may use). `cpu_threads_bind`: CPU cores for
@@ -119,7 +121,10 @@ class VLLMEngine:
         saves, compiled on GPU). `seed`: for requests without their own. `tensor_parallel_size`: GPUs the model is
         sharded over. `max_model_len`: longest prompt plus completion (None: the model's own). `cuda_devices`: the
         GPUs this engine uses (`CUDA_VISIBLE_DEVICES` of its processes; None: the process's own). `lora`: serve
-        versions as LoRA adapters of this rank or less (`load_adapter`) instead of whole weights."""
+        versions as LoRA adapters of this rank or less (`load_adapter`) instead of whole weights. `kv_store`: a
+        folder shared with the other generators, through which this engine hands prefilled prompts' KV cache on
+        and takes it (`rollout.routing: disaggregated`; `rollart.engines.vllm_kv`); None: it serves whole turns
+        only."""
         if max_batch_size < 1:
             raise InvalidRequest(f"max_batch_size must be at least 1, got {max_batch_size}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -139,6 +144,7 @@ class VLLMEngine:
             max_lora_rank=None if lora is None else vllm_lora_rank(lora.rank),
             max_loras=MAX_LORAS,
             max_cpu_loras=MAX_CPU_LORAS,
+            kv_store=None if kv_store is None else Path(kv_store),
         )
         self._model_path = self._settings.model_path
         self._version = version
@@ -159,6 +165,9 @@ class VLLMEngine:
         self._meter = LoadMeter()
         self.start_seconds = 0.0
         """How long `start` took (engine process, model load, KV cache, warm-up)."""
+        self._kv_store = None if kv_store is None else KVStore(Path(kv_store))
+        self._kv_reused_tokens = 0
+        """`EngineLoad.kv_reused_tokens`."""
 
     # ---------------------------------------------------------------- life cycle
 
@@ -171,6 +180,8 @@ class VLLMEngine:
             raise InvalidRequest(f"{self._model_path} is not a Hugging Face model folder (no config.json)")
         config = json.loads(config_file.read_text())
         self._checkpoint_shapes = await asyncio.to_thread(checkpoint_shapes, self._model_path)
+        if self._kv_store is not None:
+            await self._kv_store.start()
         self._aliases = tied_aliases(bool(config.get("tie_word_embeddings", False)), self._checkpoint_shapes)
         started = time.monotonic()
         try:
@@ -220,6 +231,8 @@ class VLLMEngine:
             gc.collect()
         if self._lora is not None:
             await asyncio.to_thread(self._lora.close)
+        if self._kv_store is not None:
+            await self._kv_store.close()
 
     def _running_engine(self) -> Any:
         if self._engine is None or self._closing:
@@ -255,6 +268,7 @@ class VLLMEngine:
         lora = self._lora
         adapter = lora.acquire() if lora is not None else None
         started_on = adapter[0] if adapter is not None else self._version
+        kv = self._kv_store.handoff(request_id, params) if self._kv_store is not None else None
         flight = self._flights[request_id] = _Flight()
         self._meter.busy()
         self._drained.clear()
@@ -265,7 +279,8 @@ class VLLMEngine:
         spans: Any = None
         try:
             lora_request = None if adapter is None else adapter[1]
-            stream = engine.generate(prompt, vllm_sampling_params(params), request_id, lora_request=lora_request)
+            sampling = vllm_sampling_params(params, kv)
+            stream = engine.generate(prompt, sampling, request_id, lora_request=lora_request)
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     completion = out.outputs[0]
@@ -276,6 +291,8 @@ class VLLMEngine:
                     self._meter.generated_tokens += len(new_tokens)
                     if out.finished:
                         finish, spans = completion.finish_reason, getattr(completion, "weight_versions", None)
+                        if kv is not None and kv[0] == "load":
+                            self._kv_reused_tokens += int(out.num_cached_tokens or 0)
                         break
                     if flight.aborted:
                         # Aborted before vLLM knew the request: leaving the stream aborts it (aclosing).
@@ -284,15 +301,15 @@ class VLLMEngine:
         except EngineDeadError as error:
             raise EngineClosed(f"vLLM's engine died during request {request_id!r}") from error
         finally:
-            del self._flights[request_id]
-            if not self._flights:
-                self._meter.idle()
-                self._drained.set()
-            if adapter is not None:
-                await self._adapter_released(engine, adapter[0])
+            await self._ended(request_id, engine, adapter, kv, finish)
         reason = FINISH_REASONS.get(str(finish)) if finish is not None else "abort"
         if reason is None:
             raise VLLMRequestFailed(f"vLLM ended request {request_id!r} with finish_reason {finish!r}")
+        if params.prefill_only:  # its one sampled token is the decode half's to sample
+            reason = "abort" if reason == "abort" else "length"
+            return GenerationResult(
+                token_ids=[], logprobs=[], versions=[], finish_reason=reason, prompt_tokens=len(prompt_ids)
+            )
         return GenerationResult(
             token_ids=tokens,
             logprobs=logprobs,
@@ -304,6 +321,25 @@ class VLLMEngine:
             prompt_tokens=len(prompt_ids),
         )
 
+    async def _ended(
+        self,
+        request_id: str,
+        engine: Any,
+        adapter: tuple[int, Any] | None,
+        kv: tuple[str, str] | None,
+        finish: str | None,
+    ) -> None:
+        """A request has left vLLM: release its adapter, and tell the KV store (`KVStore.ended`)."""
+        del self._flights[request_id]
+        if not self._flights:
+            self._meter.idle()
+            self._drained.set()
+        if adapter is not None:
+            await self._adapter_released(engine, adapter[0])
+        if kv is not None:
+            assert self._kv_store is not None
+            await self._kv_store.ended(kv, finish)
+
     async def _adapter_released(self, engine: Any, version: int) -> None:
         """A request on adapter `version` has ended: remove the adapters nothing uses any more."""
         assert self._lora is not None
@@ -313,7 +349,8 @@ class VLLMEngine:
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         context = (self._max_model_len, f"the engine's max_model_len {self._max_model_len}")
-        check_request(prompt_ids, params, vocab_size=self._vocab_size, context=context)
+        handoff = self._settings.kv_store is not None
+        check_request(prompt_ids, params, vocab_size=self._vocab_size, context=context, kv_handoff=handoff)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its `generate` returns with finish_reason 'abort'. False when it is not in flight."""
@@ -413,4 +450,9 @@ class VLLMEngine:
         that cap (KV-cache pressure can queue more)."""
         in_flight = int(self._engine.get_num_unfinished_requests()) if self._engine is not None else 0
         cap = self._settings.max_batch_size
-        return self._meter.snapshot(running=min(in_flight, cap), waiting=max(0, in_flight - cap), version=self._version)
+        return self._meter.snapshot(
+            running=min(in_flight, cap),
+            waiting=max(0, in_flight - cap),
+            version=self._version,
+            kv_reused_tokens=self._kv_reused_tokens,
+        )

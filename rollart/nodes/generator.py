@@ -83,6 +83,7 @@ def build_engines(run: RunSpec, hardware: str, *, dtype: str, on_gpu: bool) -> E
                     max_model_len=spec.max_model_len,
                     cuda_devices=",".join(gpu_slice) if gpu_slice else None,
                     lora=run.trainer.lora,
+                    kv_store=spec.kv_store,
                 )
                 for gpu_slice, core_slice in zip(gpu_slices, core_slices, strict=True)
             ]
@@ -305,7 +306,12 @@ class GeneratorNode(NodeDaemon):
         busy: dict[str, float] = {}
         if self.engine is not None and self._engine_started is not None:
             up = time.monotonic() - self._engine_started
-            busy = {"engine_up_s": round(up, 3), "busy_s": round(self.engine.load().busy_fraction * up, 3)}
+            load = self.engine.load()
+            busy = {
+                "engine_up_s": round(up, 3),
+                "busy_s": round(load.busy_fraction * up, 3),
+                "kv_reused_tokens": load.kv_reused_tokens,
+            }
         log.info("generator.summary", served=self.served, aborted=self.aborted, **busy)
 
     def node_load(self) -> dict[str, float]:
@@ -340,7 +346,12 @@ class GeneratorNode(NodeDaemon):
             "rollart_generator_weight_deltas_applied": ("Weight versions applied that came as deltas", weights.deltas),
         }
         if self.engine is not None:
-            counters["rollart_generator_tokens_generated"] = ("Tokens generated", self.engine.load().generated_tokens)
+            load = self.engine.load()
+            counters["rollart_generator_tokens_generated"] = ("Tokens generated", load.generated_tokens)
+            counters["rollart_generator_kv_reused_tokens"] = (
+                "Prompt tokens of decode halves whose KV cache came from the generator that prefilled them",
+                load.kv_reused_tokens,
+            )
         return counters
 
     def policy_version(self) -> int | None:
@@ -373,6 +384,7 @@ class GeneratorNode(NodeDaemon):
                 "start_s": self.engine_start_s,
                 "busy_fraction": round(load.busy_fraction, 4),
                 "generated_tokens": load.generated_tokens,
+                "kv_reused_tokens": load.kv_reused_tokens,
                 "version": load.version,
             }
         engine["weights"] = vars(self.receiver.stats()) | {"ucx_port": self.ucx_port}

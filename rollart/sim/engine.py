@@ -295,6 +295,7 @@ class SimEngine:
             busy_fraction=min(1.0, self.busy_s / capacity) if capacity > 0 else 0.0,
             generated_tokens=self.generated_tokens,
             version=self.version,
+            kv_reused_tokens=self.kv_received_tokens,
         )
 
     def _unrun(self, replica: _Replica, request: _Request) -> None:

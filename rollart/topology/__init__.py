@@ -345,8 +345,9 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
 
 def _check_generators(topology: Topology) -> list[tuple[str, str]]:
     """Simulated generators need an engine shape for their hardware. `rollout.routing: disaggregated` hands KV
-    cache between engines: only simulated engines model that, and it needs a generator to prefill on
-    (hardware compute) and one to decode on (bandwidth)."""
+    cache between engines: simulated engines model that, vLLM engines do it through a KV store
+    (`generator.kv_store`), and it needs a generator to prefill on (hardware compute) and one to decode on
+    (bandwidth)."""
     run, problems = topology.run, []
     if run.generator.backend == "sim":
         for i, node in enumerate(topology.nodes):
@@ -354,12 +355,15 @@ def _check_generators(topology: Topology) -> list[tuple[str, str]]:
                 problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
     if run.rollout is None or run.rollout.routing != "disaggregated":
         return problems
-    if run.generator.backend != "sim":
+    if run.generator.backend == "hf":
         problem = (
-            "disaggregated prefill hands KV cache between engines, which only the simulated engine models "
-            f"(generator.backend: sim); got backend {run.generator.backend}"
+            "disaggregated prefill hands KV cache between engines: the vllm backend does (with generator.kv_store) "
+            "and the sim backend models it; got backend hf"
         )
         problems.append(("run.rollout.routing", problem))
+    elif run.generator.backend == "vllm" and run.generator.kv_store is None:
+        problem = "disaggregated prefill on vLLM needs generator.kv_store, the folder its engines hand KV cache through"
+        problems.append(("run.generator.kv_store", problem))
     kinds = {node.hardware for node in topology.nodes if node.role is Role.GENERATOR}
     if missing := sorted({"compute", "bandwidth"} - kinds):
         problem = f"disaggregated prefill needs compute and bandwidth generators; none has hardware {missing}"

@@ -353,7 +353,7 @@ async def test_bad_requests_are_refused(engine: HFEngine) -> None:
     with pytest.raises(InvalidRequest, match="exceeds"):
         await engine.generate("m", [5], SamplingParams(max_tokens=1024))
     for half in (SamplingParams(max_tokens=4, prefill_only=True), SamplingParams(max_tokens=4, kv_from="g/r")):
-        with pytest.raises(InvalidRequest, match=r"does not hand KV cache .* only the simulated engine"):
+        with pytest.raises(InvalidRequest, match=r"does not hand KV cache .* with generator.kv_store set"):
             await engine.generate("d", [5], half)
 
 

@@ -330,13 +330,21 @@ def test_sim_mode_problems_name_their_paths() -> None:
     ]
 
 
-def test_disaggregated_routing_needs_simulated_engines_of_both_classes() -> None:
+def test_disaggregated_routing_needs_engines_that_hand_kv_on_of_both_classes() -> None:
     rollout = {"routing": "disaggregated", "tasks": [{"name": "lake", "env": "frozen-lake"}]}
     text = _yaml(_nodes(), run={"rollout": rollout, "sim": {"kv_link_gbps": 0}})
     assert _error(text).splitlines() == [
         "t.yaml: run.sim.kv_link_gbps: expected a value > 0; got 0.0",
-        "t.yaml: run.rollout.routing: disaggregated prefill hands KV cache between engines, which only the "
-        "simulated engine models (generator.backend: sim); got backend vllm",
+        "t.yaml: run.generator.kv_store: disaggregated prefill on vLLM needs generator.kv_store, the folder its "
+        "engines hand KV cache through",
+        "t.yaml: run.rollout.routing: disaggregated prefill needs compute and bandwidth generators; none has "
+        "hardware ['bandwidth', 'compute']",
+    ]
+    text = _yaml(_nodes(), run={"rollout": rollout, "generator": {"backend": "hf", "kv_store": "/dev/shm/kv"}})
+    assert _error(text).splitlines() == [
+        "t.yaml: run.generator.kv_store: only the vllm backend hands KV cache on; backend is hf",
+        "t.yaml: run.rollout.routing: disaggregated prefill hands KV cache between engines: the vllm backend does "
+        "(with generator.kv_store) and the sim backend models it; got backend hf",
         "t.yaml: run.rollout.routing: disaggregated prefill needs compute and bandwidth generators; none has "
         "hardware ['bandwidth', 'compute']",
     ]
@@ -353,6 +361,8 @@ def test_disaggregated_routing_needs_simulated_engines_of_both_classes() -> None
         },
     )
     assert parse_topology(text).run.rollout.routing == "disaggregated"  # type: ignore[union-attr]
+    on_vllm = {"rollout": rollout, "generator": {"backend": "vllm", "kv_store": "/dev/shm/kv"}}
+    assert parse_topology(_yaml(_nodes(*both), run=on_vllm)).run.generator.kv_store == "/dev/shm/kv"
 
 
 def test_a_listen_port_is_bound_and_checked_in_place_of_the_port_peers_dial() -> None:

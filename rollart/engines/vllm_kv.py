@@ -1,0 +1,124 @@
+"""The KV store connector: how one vLLM engine prefills a prompt and another decodes it (`rollout.routing:
+disaggregated` on `generator.backend: vllm` with `generator.kv_store`).
+
+vLLM hands KV cache between engines through a KV connector (`KVTransferConfig`), a class vLLM loads in its
+scheduler and in its workers. This one extends vLLM's reference connector (`ExampleConnector`: each layer's KV of a
+prompt's whole blocks written to, and read from, safetensors files in a folder every engine can reach) in the one
+way a rollout needs: KV moves **only for the requests that ask**, under **their own key**, not for every prompt
+under a hash of its tokens. The reference keys by token ids alone, so a prompt cached under old weights would serve
+a request under new ones, and every request of every engine would be written out.
+
+- A prefill half (`SamplingParams.prefill_only`) runs with one token to generate and the sampling argument
+  `rollart_kv = ("store", key)`: its prompt's whole blocks are written under `<kv_store>/<key>/` during its
+  forward pass. A prompt vLLM prefills in more than one step (longer than its batched-token budget) is not
+  written: its first step's KV is partial, and the decode half then prefills the prompt itself;
+- the decode half (`kv_from`) runs with `rollart_kv = ("load", key)`: if the folder is there, the scheduler
+  claims it (renames it, so nothing removes it while it is read), counts those tokens as computed and allocates
+  their blocks, and this connector fills them from the files before the forward pass; vLLM computes the prompt's
+  remainder (at least its last token) and decodes. No folder, no load: the engine prefills the whole prompt, so
+  a lost handoff costs time, never a wrong token;
+- `rollart.engines.kv_store.KVStore` removes what was read, and what a turn given up between its halves left.
+
+The key names the prefill request (`kv_store.kv_key`): the proxy sends the decode half `kv_from = "<generator>/<prefill
+request id>"`. On one machine the folder can be in memory (`/dev/shm`); across hosts it is a shared filesystem,
+which suits tests and small clusters. The production route between GPU nodes is a transfer connector (vLLM's NIXL
+connector, which moves blocks GPU to GPU and passes its block ids with the request); it is not wired here.
+
+vLLM imports this module in its own processes; it needs vLLM (the side outside vLLM is
+`rollart.engines.kv_store`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # type: ignore[import-not-found,unused-ignore]
+    ExampleConnector,
+    ExampleConnectorMetadata,
+    align_to_block_size,
+)
+
+from rollart.engines.kv_store import KV_ARG, READING
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput  # type: ignore[import-not-found,unused-ignore]
+    from vllm.v1.request import Request  # type: ignore[import-not-found,unused-ignore]
+
+
+def _stored(prompt_tokens: int, block_size: int) -> int:
+    """Tokens of a prompt whose KV is handed on: its whole blocks, short of the last token (which the decoding
+    engine computes, for the logits of the first token it samples); what the reference connector's metadata
+    (`ReqMeta.make_meta`) writes and reads."""
+    return int(align_to_block_size(prompt_tokens, block_size))
+
+
+def _wanted(sampling_params: Any) -> tuple[str, str] | None:
+    """("store" | "load", key) when the request asks for a handoff."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(KV_ARG)
+    return None if value is None else (str(value[0]), str(value[1]))
+
+
+class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
+    """vLLM's reference connector, writing and reading only the requests that ask, under their key."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        wanted = _wanted(request.sampling_params)
+        if wanted is None or wanted[0] != "load" or not self._claim(wanted[1]):
+            return 0, False
+        return max(0, _stored(len(request.prompt_token_ids or []), self._block_size) - num_computed_tokens), False
+
+    def _claim(self, key: str) -> bool:
+        """Whether the folder of `key` is this engine's to read: renamed to its claimed name now (atomic: nothing
+        removes a claimed folder in the middle of a read), or claimed by an earlier call for this request."""
+        claimed = self._folder(key + READING)
+        if not os.path.isdir(claimed):
+            try:
+                os.rename(self._folder(key), claimed)
+            except FileNotFoundError:  # never written, or given up: the engine prefills the prompt itself
+                return False
+            os.utime(claimed)  # its age, for the sweeps, counts from now
+        return True
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
+        meta = ExampleConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            wanted = _wanted(new.sampling_params)
+            token_ids = new.prompt_token_ids or []
+            if new.req_id in self._requests_need_load:
+                assert wanted is not None
+                meta.add_request(token_ids, new.block_ids[0], self._block_size, False, [wanted[1] + READING])
+            elif wanted is not None and wanted[0] == "store":
+                whole = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id] >= len(token_ids)
+                # A prompt prefilled in pieces has partial KV after this step, and one of less than a block and a
+                # token has no whole block to hand on: neither is written.
+                if whole and _stored(len(token_ids), self._block_size):
+                    meta.add_request(token_ids, new.block_ids[0], self._block_size, True, [wanted[1]])
+        # A loading request that was preempted before its first step is loaded when it resumes.
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._requests_need_load.get(req_id)
+            if request is None or req_id not in cached.resumed_req_ids:
+                continue
+            total = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            block_ids = cached.new_block_ids[i]
+            assert block_ids is not None
+            wanted = _wanted(request.sampling_params)
+            assert wanted is not None
+            meta.add_request(
+                request.all_token_ids[:total], block_ids[0], self._block_size, False, [wanted[1] + READING]
+            )
+        self._requests_need_load.clear()
+        return meta
+
+    def _generate_foldername_debug(self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False) -> str:
+        """The request's own folder: its key (or claimed key) travels in `mm_hashes` (the reference's salt), never a
+        token hash."""
+        folder = self._folder(mm_hashes[0])
+        if create_folder:
+            os.makedirs(folder, exist_ok=True)
+        return folder
+
+    def _folder(self, key: str) -> str:
+        return os.path.join(self._storage_path, key)
