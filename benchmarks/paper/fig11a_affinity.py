@@ -12,7 +12,8 @@ rollout GPUs of the paper's Fig. 11a, each set costing about the same per hour (
   decode-heavy half (math answers of 2-8K tokens) better: 48 + 72 and 32 + 112.
 
 `--routing` runs the mixes under another `rollout.routing`: `finish-time`, or `disaggregated` (each turn
-prefilled on the H800s and decoded on the H20s, its KV cache handed over: simulated engines only).
+prefilled on the H800s and decoded on the H20s, its KV cache handed over). `--prefix-cache` models vLLM's
+prefix cache in the engines (`run.sim.prefix_cache`), which the paper's vLLM had.
 Every report ends with a table of what each configuration's engines did (prefill and decode tokens,
 replica-seconds, cost per token).
 
@@ -85,9 +86,9 @@ def work_table(measured: dict[str, Result]) -> str:
         "What the engines did (whole run; cost per token = a replica's cost per hour x replica-seconds per token, "
         "in millionths):",
         "",
-        "| rollout GPUs | generator | prefill tokens | prefill replica-s | cost / prefill token | decode tokens "
-        "| decode replica-s | cost / decode token |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| rollout GPUs | generator | prefill tokens | prefix-cached tokens | prefill replica-s | cost / prefill token "
+        "| decode tokens | decode replica-s | cost / decode token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, result in measured.items():
         lines += work_rows(name, result)
@@ -100,7 +101,7 @@ def work_rows(name: str, result: Result) -> list[str]:
     for gen, work in (result.engine_work or {}).items():
         prefill, decode = (_millionths(cost) for cost in work.cost_per_token())
         rows.append(
-            f"| {name} | {gen} | {work.prefill_tokens:,} | {work.prefill_s:.0f} | {prefill} "
+            f"| {name} | {gen} | {work.prefill_tokens:,} | {work.cached_tokens:,} | {work.prefill_s:.0f} | {prefill} "
             f"| {work.decode_tokens:,} | {work.decode_s:.0f} | {decode} |"
         )
     return rows
@@ -111,9 +112,10 @@ def _millionths(cost: float) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """fig11a[-rollout][-ROUTING][-alphaN].md, in benchmarks/results/paper."""
+    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN].md, in benchmarks/results/paper."""
     name = "fig11a-rollout" if args.rollout_only else "fig11a"
     name += f"-{args.routing}" if args.routing != "class" else ""
+    name += "-prefix-cache" if args.prefix_cache else ""
     name += (f"-alpha{args.alpha}" if args.alpha != 1 else "") + ".md"
     return ROOT / "benchmarks" / "results" / "paper" / name
 
@@ -138,6 +140,12 @@ def main() -> None:
         "--alpha", type=int, default=1, help="rollout.alpha (default 1, the paper's); another adds -alphaN to the name"
     )
     parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="model vLLM's prefix cache in the simulated engines (run.sim.prefix_cache); adds -prefix-cache to the "
+        "name",
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
@@ -154,6 +162,7 @@ def main() -> None:
         spec["rollout"]["routing"] = "class" if args.routing == "disaggregated" and len(engines) == 1 else args.routing
         if args.rollout_only:
             spec["sim"]["trainer"] = None
+        spec["sim"]["prefix_cache"] = args.prefix_cache
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
         print("\n".join(work_rows(name, result)))
@@ -193,8 +202,9 @@ def main() -> None:
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
         f"`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, alpha {args.alpha}, "
-        f"{trainer}, routing: {args.routing}), rollout GPUs as in the table; in-process, virtual clock; {args.steps} "
-        "batches per run, step time = mean gap between batches after the first"
+        f"{trainer}, routing: {args.routing}, prefix cache {'on' if args.prefix_cache else 'off'}), rollout GPUs "
+        f"as in the table; in-process, virtual clock; {args.steps} batches per run, step time = mean gap between "
+        "batches after the first"
     )
     title = "Fig. 11a: hardware-affinity routing at equal cost (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)

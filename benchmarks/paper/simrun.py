@@ -48,6 +48,8 @@ class EngineWork:
     decode_tokens: int
     replica_cost_per_hour: float
     """Of one replica (its GPUs)."""
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (`run.sim.prefix_cache`), not prefilled."""
 
     def cost_per_token(self) -> tuple[float, float]:
         """Prefill and decode cost per token, in cost-units x seconds (one replica's hourly cost times the
@@ -240,6 +242,7 @@ def inprocess_result(done: InProcessRun) -> Result:
             sum(e.prefilled_tokens for e in engines),
             sum(e.generated_tokens for e in engines),
             engines[0].cost.cost_per_hour / engines[0].cost.shape.replicas,
+            sum(e.cached_tokens for e in engines),
         )
         for name, node in done.nodes.items()
         if isinstance(node, GeneratorNode) and node.engine is not None

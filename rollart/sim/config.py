@@ -133,6 +133,12 @@ class SimSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=T
     """Responses are `max_tokens` long, or with this < 1 drawn between this fraction of it and all of it."""
     max_steps_per_wake: int = 8
     """Decode steps a simulated engine runs between looks at its queue."""
+    prefix_cache: bool = False
+    """Model vLLM's automatic prefix caching: each engine replica keeps the KV cache of the prompts and replies it
+    ran, by blocks of `PREFIX_BLOCK` tokens, least recently used out first, within its KV-cache size; a prompt
+    whose leading blocks a replica holds prefills only the rest, and a replica with room first takes the
+    waiting requests whose prefix it holds (as a prefix-aware router in front of separate engines would). Off
+    by default: the paper-figure results so far were measured without it."""
     kv_link_gbps: float = 200.0
     """`rollout.routing: disaggregated`: each engine replica's link (Gb/s) for KV cache handed to it by the
     engine that prefilled the prompt (default: the paper's 200 Gb/s Ethernet between its two clusters)."""

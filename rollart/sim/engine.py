@@ -1,6 +1,7 @@
 """The simulated generation engine: the `GenerationEngine` interface, timed by a hardware model.
 
-It schedules like a continuous-batching server (vLLM without chunked prefill or prefix caching):
+It schedules like a continuous-batching server (vLLM without chunked prefill; prefix caching with
+`prefix_cache`, below):
 requests queue in arrival order; one is admitted when the batch has room (`max_batch_size`) and
 the KV cache can hold its prompt plus its whole response (otherwise it waits: "queueing when KV is
 full"); the newly admitted prompts are prefilled together, which pauses decoding; then every
@@ -14,6 +15,16 @@ To keep the event loop's work per simulated second small, decode steps run in ru
 `max_steps_per_wake` at a time, cut short at the next request to finish; a request that arrives
 meanwhile waits for the end of the run (at most that many steps, a few tens of milliseconds of
 simulated time). The engine keeps its own timeline (`sleep_until`), so loop overhead does not add up.
+
+Prefix caching (`prefix_cache`, as vLLM's automatic prefix caching): each replica remembers the blocks of
+`PREFIX_BLOCK` tokens whose KV cache it computed or received (prompts once prefilled, prompt and reply once a
+request ends), keyed by a hash of the block and every block before it, least recently used out first beyond
+its KV-cache size in blocks (a simplification: vLLM keeps cached blocks only while free blocks last). A newly
+admitted prompt prefills only what follows its longest run of leading blocks the replica holds (at least its
+last token). Replicas of one engine share a queue, so a replica with room first takes, among the first
+`PREFIX_SCAN` waiting requests, one whose first block it holds (a prefix-aware router in front of separate
+engines); otherwise the oldest. The KV cache reserved per request is unchanged (shared blocks are not counted
+once).
 
 Disaggregated serving (`rollout.routing: disaggregated`, as vLLM's disaggregated prefill): a request with
 `prefill_only` is prefilled, then holds its KV cache while it leaves on its replica's link, and ends with
@@ -34,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import math
 import random
 from collections.abc import Mapping
@@ -54,6 +66,11 @@ from rollart.sim.hardware import CostModel
 
 if TYPE_CHECKING:
     from rollart.engines.training import LoraSpec
+
+PREFIX_BLOCK = 16
+"""Tokens per prefix-cache block (vLLM's default block size on GPU)."""
+PREFIX_SCAN = 32
+"""Waiting requests a replica with room looks through for one whose prefix it holds."""
 
 
 @dataclass(eq=False)
@@ -76,6 +93,12 @@ class _Request:
     """(policy version, tokens decoded under it), in order."""
     prefilled: bool = False
     """Its prompt's KV cache came from the engine that prefilled it: no prefill here."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """With the prefix cache only: the prompt, whose blocks and the reply's are cached when it ends."""
+    blocks: list[int] = field(default_factory=list)
+    """With the prefix cache only: the chained hashes of the prompt's whole blocks."""
+    cached: int = 0
+    """Prompt tokens found in the prefix cache at admission (not prefilled)."""
 
     @property
     def kv_tokens(self) -> int:
@@ -102,6 +125,8 @@ class _Replica:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     """Set to wake the replica while it is idle (nothing running, nothing it could take)."""
     idle: bool = False
+    cache: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
+    """Prefix cache: block hashes, least recently used first."""
 
 
 class SimEngine:
@@ -119,6 +144,7 @@ class SimEngine:
         length_min_frac: float = 1.0,
         max_steps_per_wake: int = 8,
         kv_link_gbps: float = 200.0,
+        prefix_cache: bool = False,
         seed: int = 0,
     ) -> None:
         if not token_ids:
@@ -135,6 +161,10 @@ class SimEngine:
         self.length_min_frac = length_min_frac
         self.max_steps_per_wake = max_steps_per_wake
         self.kv_link_gbps = kv_link_gbps
+        self.prefix_cache = prefix_cache
+        self._cache_blocks = cost.kv_capacity_tokens // PREFIX_BLOCK
+        self.cached_tokens = 0
+        """Prompt tokens found in a replica's prefix cache, not prefilled."""
         self._links = [0.0] * replicas
         """When each replica's KV link is free (simulated time)."""
         self._sends: set[asyncio.Task[None]] = set()
@@ -216,6 +246,8 @@ class SimEngine:
             arrived_s=self.clock.now(),
             prefilled=params.kv_from is not None,
         )
+        if self.prefix_cache:
+            request.prompt_ids, request.blocks = prompt_ids, _block_hashes(prompt_ids)
         if request.kv_tokens > self.cost.kv_capacity_tokens:
             raise InvalidRequest(
                 f"request {request_id} needs {request.kv_tokens} tokens of KV cache; the engine holds "
@@ -308,6 +340,10 @@ class SimEngine:
         self._unrun(replica, request)
         replica.kv_used -= request.kv_tokens
         self._finish(request, reason)
+        if self.prefix_cache and not request.done.cancelled() and request.done.exception() is None:
+            reply = request.done.result().token_ids  # its KV cache stays, for the trajectory's next turn
+            previous = request.blocks[-1] if request.blocks else 0
+            self._remember(replica, _block_hashes(request.prompt_ids + reply, len(request.blocks), previous))
 
     def _finish(self, request: _Request, reason: FinishReason) -> None:
         if request.done.done():
@@ -336,23 +372,59 @@ class SimEngine:
                 return
 
     def _fits(self, replica: _Replica) -> bool:
-        """Whether a request waits that `replica` has the KV cache to take."""
-        return bool(self._waiting) and replica.kv_used + self._waiting[0].kv_tokens <= self.cost.kv_capacity_tokens
+        """Whether the oldest waiting request fits in `replica`'s KV cache."""
+        return bool(self._waiting) and self._room(replica, self._waiting[0])
+
+    def _room(self, replica: _Replica, request: _Request) -> bool:
+        return replica.kv_used + request.kv_tokens <= self.cost.kv_capacity_tokens
+
+    def _next(self, replica: _Replica) -> _Request | None:
+        """Take the request `replica` admits next off the queue: with the prefix cache, the first of the first
+        `PREFIX_SCAN` whose first block it holds, else the oldest; None when that does not fit."""
+        if self.prefix_cache and replica.cache:
+            for request in itertools.islice(self._waiting, PREFIX_SCAN):
+                if request.blocks and request.blocks[0] in replica.cache and self._room(replica, request):
+                    self._waiting.remove(request)
+                    return request
+        return self._waiting.popleft() if self._fits(replica) else None
 
     def _admit(self, replica: _Replica) -> list[_Request]:
-        """Move waiting requests into this replica's batch, oldest first, while the batch and the KV
-        cache have room, up to its share: the replicas' running counts are kept level."""
+        """Move waiting requests into this replica's batch (`_next`) while the batch and the KV cache have
+        room, up to its share: the replicas' running counts are kept level."""
         total = len(self._waiting) + self._running
         share = max(1, -(-total // len(self._replicas)))
         admitted = []
-        while self._fits(replica) and len(replica.running) < min(self.max_batch_size, share):
-            head = self._waiting.popleft()
-            head.queued_s = max(0.0, replica.timeline - head.arrived_s)  # its prefill starts at the replica's time
-            replica.running[head.request_id] = head
-            replica.kv_used += head.kv_tokens
+        while len(replica.running) < min(self.max_batch_size, share) and (request := self._next(replica)):
+            request.queued_s = max(0.0, replica.timeline - request.arrived_s)  # its prefill starts at the replica's
+            replica.running[request.request_id] = request
+            replica.kv_used += request.kv_tokens
             self._running += 1
-            admitted.append(head)
+            admitted.append(request)
+            if request.prefilled:  # its KV cache arrived whole
+                self._remember(replica, request.blocks)
+            elif self.prefix_cache:
+                request.cached = self._lookup(replica, request)
         return admitted
+
+    def _lookup(self, replica: _Replica, request: _Request) -> int:
+        """Prompt tokens of `request` whose KV cache `replica` holds: its leading cached blocks, short of the
+        prompt's last token (whose logits the first decode step needs)."""
+        hits = 0
+        for block in request.blocks:
+            if block not in replica.cache:
+                break
+            replica.cache.move_to_end(block)
+            hits += 1
+        return min(hits * PREFIX_BLOCK, request.prompt_tokens - 1)
+
+    def _remember(self, replica: _Replica, blocks: list[int]) -> None:
+        """`blocks` are in `replica`'s KV cache now: most recently used, the least recently used ones out."""
+        cache = replica.cache
+        for block in blocks:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > self._cache_blocks:
+            cache.popitem(last=False)
 
     async def _work(self, replica: _Replica, seconds: float) -> None:
         """Spend `seconds` of simulated time busy, on the replica's own timeline."""
@@ -369,11 +441,14 @@ class SimEngine:
                 replica.idle = False
                 replica.timeline = max(replica.timeline, self.clock.now())
             admitted = self._admit(replica)
-            if tokens := sum(r.prompt_tokens for r in admitted if not r.prefilled):
+            if tokens := sum(r.prompt_tokens - r.cached for r in admitted if not r.prefilled):
                 seconds = self.cost.prefill_s(tokens)
                 self.prefill_s += seconds
                 self.prefilled_tokens += tokens
+                self.cached_tokens += sum(r.cached for r in admitted)
                 await self._work(replica, seconds)
+                for request in admitted:
+                    self._remember(replica, request.blocks)
             for request in admitted:
                 if request.target == 0 and request.request_id in replica.running:  # prefill_only: sent on
                     self._unrun(replica, request)
@@ -421,6 +496,7 @@ def build_sim_engine(spec: SimSpec, hardware: str, *, tokenizer_path: str, max_b
         length_min_frac=spec.response_length_min_frac,
         max_steps_per_wake=spec.max_steps_per_wake,
         kv_link_gbps=spec.kv_link_gbps,
+        prefix_cache=spec.prefix_cache,
     )
 
 
@@ -432,3 +508,13 @@ def _vocabulary(tokenizer_path: str) -> tuple[tuple[int, ...], int]:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     special = set(tokenizer.all_special_ids)
     return tuple(i for i in range(len(tokenizer)) if i not in special), tokenizer.eos_token_id
+
+
+def _block_hashes(token_ids: list[int], start: int = 0, previous: int = 0) -> list[int]:
+    """Chained hashes of the whole `PREFIX_BLOCK`-token blocks of `token_ids` from block `start` on (`previous`:
+    the hash of the block before it): a block's hash stands for it and every block before it."""
+    hashes = []
+    for at in range(start * PREFIX_BLOCK, len(token_ids) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        previous = hash((previous, *token_ids[at : at + PREFIX_BLOCK]))
+        hashes.append(previous)
+    return hashes

@@ -15,7 +15,7 @@ import pytest
 from rollart.clock import SimClock, virtual_event_loop
 from rollart.engines.base import GenerationResult, InvalidRequest, SamplingParams
 from rollart.errors import ConfigError
-from rollart.sim.engine import SimEngine
+from rollart.sim.engine import PREFIX_BLOCK, SimEngine, _block_hashes
 from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape, train_step_s, transfer_s
 
 TOKENS = list(range(10, 20))
@@ -232,3 +232,59 @@ async def test_a_prefill_half_holds_its_kv_cache_until_it_is_sent() -> None:
     after = await eng.generate("d", [1] * prompt, SamplingParams(max_tokens=8))  # c's KV cache was freed
     assert len(after.token_ids) == 8
     await eng.close()
+
+
+@virtual
+async def test_the_prefix_cache_prefills_only_what_a_replica_has_not_seen() -> None:
+    """A second turn whose prompt is the first turn's prompt and reply plus new tokens prefills only what follows
+    their whole blocks; an unrelated prompt prefills whole; without the cache everything is prefilled."""
+    params = SamplingParams(max_tokens=40, temperature=0)
+    first_prompt = list(range(3, 3 + 1000))
+    for prefix_cache in (True, False):
+        eng = engine(prefix_cache=prefix_cache)
+        await eng.start()
+        first = await eng.generate("t/0", first_prompt, params)
+        second_prompt = first_prompt + first.token_ids + [7] * 200  # the trajectory's next turn
+        start = eng.clock.now()
+        await eng.generate("t/1", second_prompt, params)
+        second_s = eng.clock.now() - start
+        cached = (len(first_prompt) + len(first.token_ids)) // PREFIX_BLOCK * PREFIX_BLOCK if prefix_cache else 0
+        assert eng.cached_tokens == cached
+        assert eng.prefilled_tokens == len(first_prompt) + len(second_prompt) - cached
+        decode_s = sum(eng.cost.decode_step_s(1, len(second_prompt) + i) for i in range(40))
+        assert second_s == pytest.approx(eng.cost.prefill_s(len(second_prompt) - cached) + decode_s, abs=1e-5)
+        await eng.generate("u/0", [5] * 600, params)  # no block of it was seen
+        assert eng.cached_tokens == cached
+        await eng.close()
+
+
+@virtual
+async def test_a_replica_with_room_takes_the_waiting_request_whose_prefix_it_holds() -> None:
+    """Two replicas; each has run one trajectory's first turn. The second turns, queued oldest first in the other
+    order, each go to the replica that holds their prefix, and neither prefills its first turn's blocks again."""
+    eng = engine(replicas=2, prefix_cache=True, max_batch_size=1)
+    await eng.start()
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = {name: [token] * 800 for name, token in (("a", 5), ("b", 6))}
+    await asyncio.gather(*(eng.generate(f"{name}/0", prompt, params) for name, prompt in prompts.items()))
+    holder = {
+        name: next(r.index for r in eng._replicas if _block_hashes(prompt)[0] in r.cache)
+        for name, prompt in prompts.items()
+    }
+    assert sorted(holder.values()) == [0, 1]
+    before = eng.cached_tokens
+    await asyncio.gather(
+        *(eng.generate(f"{name}/1", prompt + [9] * 100, params) for name, prompt in reversed(prompts.items()))
+    )
+    assert eng.cached_tokens - before == 2 * (800 // PREFIX_BLOCK * PREFIX_BLOCK)
+    await eng.close()
+
+
+def test_the_prefix_cache_forgets_the_least_recently_used_block_first() -> None:
+    eng = engine(prefix_cache=True)
+    eng._cache_blocks = 2
+    replica = eng._replicas[0]
+    eng._remember(replica, [1, 2])
+    eng._remember(replica, [1])  # used again: 2 is now the oldest
+    eng._remember(replica, [3])
+    assert list(replica.cache) == [1, 3]
