@@ -16,7 +16,9 @@ a request under new ones, and every request of every engine would be written out
   claims it (renames it, so nothing removes it while it is read), counts those tokens as computed and allocates
   their blocks, and this connector fills them from the files before the forward pass; vLLM computes the prompt's
   remainder (at least its last token) and decodes. No folder, no load: the engine prefills the whole prompt, so
-  a lost handoff costs time, never a wrong token;
+  a lost handoff costs time, never a wrong token. As in the reference, every stored block is loaded, over any
+  the engine found in its own prefix cache (a chat template's header, say): those hold the same prompt's KV,
+  computed there under a version at most alpha apart, the same lag as the handoff itself;
 - `rollart.engines.kv_store.KVStore` removes what was read, and what a turn given up between its halves left.
 
 The key names the prefill request (`kv_store.kv_key`): the proxy sends the decode half `kv_from = "<generator>/<prefill
