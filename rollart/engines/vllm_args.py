@@ -49,6 +49,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    """Tokens one engine step computes at most (vLLM's chunked-prefill budget; None: vLLM's default)."""
     cuda_devices: str | None = None
     max_lora_rank: int | None = None
     """None: no LoRA; else vLLM serves LoRA adapters up to this rank (one of vLLM's allowed ranks)."""
@@ -107,6 +109,7 @@ def create_engine(settings: EngineSettings, created: list[Any]) -> None:
         seed=settings.seed,
         max_num_seqs=settings.max_batch_size,
         max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         kv_cache_memory_bytes=kv_cache_bytes,

@@ -113,6 +113,7 @@ class VLLMEngine:
         cuda_devices: str | None = None,
         lora: LoraSpec | None = None,
         kv_store: Path | str | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """`kv_cache_gb`: memory for the KV cache (None: 1 GiB on CPU; on GPU vLLM sizes it from
         `gpu_memory_utilization`, the fraction of each GPU the engine may use). `cpu_threads_bind`: CPU cores for
@@ -124,7 +125,8 @@ class VLLMEngine:
         versions as LoRA adapters of this rank or less (`load_adapter`) instead of whole weights. `kv_store`: a
         folder shared with the other generators, through which this engine hands prefilled prompts' KV cache on
         and takes it (`rollout.routing: disaggregated`; `rollart.engines.vllm_kv`); None: it serves whole turns
-        only."""
+        only. `max_num_batched_tokens`: tokens one step computes at most, a longer prompt being prefilled in chunks
+        (None: vLLM's default)."""
         if max_batch_size < 1:
             raise InvalidRequest(f"max_batch_size must be at least 1, got {max_batch_size}")
         if kv_cache_gb is not None and kv_cache_gb <= 0:
@@ -140,6 +142,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
             cuda_devices=cuda_devices,
             max_lora_rank=None if lora is None else vllm_lora_rank(lora.rank),
             max_loras=MAX_LORAS,

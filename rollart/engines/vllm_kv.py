@@ -9,9 +9,8 @@ under a hash of its tokens. The reference keys by token ids alone, so a prompt c
 a request under new ones, and every request of every engine would be written out.
 
 - A prefill half (`SamplingParams.prefill_only`) runs with one token to generate and the sampling argument
-  `rollart_kv = ("store", key)`: its prompt's whole blocks are written under `<kv_store>/<key>/` during its
-  forward pass. A prompt vLLM prefills in more than one step (longer than its batched-token budget) is not
-  written: its first step's KV is partial, and the decode half then prefills the prompt itself;
+  `rollart_kv = ("store", key)`: its prompt's whole blocks are written under `<kv_store>/<key>/` during the
+  forward pass that completes its prefill (the last chunk of a prompt longer than vLLM's batched-token budget);
 - the decode half (`kv_from`) runs with `rollart_kv = ("load", key)`: if the folder is there, the scheduler
   claims it (renames it, so nothing removes it while it is read), counts those tokens as computed and allocates
   their blocks, and this connector fills them from the files before the forward pass; vLLM computes the prompt's
@@ -65,6 +64,11 @@ def _wanted(sampling_params: Any) -> tuple[str, str] | None:
 class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
     """vLLM's reference connector, writing and reading only the requests that ask, under their key."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prefilling: dict[str, tuple[list[int], str, list[int]]] = {}
+        """Scheduler side: prefill halves whose prompt is not yet wholly computed: prompt, key, block ids."""
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         wanted = _wanted(request.sampling_params)
         if wanted is None or wanted[0] != "load" or not self._claim(wanted[1]):
@@ -85,34 +89,48 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
         meta = ExampleConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             wanted = _wanted(new.sampling_params)
             token_ids = new.prompt_token_ids or []
             if new.req_id in self._requests_need_load:
                 assert wanted is not None
                 meta.add_request(token_ids, new.block_ids[0], self._block_size, False, [wanted[1] + READING])
-            elif wanted is not None and wanted[0] == "store":
-                whole = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id] >= len(token_ids)
-                # A prompt prefilled in pieces has partial KV after this step, and one of less than a block and a
-                # token has no whole block to hand on: neither is written.
-                if whole and _stored(len(token_ids), self._block_size):
-                    meta.add_request(token_ids, new.block_ids[0], self._block_size, True, [wanted[1]])
-        # A loading request that was preempted before its first step is loaded when it resumes.
+            elif wanted is not None and wanted[0] == "store" and _stored(len(token_ids), self._block_size):
+                self._prefilling[new.req_id] = (token_ids, wanted[1], list(new.block_ids[0]))
+                self._store_if_prefilled(meta, new.req_id, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            resumed = req_id in cached.resumed_req_ids  # new_block_ids is then all of its blocks
+            new_blocks = cached.new_block_ids[i]
+            if (entry := self._prefilling.get(req_id)) is not None:
+                if new_blocks is not None:
+                    entry[2][:] = [*([] if resumed else entry[2]), *new_blocks[0]]
+                self._store_if_prefilled(meta, req_id, cached.num_computed_tokens[i] + scheduled[req_id])
+            # A loading request that was preempted before its first step is loaded when it resumes.
             request = self._requests_need_load.get(req_id)
-            if request is None or req_id not in cached.resumed_req_ids:
+            if request is None or not resumed:
                 continue
-            total = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
-            block_ids = cached.new_block_ids[i]
-            assert block_ids is not None
             wanted = _wanted(request.sampling_params)
-            assert wanted is not None
+            assert wanted is not None and new_blocks is not None
+            total = cached.num_computed_tokens[i] + scheduled[req_id]
             meta.add_request(
-                request.all_token_ids[:total], block_ids[0], self._block_size, False, [wanted[1] + READING]
+                request.all_token_ids[:total], new_blocks[0], self._block_size, False, [wanted[1] + READING]
             )
         self._requests_need_load.clear()
         return meta
+
+    def _store_if_prefilled(self, meta: ExampleConnectorMetadata, req_id: str, computed_after_step: int) -> None:
+        """Write the prompt's KV in this step if the step completes its prefill (a prompt prefilled over several
+        steps, by chunked prefill, is written at its last: its blocks all hold its KV then)."""
+        token_ids, key, block_ids = self._prefilling[req_id]
+        if computed_after_step >= len(token_ids):
+            meta.add_request(token_ids, block_ids, self._block_size, True, [key])
+            del self._prefilling[req_id]
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._prefilling.pop(request.request_id, None)  # aborted before its prompt was prefilled
+        return super().request_finished(request, block_ids)  # type: ignore[no-any-return,unused-ignore]
 
     def _generate_foldername_debug(self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False) -> str:
         """The request's own folder: its key (or claimed key) travels in `mm_hashes` (the reference's salt), never a

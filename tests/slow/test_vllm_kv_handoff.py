@@ -59,7 +59,8 @@ def long_prompt(encode: object, topic: str) -> list[int]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(model_dir: Path, store: Path) -> AsyncIterator[tuple[VLLMEngine, VLLMEngine]]:
-    prefill = VLLMEngine(model_dir, max_batch_size=8, cpu_threads_bind="0", kv_store=store)
+    # A small step budget: a prompt over 256 tokens is prefilled in chunks.
+    prefill = VLLMEngine(model_dir, max_batch_size=8, cpu_threads_bind="0", kv_store=store, max_num_batched_tokens=256)
     decode = VLLMEngine(model_dir, max_batch_size=8, cpu_threads_bind="1", kv_store=store)
     await asyncio.gather(prefill.start(), decode.start())
     yield prefill, decode
