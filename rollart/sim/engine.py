@@ -21,10 +21,13 @@ Prefix caching (`prefix_cache`, as vLLM's automatic prefix caching): each replic
 request ends), keyed by a hash of the block and every block before it, least recently used out first beyond
 its KV-cache size in blocks (a simplification: vLLM keeps cached blocks only while free blocks last). A newly
 admitted prompt prefills only what follows its longest run of leading blocks the replica holds (at least its
-last token). Replicas of one engine share a queue, so a replica with room first takes, among the first
-`PREFIX_SCAN` waiting requests, one whose first block it holds (a prefix-aware router in front of separate
-engines); otherwise the oldest. The KV cache reserved per request is unchanged (shared blocks are not counted
-once).
+last token). Replicas stand for separate engines behind a router that keeps a trajectory where its prefix is
+cached, as the LLMProxy does with generators: an arriving request whose longest cached prefix a replica last
+cached (a trajectory's previous turn, a group's shared prompt) waits in that replica's own queue, unless that
+replica has `STICKY_SLACK` (or a tenth) more requests than the least loaded one; the rest share one queue. A
+replica with room takes its own queue's oldest, else the shared queue's oldest, and, when it runs nothing,
+the oldest of another replica's queue. The KV cache reserved per request is unchanged (shared blocks are not
+counted once).
 
 Disaggregated serving (`rollout.routing: disaggregated`, as vLLM's disaggregated prefill): a request with
 `prefill_only` is prefilled, then holds its KV cache while it leaves on its replica's link, and ends with
@@ -45,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import itertools
 import math
 import random
 from collections.abc import Mapping
@@ -69,8 +71,9 @@ if TYPE_CHECKING:
 
 PREFIX_BLOCK = 16
 """Tokens per prefix-cache block (vLLM's default block size on GPU)."""
-PREFIX_SCAN = 32
-"""Waiting requests a replica with room looks through for one whose prefix it holds."""
+STICKY_SLACK = 2
+"""Prefix cache: requests more than the least loaded replica's that a replica may hold and still queue a request
+whose prefix it caches (or a tenth of that replica's load, if more), as `rollart.rollout.proxy.STICKY_SLACK`."""
 
 
 @dataclass(eq=False)
@@ -99,6 +102,8 @@ class _Request:
     """With the prefix cache only: the chained hashes of the prompt's whole blocks."""
     cached: int = 0
     """Prompt tokens found in the prefix cache at admission (not prefilled)."""
+    holder: int | None = None
+    """Prefix cache: the replica whose own queue it waits in (None: the shared queue)."""
 
     @property
     def kv_tokens(self) -> int:
@@ -163,6 +168,10 @@ class SimEngine:
         self.kv_link_gbps = kv_link_gbps
         self.prefix_cache = prefix_cache
         self._cache_blocks = cost.kv_capacity_tokens // PREFIX_BLOCK
+        self._holders: dict[int, int] = {}
+        """Prefix cache: block hash -> the replica that cached it last."""
+        self._own_queues: list[collections.deque[_Request]] = [collections.deque() for _ in range(replicas)]
+        """Prefix cache: each replica's waiting requests, whose longest cached prefix it holds."""
         self.cached_tokens = 0
         """Prompt tokens found in a replica's prefix cache, not prefilled."""
         self._links = [0.0] * replicas
@@ -205,7 +214,7 @@ class SimEngine:
             return
         error = EngineClosed(f"a simulated engine replica died: {task.exception()!r}")
         running = self._held()
-        for request in [*self._waiting, *running]:
+        for request in [*self._queued(), *running]:
             if not request.done.done():
                 request.done.set_exception(error)
 
@@ -219,9 +228,13 @@ class SimEngine:
         await asyncio.gather(*self._schedulers, *self._sends, return_exceptions=True)
         self._schedulers = []
         running = self._held()
-        for request in [*self._waiting, *running]:
+        for request in [*self._queued(), *running]:
             if not request.done.done():
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
+
+    def _queued(self) -> list[_Request]:
+        """Every waiting request: the shared queue, then the replicas' own."""
+        return [*self._waiting, *(request for own in self._own_queues for request in own)]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         if not self._schedulers or self._schedulers_ended:
@@ -256,8 +269,12 @@ class SimEngine:
         if request.prefilled:
             await self._receive_kv(request.prompt_tokens)
             request.arrived_s = self.clock.now()
-        self._waiting.append(request)
-        self._wake_one()
+        if self.prefix_cache and (holder := self._holder(request.blocks)) is not None and self._sticks(holder):
+            request.holder = holder
+            self._own_queues[holder].append(request)
+        else:
+            self._waiting.append(request)
+        self._wake_one(request)
         try:
             return await asyncio.shield(request.done)
         except asyncio.CancelledError:
@@ -286,11 +303,12 @@ class SimEngine:
                 replica.wake.set()  # room in its KV cache
 
     async def abort(self, request_id: str) -> bool:
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                self._finish(request, "abort")
-                return True
+        for queue in (self._waiting, *self._own_queues):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._finish(request, "abort")
+                    return True
         for replica in self._replicas:
             if (sending := replica.sending.pop(request_id, None)) is not None:
                 replica.kv_used -= sending.kv_tokens
@@ -323,7 +341,7 @@ class SimEngine:
         capacity = (now - self._started_at) * len(self._replicas)
         return EngineLoad(
             running=sum(len(r.running) for r in self._replicas),
-            waiting=len(self._waiting),
+            waiting=len(self._waiting) + sum(len(own) for own in self._own_queues),
             busy_fraction=min(1.0, self.busy_s / capacity) if capacity > 0 else 0.0,
             generated_tokens=self.generated_tokens,
             version=self.version,
@@ -362,36 +380,63 @@ class SimEngine:
             )
         )
 
-    def _wake_one(self) -> None:
+    def _wake_one(self, arrived: _Request | None = None) -> None:
         """A request arrived (or room freed up): wake one idle replica to look at the queue, if any
-        is idle; busy ones look on their own after each step. Waking all of them for every arrival
-        made each arrival cost O(replicas) wake-ups."""
+        is idle (the arrival's holder first); busy ones look on their own after each step. Waking all of
+        them for every arrival made each arrival cost O(replicas) wake-ups."""
+        if arrived is not None and arrived.holder is not None:
+            holder = self._replicas[arrived.holder]
+            if holder.idle and not holder.wake.is_set() and self._fits(holder):
+                holder.wake.set()
+                return
         for replica in self._replicas:
             if replica.idle and not replica.wake.is_set() and self._fits(replica):
                 replica.wake.set()
                 return
 
     def _fits(self, replica: _Replica) -> bool:
-        """Whether the oldest waiting request fits in `replica`'s KV cache."""
-        return bool(self._waiting) and self._room(replica, self._waiting[0])
+        """Whether a request waits that `replica` has the KV cache to take (`_candidate`)."""
+        return self._candidate(replica) is not None
+
+    def _candidate(self, replica: _Replica) -> _Request | None:
+        """What `replica` takes next if it fits in its KV cache: the oldest of its own queue (prefix cache), else
+        the oldest of the shared queue, else, when it runs nothing, the oldest of another replica's queue."""
+        own = self._own_queues[replica.index]
+        heads = [queue[0] for queue in (own, self._waiting) if queue]
+        if not replica.running and not heads:
+            heads = sorted((queue[0] for queue in self._own_queues if queue), key=lambda request: request.arrived_s)
+        return next((request for request in heads[:2] if self._room(replica, request)), None)
+
+    def _sticks(self, holder: int) -> bool:
+        """Whether replica `holder` is not so much busier than the least loaded that a request should wait for it."""
+        loads = [len(replica.running) + len(own) for replica, own in zip(self._replicas, self._own_queues, strict=True)]
+        return loads[holder] <= min(loads) + max(STICKY_SLACK, loads[holder] // 10)
 
     def _room(self, replica: _Replica, request: _Request) -> bool:
         return replica.kv_used + request.kv_tokens <= self.cost.kv_capacity_tokens
 
     def _next(self, replica: _Replica) -> _Request | None:
-        """Take the request `replica` admits next off the queue: with the prefix cache, the first of the first
-        `PREFIX_SCAN` whose first block it holds, else the oldest; None when that does not fit."""
-        if self.prefix_cache and replica.cache:
-            for request in itertools.islice(self._waiting, PREFIX_SCAN):
-                if request.blocks and request.blocks[0] in replica.cache and self._room(replica, request):
-                    self._waiting.remove(request)
-                    return request
-        return self._waiting.popleft() if self._fits(replica) else None
+        """Take `_candidate` off the queues (None: nothing fits)."""
+        request = self._candidate(replica)
+        if request is None:
+            return None
+        queue = self._waiting if request.holder is None else self._own_queues[request.holder]
+        assert queue[0] is request  # a candidate is a queue's oldest
+        queue.popleft()
+        return request
+
+    def _holder(self, blocks: list[int]) -> int | None:
+        """The replica that last cached the longest prefix of these blocks (looked up from the last block back:
+        a turn's new blocks come after its history)."""
+        for block in reversed(blocks):
+            if (holder := self._holders.get(block)) is not None:
+                return holder
+        return None
 
     def _admit(self, replica: _Replica) -> list[_Request]:
         """Move waiting requests into this replica's batch (`_next`) while the batch and the KV cache have
         room, up to its share: the replicas' running counts are kept level."""
-        total = len(self._waiting) + self._running
+        total = len(self._waiting) + sum(len(own) for own in self._own_queues) + self._running
         share = max(1, -(-total // len(self._replicas)))
         admitted = []
         while len(replica.running) < min(self.max_batch_size, share) and (request := self._next(replica)):
@@ -423,8 +468,11 @@ class SimEngine:
         for block in blocks:
             cache[block] = None
             cache.move_to_end(block)
+            self._holders[block] = replica.index
         while len(cache) > self._cache_blocks:
-            cache.popitem(last=False)
+            block, _ = cache.popitem(last=False)
+            if self._holders.get(block) == replica.index:
+                del self._holders[block]
 
     async def _work(self, replica: _Replica, seconds: float) -> None:
         """Spend `seconds` of simulated time busy, on the replica's own timeline."""
