@@ -288,3 +288,15 @@ def test_the_prefix_cache_forgets_the_least_recently_used_block_first() -> None:
     eng._remember(replica, [1])  # used again: 2 is now the oldest
     eng._remember(replica, [3])
     assert list(replica.cache) == [1, 3]
+
+
+def test_a_request_waits_for_the_replica_with_its_prefix_only_while_that_one_is_not_much_busier() -> None:
+    eng = engine(replicas=3, prefix_cache=True)
+    busy, other, idle = eng._replicas
+    busy.running = {f"r{i}": None for i in range(40)}  # type: ignore[misc]
+    other.running = {f"s{i}": None for i in range(37)}  # type: ignore[misc]
+    idle.running = {f"t{i}": None for i in range(38)}  # type: ignore[misc]
+    assert eng._sticks(0)  # 40 <= 37 + max(2, 40 // 10)
+    busy.running |= {f"u{i}": None for i in range(5)}  # type: ignore[misc]
+    assert not eng._sticks(0)  # 45 > 37 + 4: it goes to the shared queue
+    assert eng._sticks(1)

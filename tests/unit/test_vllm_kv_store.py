@@ -18,7 +18,7 @@ def test_the_decode_half_reads_the_key_its_prefill_half_wrote() -> None:
     stored = KVStore.handoff("traj-3/turn-1/prefill", SamplingParams(max_tokens=8, prefill_only=True))
     loaded = KVStore.handoff("traj-3/turn-1", SamplingParams(max_tokens=8, kv_from="gen-c/traj-3/turn-1/prefill"))
     assert stored == ("store", kv_key("traj-3/turn-1/prefill"))
-    assert loaded == ("load", stored[1])  # type: ignore[index]
+    assert loaded == ("load", kv_key("traj-3/turn-1/prefill"))
     assert KVStore.handoff("traj-3/turn-1", SamplingParams(max_tokens=8)) is None
     assert kv_key("a/b") != kv_key("a/c") and all(c in "0123456789abcdef" for c in kv_key("../..//x"))
 
