@@ -8,8 +8,10 @@ rollout GPUs of the paper's Fig. 11a, each set costing about the same per hour (
 - **H20 only**: 208 H20 (26 engines of 8);
 - **affinity**: H800 and H20 together, the LLMProxy sending prefill-heavy turns to the H800s and
   decode-heavy ones to the H20s (with one kind only, every turn goes to it): the paper's mix,
-  64 H800 + 24 H20 (8 + 3 engines), and two mixes with more H20, which suit this shape's
-  decode-heavy half (math answers of 2-8K tokens) better: 48 + 72 and 32 + 112.
+  64 H800 + 24 H20 (8 + 3 engines), and mixes with more H20, which suit this shape's
+  decode-heavy half (math answers of 2-8K tokens) better: 48 + 72, 40 + 88 and 32 + 112, and, for
+  disaggregated prefill with a prefix cache (where a few H800 engines prefill for many H20 ones),
+  24 + 136 and 16 + 160.
 
 `--routing` runs the mixes under another `rollout.routing`: `finish-time`, or `disaggregated` (each turn
 prefilled on the H800s and decoded on the H20s, its KV cache handed over). `--prefix-cache` models vLLM's
@@ -53,6 +55,14 @@ CONFIGS: dict[str, dict[str, dict[str, object]]] = {
     "affinity (32 H800 + 112 H20)": {
         "compute": {"gpu": "H800", "gpus": 8, "replicas": 4},
         "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 14},
+    },
+    "affinity (24 H800 + 136 H20)": {
+        "compute": {"gpu": "H800", "gpus": 8, "replicas": 3},
+        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 17},
+    },
+    "affinity (16 H800 + 160 H20)": {
+        "compute": {"gpu": "H800", "gpus": 8, "replicas": 2},
+        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 20},
     },
 }
 SINGLE = ("H800 only (72)", "H20 only (208)")
