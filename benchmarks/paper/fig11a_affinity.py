@@ -37,32 +37,22 @@ from simrun import ROOT, Result, paper_run_spec, run, save_plot, tiny_tokenizer_
 
 from rollart.sim.hardware import GPUS
 
+
+def _mix(h800_engines: int, h20_engines: int) -> dict[str, dict[str, object]]:
+    """Engines of 8 GPUs each: H800 ones as the compute class, H20 ones as the bandwidth class."""
+    return {
+        "compute": {"gpu": "H800", "gpus": 8, "replicas": h800_engines},
+        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": h20_engines},
+    }
+
+
 CONFIGS: dict[str, dict[str, dict[str, object]]] = {
     "H800 only (72)": {"compute": {"gpu": "H800", "gpus": 8, "replicas": 9}},
     "H20 only (208)": {"bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 26}},
-    "affinity, the paper's mix (64 H800 + 24 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 8},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 3},
-    },
-    "affinity (48 H800 + 72 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 6},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 9},
-    },
-    "affinity (40 H800 + 88 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 5},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 11},
-    },
-    "affinity (32 H800 + 112 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 4},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 14},
-    },
-    "affinity (24 H800 + 136 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 3},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 17},
-    },
-    "affinity (16 H800 + 160 H20)": {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": 2},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 20},
+    "affinity, the paper's mix (64 H800 + 24 H20)": _mix(8, 3),
+    **{
+        f"affinity ({8 * h800} H800 + {8 * h20} H20)": _mix(h800, h20)
+        for h800, h20 in ((6, 9), (5, 11), (4, 14), (3, 17), (2, 20))
     },
 }
 SINGLE = ("H800 only (72)", "H20 only (208)")
