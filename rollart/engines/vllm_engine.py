@@ -352,7 +352,7 @@ class VLLMEngine:
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         context = (self._max_model_len, f"the engine's max_model_len {self._max_model_len}")
-        handoff = self._settings.kv_store is not None
+        handoff = self._kv_store is not None
         check_request(prompt_ids, params, vocab_size=self._vocab_size, context=context, kv_handoff=handoff)
 
     async def abort(self, request_id: str) -> bool:

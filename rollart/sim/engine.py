@@ -232,6 +232,10 @@ class SimEngine:
             if not request.done.done():
                 request.done.set_exception(EngineClosed("the simulated engine closed"))
 
+    def _waiting_n(self) -> int:
+        """How many requests wait: in the shared queue and the replicas' own."""
+        return len(self._waiting) + sum(len(own) for own in self._own_queues)
+
     def _queued(self) -> list[_Request]:
         """Every waiting request: the shared queue, then the replicas' own."""
         return [*self._waiting, *(request for own in self._own_queues for request in own)]
@@ -341,7 +345,7 @@ class SimEngine:
         capacity = (now - self._started_at) * len(self._replicas)
         return EngineLoad(
             running=sum(len(r.running) for r in self._replicas),
-            waiting=len(self._waiting) + sum(len(own) for own in self._own_queues),
+            waiting=self._waiting_n(),
             busy_fraction=min(1.0, self.busy_s / capacity) if capacity > 0 else 0.0,
             generated_tokens=self.generated_tokens,
             version=self.version,
@@ -384,12 +388,8 @@ class SimEngine:
         """A request arrived (or room freed up): wake one idle replica to look at the queue, if any
         is idle (the arrival's holder first); busy ones look on their own after each step. Waking all of
         them for every arrival made each arrival cost O(replicas) wake-ups."""
-        if arrived is not None and arrived.holder is not None:
-            holder = self._replicas[arrived.holder]
-            if holder.idle and not holder.wake.is_set() and self._fits(holder):
-                holder.wake.set()
-                return
-        for replica in self._replicas:
+        first = [self._replicas[arrived.holder]] if arrived is not None and arrived.holder is not None else []
+        for replica in [*first, *self._replicas]:
             if replica.idle and not replica.wake.is_set() and self._fits(replica):
                 replica.wake.set()
                 return
@@ -436,7 +436,7 @@ class SimEngine:
     def _admit(self, replica: _Replica) -> list[_Request]:
         """Move waiting requests into this replica's batch (`_next`) while the batch and the KV cache have
         room, up to its share: the replicas' running counts are kept level."""
-        total = len(self._waiting) + sum(len(own) for own in self._own_queues) + self._running
+        total = self._waiting_n() + self._running
         share = max(1, -(-total // len(self._replicas)))
         admitted = []
         while len(replica.running) < min(self.max_batch_size, share) and (request := self._next(replica)):
