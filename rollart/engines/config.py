@@ -68,6 +68,8 @@ class GeneratorSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, fr
             )
         if self.kv_store is not None and self.backend != "vllm":
             problems.append(("kv_store", f"only the vllm backend hands KV cache on; backend is {self.backend}"))
+        if self.kv_store is not None and self.tensor_parallel_size > 1:  # each rank would write the same files
+            problems.append(("kv_store", "the KV store holds one rank's KV cache; expected tensor_parallel_size 1"))
         if self.backend == "sim" and self.engines > 1:
             problems.append(("engines", "the sim backend models its replicas with run.sim; expected 1"))
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

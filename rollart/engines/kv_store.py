@@ -3,9 +3,10 @@ read, abandoned or left behind (`rollart.engines.vllm_kv` is the connector insid
 
 - The prefill half writes under the key of its own request id, the decode half reads the key of the request its
   `kv_from` ("<generator>/<request id>") names (`KVStore.handoff`);
-- the decode half's engine claims the folder before reading it (`READING`), and removes it once the decode half
-  has ended; a prefill half that ended without writing for good (aborted: vLLM may still write it after the abort)
-  is removed then, and again at close;
+- the decode half's engine claims the folder before reading it (`READING`) and removes it inside vLLM, after the
+  read or when the request ends unread (`rollart.engines.vllm_kv`: only there is it known whether a read is under
+  way); a prefill half that ended without writing for good (aborted: vLLM may still write it after the abort) is
+  removed then, and again at close;
 - what a turn given up between its halves left is removed at close by the engine that wrote it (unless claimed),
   and by age by every engine: at start and every `SWEEP_EVERY_S`.
 
@@ -78,14 +79,15 @@ class KVStore:
         return None
 
     async def ended(self, handoff: Handoff, finish: str | None) -> None:
-        """A request with `handoff` left the engine with vLLM's `finish` reason (None: cut short): remove what
-        the decode half read, or what a prefill half cut short may have written."""
+        """A request with `handoff` left the engine with vLLM's `finish` reason (None: cut short): remove what a
+        prefill half cut short may have written. A decode half's folder is its engine's connector's to remove: the
+        read may still be under way in vLLM's worker when the request is cut short here."""
         action, key = handoff
-        if action == "store":
-            self._written[key] = time.time()
-            if finish in ("length", "stop"):  # written, for the decode half to read
-                return
-        await asyncio.to_thread(self._remove, [key, key + READING] if action == "load" else [key])
+        if action == "load":
+            return
+        self._written[key] = time.time()
+        if finish not in ("length", "stop"):  # cut short: no decode half will come for it
+            await asyncio.to_thread(self._remove, [key])
 
     async def close(self) -> None:
         """Stop sweeping and remove what this engine wrote that no decode half has read (it will not be now)."""

@@ -18,7 +18,11 @@ a request under new ones, and every request of every engine would be written out
   a lost handoff costs time, never a wrong token. As in the reference, every stored block is loaded, over any
   the engine found in its own prefix cache (a chat template's header, say): those hold the same prompt's KV,
   computed there under a version at most alpha apart, the same lag as the handoff itself;
-- `rollart.engines.kv_store.KVStore` removes what was read, and what a turn given up between its halves left.
+- the reading engine removes the folder, always after the read and never during it: its worker once it has
+  loaded the KV (before the forward pass that uses it), its scheduler when the request ends without its load ever
+  handed to the worker (cut short while waiting: claimed and not read, or not even claimed). A request loads at
+  most once (a preempted one computes its prompt again). What a turn given up between its halves left is removed by
+  `rollart.engines.kv_store.KVStore`.
 
 The key names the prefill request (`kv_store.kv_key`): the proxy sends the decode half `kv_from = "<generator>/<prefill
 request id>"`. On one machine the folder can be in memory (`/dev/shm`); across hosts it is a shared filesystem,
@@ -32,6 +36,7 @@ vLLM imports this module in its own processes; it needs vLLM (the side outside v
 from __future__ import annotations
 
 import os
+import shutil
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (  # type: ignore[import-not-found,unused-ignore]
@@ -68,11 +73,16 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
         super().__init__(*args, **kwargs)
         self._prefilling: dict[str, tuple[list[int], str, list[int]]] = {}
         """Scheduler side: prefill halves whose prompt is not yet wholly computed: prompt, key, block ids."""
+        self._claimed: dict[str, str] = {}
+        """Scheduler side: decode halves that claimed their key, not yet handed to the worker to read."""
+        self._handed: set[str] = set()
+        """Scheduler side: decode halves whose read went to the worker (which removes the folder once read)."""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         wanted = _wanted(request.sampling_params)
-        if wanted is None or wanted[0] != "load" or not self._claim(wanted[1]):
+        if wanted is None or wanted[0] != "load" or request.request_id in self._handed or not self._claim(wanted[1]):
             return 0, False
+        self._claimed[request.request_id] = wanted[1]
         return max(0, _stored(len(request.prompt_token_ids or []), self._block_size) - num_computed_tokens), False
 
     def _claim(self, key: str) -> bool:
@@ -96,6 +106,7 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
             if new.req_id in self._requests_need_load:
                 assert wanted is not None
                 meta.add_request(token_ids, new.block_ids[0], self._block_size, False, [wanted[1] + READING])
+                self._hand(new.req_id)
             elif wanted is not None and wanted[0] == "store" and _stored(len(token_ids), self._block_size):
                 self._prefilling[new.req_id] = (token_ids, wanted[1], list(new.block_ids[0]))
                 self._store_if_prefilled(meta, new.req_id, new.num_computed_tokens + scheduled[new.req_id])
@@ -117,8 +128,14 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
             meta.add_request(
                 request.all_token_ids[:total], new_blocks[0], self._block_size, False, [wanted[1] + READING]
             )
+            self._hand(req_id)
         self._requests_need_load.clear()
         return meta
+
+    def _hand(self, req_id: str) -> None:
+        """The read of `req_id`'s claimed folder is in this step's metadata: the worker reads it, then removes it."""
+        self._claimed.pop(req_id, None)
+        self._handed.add(req_id)
 
     def _store_if_prefilled(self, meta: ExampleConnectorMetadata, req_id: str, computed_after_step: int) -> None:
         """Write the prompt's KV in this step if the step completes its prefill (a prompt prefilled over several
@@ -129,8 +146,26 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
             del self._prefilling[req_id]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._prefilling.pop(request.request_id, None)  # aborted before its prompt was prefilled
+        req_id = request.request_id
+        self._prefilling.pop(req_id, None)  # aborted before its prompt was prefilled
+        claimed = self._claimed.pop(req_id, None)
+        wanted = _wanted(request.sampling_params)
+        if req_id in self._handed:
+            self._handed.discard(req_id)  # the worker read the folder and removed it
+        elif claimed is not None:  # cut short between its claim and its first step: nothing will read it now
+            shutil.rmtree(self._folder(claimed + READING), ignore_errors=True)
+        elif wanted is not None and wanted[0] == "load":  # cut short before it claimed: nor will anything read this
+            shutil.rmtree(self._folder(wanted[1]), ignore_errors=True)
         return super().request_finished(request, block_ids)  # type: ignore[no-any-return,unused-ignore]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Worker side: read this step's decode halves' KV into their blocks, then remove what was read (this
+        engine was its one reader; the scheduler claimed it)."""
+        super().start_load_kv(forward_context, **kwargs)
+        metadata = self._get_connector_metadata()
+        for request in metadata.requests:
+            if not request.is_store:
+                shutil.rmtree(self._folder(request.mm_hashes[0]), ignore_errors=True)
 
     def _generate_foldername_debug(self, token_ids: Any, mm_hashes: list[str], create_folder: bool = False) -> str:
         """The request's own folder: its key (or claimed key) travels in `mm_hashes` (the reference's salt), never a

@@ -1,7 +1,8 @@
 """Disaggregated serving on real vLLM: one engine prefills a prompt and writes its KV cache to the KV store, another
 reads it and decodes (`rollart.engines.vllm_kv`), with greedy tokens equal to transformers' and log-probs equal to
 one engine's whole request; a corrupted store changes the answer (so the KV read is the KV used), a missing one
-does not (the engine prefills itself), and the decode half removes what it read.
+does not (the engine prefills itself), and the decode half removes what it read, after reading it, however early
+or late it is cut short.
 
 Needs vLLM: `.venv-vllm/bin/python -m pytest tests/slow/test_vllm_kv_handoff.py -p no:cacheprovider -q`.
 The two engines share the module (each takes 20-50 s to start on a small CPU), one core each.
@@ -10,6 +11,8 @@ The two engines share the module (each takes 20-50 s to start on a small CPU), o
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,3 +129,27 @@ async def test_one_request_is_not_both_halves(engines: tuple[VLLMEngine, VLLMEng
     prefill, _ = engines
     with pytest.raises(InvalidRequest, match="either the prefill half"):
         await prefill.generate("t4", long_prompt(encode, "both"), greedy(8, prefill_only=True, kv_from="p/x"))
+
+
+async def test_decode_halves_cut_short_at_any_moment_leave_nothing_and_the_engine_serving(
+    engines: tuple[VLLMEngine, VLLMEngine], encode: object, store: Path
+) -> None:
+    """Decode halves cancelled from before their read to mid-decode (redundant rollouts' extras are): the reading
+    engine removes each folder after its read, or unread when the request ends, never during a read, which killed
+    the engine (a removal from outside vLLM raced the worker's read)."""
+    prefill, decode = engines
+    prompts = [long_prompt(encode, f"cut short {i}") for i in range(12)]
+    for i, prompt in enumerate(prompts):
+        await prefill.generate(f"t5/{i}/prefill", prompt, greedy(1, prefill_only=True))
+
+    async def cut(i: int, after_s: float) -> None:
+        call = asyncio.create_task(decode.generate(f"t5/{i}", prompts[i], greedy(48, kv_from=f"p/t5/{i}/prefill")))
+        await asyncio.sleep(after_s)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+
+    await asyncio.gather(*(cut(i, 0.01 + 0.003 * i * i) for i in range(len(prompts))))  # 10 ms to 0.37 s
+    after = await decode.generate("t5/after", prompts[0], greedy(4))
+    assert len(after.token_ids) == 4  # the engine serves on
+    assert os.listdir(store) == []

@@ -363,6 +363,10 @@ def test_disaggregated_routing_needs_engines_that_hand_kv_on_of_both_classes() -
     assert parse_topology(text).run.rollout.routing == "disaggregated"  # type: ignore[union-attr]
     on_vllm = {"rollout": rollout, "generator": {"backend": "vllm", "kv_store": "/dev/shm/kv"}}
     assert parse_topology(_yaml(_nodes(*both), run=on_vllm)).run.generator.kv_store == "/dev/shm/kv"
+    on_vllm["generator"]["tensor_parallel_size"] = 2
+    assert _error(_yaml(_nodes(*both), run=on_vllm)).splitlines() == [
+        "t.yaml: run.generator.kv_store: the KV store holds one rank's KV cache; expected tensor_parallel_size 1"
+    ]
 
 
 def test_a_listen_port_is_bound_and_checked_in_place_of_the_port_peers_dial() -> None:

@@ -61,5 +61,7 @@ async def test_what_each_half_leaves_is_removed_once_it_is_of_no_use(tmp_path: P
     other_engines = written("d/prefill")  # written by another engine: not this one's to remove at close
     await store.close()
     assert claimed.exists() and not unread.exists() and other_engines.exists()
-    await store.ended(("load", kv_key("a/prefill")), "length")  # the decode half that read it
-    assert not claimed.exists()
+    # A decode half's folder is its engine's connector's to remove (tests/slow/test_vllm_kv_handoff.py): it may
+    # still be read when the request is cut short out here.
+    await store.ended(("load", kv_key("a/prefill")), None)
+    assert claimed.exists()
