@@ -59,6 +59,8 @@ SINGLE = ("H800 only (72)", "H20 only (208)")
 PAPER = {"H800 only (72)": "1.12-1.37x", "H20 only (208)": "1.30-1.68x"}
 TARGET = 1.3
 """Affinity over the better single kind, from the issue."""
+BATCH_GROUPS = 64
+"""Groups of 8 per batch: the paper's 512 trajectories."""
 
 
 def nodes_for(engines: dict[str, dict[str, object]]) -> list[dict[str, object]]:
@@ -112,15 +114,16 @@ def _millionths(cost: float) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN].md, in benchmarks/results/paper."""
+    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN].md, in benchmarks/results/paper."""
     name = "fig11a-rollout" if args.rollout_only else "fig11a"
     name += f"-{args.routing}" if args.routing != "class" else ""
     name += "-prefix-cache" if args.prefix_cache else ""
-    name += (f"-alpha{args.alpha}" if args.alpha != 1 else "") + ".md"
+    name += f"-alpha{args.alpha}" if args.alpha != 1 else ""
+    name += (f"-batch{8 * args.batch_groups}" if args.batch_groups != BATCH_GROUPS else "") + ".md"
     return ROOT / "benchmarks" / "results" / "paper" / name
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
@@ -146,10 +149,21 @@ def main() -> None:
         "name",
     )
     parser.add_argument(
+        "--batch-groups",
+        type=int,
+        default=BATCH_GROUPS,
+        help=f"groups of 8 per batch (default {BATCH_GROUPS}, the paper's 512 trajectories); another adds -batchN",
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
     args.out = args.out or default_out(args)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     model = tiny_tokenizer_model()
     began = time.monotonic()
     measured = {}
@@ -157,7 +171,16 @@ def main() -> None:
         if args.only not in name:
             continue
         print(f"{name} ...", flush=True)
-        spec = paper_run_spec(model, speedup=1, steps=args.steps, engines=engines, schedule="async", alpha=args.alpha)
+        spec = paper_run_spec(
+            model,
+            speedup=1,
+            steps=args.steps,
+            engines=engines,
+            schedule="async",
+            alpha=args.alpha,
+            batch_groups=args.batch_groups,
+            groups_per_env_host=3 * args.batch_groups // 2,  # two env-hosts: room for three batches in flight
+        )
         # one GPU kind has nothing to split a turn across: its turns are whole, as with class routing
         spec["rollout"]["routing"] = "class" if args.routing == "disaggregated" and len(engines) == 1 else args.routing
         if args.rollout_only:
@@ -201,10 +224,10 @@ def main() -> None:
     print(table)
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
-        f"`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch 64 x 8, game + math, alpha {args.alpha}, "
-        f"{trainer}, routing: {args.routing}, prefix cache {'on' if args.prefix_cache else 'off'}), rollout GPUs "
-        f"as in the table; in-process, virtual clock; {args.steps} batches per run, step time = mean gap between "
-        "batches after the first"
+        f"`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch {args.batch_groups} x 8, game + math, "
+        f"alpha {args.alpha}, {trainer}, routing: {args.routing}, prefix cache {'on' if args.prefix_cache else 'off'}"
+        f"), rollout GPUs as in the table; in-process, virtual clock; {args.steps} batches per run, step time = mean "
+        "gap between batches after the first"
     )
     title = "Fig. 11a: hardware-affinity routing at equal cost (simulation)"
     write_report(args.out, title, began=began, shape=shape, body=table)
