@@ -37,24 +37,28 @@ from simrun import ROOT, Result, paper_run_spec, run, save_plot, tiny_tokenizer_
 
 from rollart.sim.hardware import GPUS
 
-
-def _mix(h800_engines: int, h20_engines: int) -> dict[str, dict[str, object]]:
-    """Engines of 8 GPUs each: H800 ones as the compute class, H20 ones as the bandwidth class."""
-    return {
-        "compute": {"gpu": "H800", "gpus": 8, "replicas": h800_engines},
-        "bandwidth": {"gpu": "H20", "gpus": 8, "replicas": h20_engines},
-    }
+GPU_SETS = ((72, 0), (0, 208), (64, 24), (48, 72), (40, 88), (32, 112), (24, 136), (16, 160))
+"""(H800, H20) GPUs of each configuration: the single kinds, the paper's mix, then mixes with more H20."""
 
 
-CONFIGS: dict[str, dict[str, dict[str, object]]] = {
-    "H800 only (72)": {"compute": {"gpu": "H800", "gpus": 8, "replicas": 9}},
-    "H20 only (208)": {"bandwidth": {"gpu": "H20", "gpus": 8, "replicas": 26}},
-    "affinity, the paper's mix (64 H800 + 24 H20)": _mix(8, 3),
-    **{
-        f"affinity ({8 * h800} H800 + {8 * h20} H20)": _mix(h800, h20)
-        for h800, h20 in ((6, 9), (5, 11), (4, 14), (3, 17), (2, 20))
-    },
-}
+def configs(gpus_per_engine: int = 8) -> dict[str, dict[str, dict[str, object]]]:
+    """Each configuration's engines of `gpus_per_engine` GPUs: H800 ones as the compute class, H20 ones as the
+    bandwidth class."""
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for h800, h20 in GPU_SETS:
+        name = f"affinity ({h800} H800 + {h20} H20)"
+        name = "H800 only (72)" if not h20 else "H20 only (208)" if not h800 else name
+        name = name.replace("affinity (64", "affinity, the paper's mix (64")
+        engines = {"compute": ("H800", h800), "bandwidth": ("H20", h20)}
+        out[name] = {
+            kind: {"gpu": gpu, "gpus": gpus_per_engine, "replicas": gpus // gpus_per_engine}
+            for kind, (gpu, gpus) in engines.items()
+            if gpus
+        }
+    return out
+
+
+CONFIGS = configs()
 SINGLE = ("H800 only (72)", "H20 only (208)")
 PAPER = {"H800 only (72)": "1.12-1.37x", "H20 only (208)": "1.30-1.68x"}
 TARGET = 1.3
@@ -114,12 +118,14 @@ def _millionths(cost: float) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN].md, in benchmarks/results/paper."""
+    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN][-MODEL][-tpN].md, in benchmarks/results/paper."""
     name = "fig11a-rollout" if args.rollout_only else "fig11a"
     name += f"-{args.routing}" if args.routing != "class" else ""
     name += "-prefix-cache" if args.prefix_cache else ""
     name += f"-alpha{args.alpha}" if args.alpha != 1 else ""
-    name += (f"-batch{8 * args.batch_groups}" if args.batch_groups != BATCH_GROUPS else "") + ".md"
+    name += f"-batch{8 * args.batch_groups}" if args.batch_groups != BATCH_GROUPS else ""
+    name += f"-{args.model}" if args.model != "qwen3-32b" else ""
+    name += (f"-tp{args.gpus_per_engine}" if args.gpus_per_engine != 8 else "") + ".md"
     return ROOT / "benchmarks" / "results" / "paper" / name
 
 
@@ -155,6 +161,18 @@ def parse_args() -> argparse.Namespace:
         help=f"groups of 8 per batch (default {BATCH_GROUPS}, the paper's 512 trajectories); another adds -batchN",
     )
     parser.add_argument(
+        "--model",
+        default="qwen3-32b",
+        help="the simulated model (default qwen3-32b, the paper's largest); another adds -MODEL to the name (on "
+        "an 8-GPU engine a small model is latency-bound: give it --gpus-per-engine 1)",
+    )
+    parser.add_argument(
+        "--gpus-per-engine",
+        type=int,
+        default=8,
+        help="tensor parallel GPUs of each engine (default 8; each GPU count must divide by it); another adds -tpN",
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
@@ -167,7 +185,8 @@ def main() -> None:
     model = tiny_tokenizer_model()
     began = time.monotonic()
     measured = {}
-    for name, engines in CONFIGS.items():
+    chosen = configs(args.gpus_per_engine)
+    for name, engines in chosen.items():
         if args.only not in name:
             continue
         print(f"{name} ...", flush=True)
@@ -186,6 +205,7 @@ def main() -> None:
         if args.rollout_only:
             spec["sim"]["trainer"] = None
         spec["sim"]["prefix_cache"] = args.prefix_cache
+        spec["sim"]["model"] = args.model
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
         print("\n".join(work_rows(name, result)))
@@ -201,13 +221,13 @@ def main() -> None:
         busy = ", ".join(f"{gen.removeprefix('gen-')} {frac:.0%}" for gen, frac in engines)
         paper = "1.12-1.37x over H800 only, 1.30-1.68x over H20 only" if "paper" in name else "-"
         lines.append(
-            f"| {name} | {cost_per_hour(CONFIGS[name]):.1f} | {result.mean_step_s:.0f} | {busy} "
+            f"| {name} | {cost_per_hour(chosen[name]):.1f} | {result.mean_step_s:.0f} | {busy} "
             f"| {better.mean_step_s / result.mean_step_s:.2f}x | {paper} |"
         )
     mixes = {name: r for name, r in measured.items() if name not in SINGLE}
     best_name, best = min(mixes.items(), key=lambda item: item[1].mean_step_s)
     ratio = better.mean_step_s / best.mean_step_s
-    bound = train_step_s(best)
+    bound = train_step_s(best, model=args.model)
     verdict = "met" if ratio >= TARGET else "missed"
     summary = (
         f"best mix ({best_name}) vs the better single kind: {ratio:.2f}x ({ratio:.4f} unrounded; target >= {TARGET}x: "
@@ -224,7 +244,7 @@ def main() -> None:
     print(table)
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
-        f"`benchmarks/paper/simrun.py` `paper_run_spec` (Qwen3-32B, batch {args.batch_groups} x 8, game + math, "
+        f"`benchmarks/paper/simrun.py` `paper_run_spec` ({args.model}, batch {args.batch_groups} x 8, game + math, "
         f"alpha {args.alpha}, {trainer}, routing: {args.routing}, prefix cache {'on' if args.prefix_cache else 'off'}"
         f"), rollout GPUs as in the table; in-process, virtual clock; {args.steps} batches per run, step time = mean "
         "gap between batches after the first"

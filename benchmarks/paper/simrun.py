@@ -422,7 +422,7 @@ def task_share(result: Result, task: str) -> float:
     return sum(t["task"] == task for t in result.trajectories) / max(1, len(result.trajectories))
 
 
-def train_step_s(result: Result, gpus: int = 32) -> float:
+def train_step_s(result: Result, gpus: int = 32, model: str = "qwen3-32b") -> float:
     """The simulated trainer's mean step on these batches (the paper shape's 32 H800, mfu 0.4)."""
     from rollart.sim.hardware import GPUS, MODELS
     from rollart.sim.hardware import train_step_s as step_s
@@ -431,5 +431,5 @@ def train_step_s(result: Result, gpus: int = 32) -> float:
     if not tokens:
         for t, version in zip(result.trajectories, result.versions, strict=True):
             tokens[version] = tokens.get(version, 0) + len(t["prompt_ids"]) + len(t["response_ids"])
-    model, gpu = MODELS["qwen3-32b"], GPUS["H800"]
-    return sum(step_s(model, gpu, gpus=gpus, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)
+    shape, gpu = MODELS[model], GPUS["H800"]
+    return sum(step_s(shape, gpu, gpus=gpus, mfu=0.4, tokens=n) for n in tokens.values()) / len(tokens)
