@@ -118,12 +118,13 @@ def _millionths(cost: float) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN][-MODEL][-tpN].md, in benchmarks/results/paper."""
+    """benchmarks/results/paper/fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN][-minN][-MODEL][-tpN].md."""
     name = "fig11a-rollout" if args.rollout_only else "fig11a"
     name += f"-{args.routing}" if args.routing != "class" else ""
     name += "-prefix-cache" if args.prefix_cache else ""
     name += f"-alpha{args.alpha}" if args.alpha != 1 else ""
     name += f"-batch{8 * args.batch_groups}" if args.batch_groups != BATCH_GROUPS else ""
+    name += f"-min{args.min_group_size}" if args.min_group_size is not None else ""
     name += f"-{args.model}" if args.model != "qwen3-32b" else ""
     name += (f"-tp{args.gpus_per_engine}" if args.gpus_per_engine != 8 else "") + ".md"
     return ROOT / "benchmarks" / "results" / "paper" / name
@@ -159,6 +160,13 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=BATCH_GROUPS,
         help=f"groups of 8 per batch (default {BATCH_GROUPS}, the paper's 512 trajectories); another adds -batchN",
+    )
+    parser.add_argument(
+        "--min-group-size",
+        type=int,
+        default=None,
+        help="rollout.min_group_size: a group past its deadline finishes with this many of its 8 (default: none, "
+        "the paper's: every group waits for its slowest); adds -minN to the name",
     )
     parser.add_argument(
         "--model",
@@ -199,6 +207,7 @@ def main() -> None:
             alpha=args.alpha,
             batch_groups=args.batch_groups,
             groups_per_env_host=3 * args.batch_groups // 2,  # two env-hosts: room for three batches in flight
+            min_group_size=args.min_group_size,
         )
         # one GPU kind has nothing to split a turn across: its turns are whole, as with class routing
         spec["rollout"]["routing"] = "class" if args.routing == "disaggregated" and len(engines) == 1 else args.routing
