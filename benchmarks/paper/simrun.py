@@ -238,7 +238,7 @@ def inprocess_result(done: InProcessRun) -> Result:
     result.engine_work = {
         name: EngineWork(
             sum(e.prefill_s for e in engines),
-            sum(e.busy_s - e.prefill_s for e in engines),
+            sum(max(0.0, e.busy_s - e.prefill_s) for e in engines),  # a prefill-only engine: 0, not -0
             sum(e.prefilled_tokens for e in engines),
             sum(e.generated_tokens for e in engines),
             engines[0].cost.cost_per_hour / engines[0].cost.shape.replicas,
