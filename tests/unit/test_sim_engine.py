@@ -62,6 +62,20 @@ def test_cost_model_by_hand() -> None:
     assert cost.decode_step_s(100_000, 0) == pytest.approx(2 * 32.8e9 * 100_000 / flops)
 
 
+def test_a_mixture_of_experts_computes_with_its_active_parameters_and_reads_all_of_them() -> None:
+    moe = CostModel.build(EngineShape(gpu="H20", gpus=2, mfu=0.5, mbu=0.7), "qwen3-30b-a3b")
+    flops, weights = 2 * 148e12 * 0.5, 30.5e9 * 2
+    assert moe.prefill_s(1000) == pytest.approx(2 * 3.3e9 * 1000 / flops)
+    assert moe.decode_step_s(4, 0) == pytest.approx(weights / (2 * 4e12 * 0.7))
+    # a batch of 128 leaves it bandwidth-bound, where a dense model of its size is compute-bound from about 20
+    dense = CostModel.build(EngineShape(gpu="H20", gpus=2, mfu=0.5, mbu=0.7), "qwen3-32b")
+    assert moe.decode_step_s(128, 0) == pytest.approx(weights / (2 * 4e12 * 0.7))
+    assert dense.decode_step_s(128, 0) == pytest.approx(2 * 32.8e9 * 128 / flops)
+    assert train_step_s(MODELS["qwen3-30b-a3b"], GPUS["H800"], gpus=1, mfu=1.0, tokens=1) == pytest.approx(
+        6 * 3.3e9 / 989.5e12
+    )
+
+
 def test_a_model_that_does_not_fit_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match=r"does not fit on 1 x H800 at mem_fraction 0\.8"):
         CostModel.build(EngineShape(gpu="H800", gpus=1, mem_fraction=0.8), "qwen3-32b")  # 65.6 GB of weights

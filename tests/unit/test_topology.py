@@ -323,7 +323,8 @@ def test_sim_mode_problems_name_their_paths() -> None:
     text = _yaml(_nodes(), run={"generator": {"backend": "sim"}, "sim": sim})
     assert _error(text).splitlines() == [
         "t.yaml: run.sim.speedup: expected a value > 0; got 0.0",
-        "t.yaml: run.sim.model: expected one of ['qwen2.5-7b', 'qwen3-14b', 'qwen3-32b', 'qwen3-8b']; got 'qwen3-70b'",
+        "t.yaml: run.sim.model: expected one of ['qwen2.5-7b', 'qwen3-14b', 'qwen3-30b-a3b', 'qwen3-32b', "
+        "'qwen3-8b']; got 'qwen3-70b'",
         "t.yaml: run.sim.engines.compute.gpu: expected one of ['H100', 'H20', 'H200', 'H800']; got 'A100'",
         "t.yaml: run.sim.engines.compute.gpus: expected an integer >= 1; got 0",
         "t.yaml: nodes[1].hardware: run.sim.engines has no engine for 'cpu'",
