@@ -80,21 +80,25 @@ class RollartKVStore(ExampleConnector):  # type: ignore[misc,unused-ignore]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         wanted = _wanted(request.sampling_params)
-        if wanted is None or wanted[0] != "load" or request.request_id in self._handed or not self._claim(wanted[1]):
+        if wanted is None or wanted[0] != "load" or not self._claim(request.request_id, wanted[1]):
             return 0, False
-        self._claimed[request.request_id] = wanted[1]
         return max(0, _stored(len(request.prompt_token_ids or []), self._block_size) - num_computed_tokens), False
 
-    def _claim(self, key: str) -> bool:
-        """Whether the folder of `key` is this engine's to read: renamed to its claimed name now (atomic: nothing
-        removes a claimed folder in the middle of a read), or claimed by an earlier call for this request."""
+    def _claim(self, req_id: str, key: str) -> bool:
+        """Whether the folder of `key` is `req_id`'s to read: claimed by an earlier call for this request, or renamed
+        to its claimed name now (atomic: a folder another engine claimed, for a decode half re-sent there, is not
+        this one's, and nothing removes a claimed folder in the middle of a read). A request reads at most once."""
+        if req_id in self._claimed:
+            return True
+        if req_id in self._handed:  # read already (preempted since): it computes its prompt again
+            return False
         claimed = self._folder(key + READING)
-        if not os.path.isdir(claimed):
-            try:
-                os.rename(self._folder(key), claimed)
-            except FileNotFoundError:  # never written, or given up: the engine prefills the prompt itself
-                return False
-            os.utime(claimed)  # its age, for the sweeps, counts from now
+        try:
+            os.rename(self._folder(key), claimed)
+        except OSError:  # never written, given up, or another engine's: the engine prefills the prompt itself
+            return False
+        os.utime(claimed)  # its age, for the sweeps, counts from now
+        self._claimed[req_id] = key
         return True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
