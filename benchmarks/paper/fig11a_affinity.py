@@ -37,7 +37,8 @@ from simrun import ROOT, Result, paper_run_spec, run, save_plot, tiny_tokenizer_
 
 from rollart.sim.hardware import GPUS
 
-GPU_SETS = ((72, 0), (0, 208), (64, 24), (48, 72), (40, 88), (32, 112), (24, 136), (16, 160))
+PAPER_MIX = (64, 24)
+GPU_SETS = ((72, 0), (0, 208), PAPER_MIX, (48, 72), (40, 88), (32, 112), (24, 136), (16, 160))
 """(H800, H20) GPUs of each configuration: the single kinds, the paper's mix, then mixes with more H20."""
 
 
@@ -46,9 +47,9 @@ def configs(gpus_per_engine: int = 8) -> dict[str, dict[str, dict[str, object]]]
     bandwidth class."""
     out: dict[str, dict[str, dict[str, object]]] = {}
     for h800, h20 in GPU_SETS:
-        name = f"affinity ({h800} H800 + {h20} H20)"
+        paper = ", the paper's mix" if (h800, h20) == PAPER_MIX else ""
+        name = f"affinity{paper} ({h800} H800 + {h20} H20)"
         name = "H800 only (72)" if not h20 else "H20 only (208)" if not h800 else name
-        name = name.replace("affinity (64", "affinity, the paper's mix (64")
         engines = {"compute": ("H800", h800), "bandwidth": ("H20", h20)}
         out[name] = {
             kind: {"gpu": gpu, "gpus": gpus_per_engine, "replicas": gpus // gpus_per_engine}
@@ -171,8 +172,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="qwen3-32b",
-        help="the simulated model (default qwen3-32b, the paper's largest); another adds -MODEL to the name (on "
-        "an 8-GPU engine a small model is latency-bound: give it --gpus-per-engine 1)",
+        help="the simulated model (default qwen3-32b, the paper's largest); another adds -MODEL to the name (a "
+        "small model is served on fewer GPUs an engine: --gpus-per-engine)",
     )
     parser.add_argument(
         "--gpus-per-engine",
@@ -184,6 +185,8 @@ def parse_args() -> argparse.Namespace:
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
+    if uneven := sorted({n for gpus in GPU_SETS for n in gpus if n % args.gpus_per_engine}):
+        parser.error(f"--gpus-per-engine {args.gpus_per_engine} does not divide the GPU counts {uneven}")
     args.out = args.out or default_out(args)
     return args
 
