@@ -33,7 +33,19 @@ import math
 import time
 from pathlib import Path
 
-from simrun import ROOT, Result, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
+from simrun import (
+    GAME_ANSWER_TOKENS,
+    GAME_MAX_TOKENS,
+    GAME_OBS_TOKENS,
+    ROOT,
+    Result,
+    paper_run_spec,
+    run,
+    save_plot,
+    tiny_tokenizer_model,
+    train_step_s,
+    write_report,
+)
 
 from rollart.sim.hardware import GPUS
 
@@ -119,13 +131,14 @@ def _millionths(cost: float) -> str:
 
 
 def default_out(args: argparse.Namespace) -> Path:
-    """benchmarks/results/paper/fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN][-minN][-MODEL][-tpN].md."""
+    """benchmarks/results/paper/fig11a[-rollout][-ROUTING][-prefix-cache][-alphaN][-batchN][-minN][-obsN][-MODEL][-tpN].md."""
     name = "fig11a-rollout" if args.rollout_only else "fig11a"
     name += f"-{args.routing}" if args.routing != "class" else ""
     name += "-prefix-cache" if args.prefix_cache else ""
     name += f"-alpha{args.alpha}" if args.alpha != 1 else ""
     name += f"-batch{8 * args.batch_groups}" if args.batch_groups != BATCH_GROUPS else ""
     name += f"-min{args.min_group_size}" if args.min_group_size is not None else ""
+    name += f"-obs{args.game_obs_tokens}" if args.game_obs_tokens != GAME_OBS_TOKENS else ""
     name += f"-{args.model}" if args.model != "qwen3-32b" else ""
     name += (f"-tp{args.gpus_per_engine}" if args.gpus_per_engine != 8 else "") + ".md"
     return ROOT / "benchmarks" / "results" / "paper" / name
@@ -170,6 +183,13 @@ def parse_args() -> argparse.Namespace:
         "the paper's: every group waits for its slowest); adds -minN to the name",
     )
     parser.add_argument(
+        "--game-obs-tokens",
+        type=int,
+        default=GAME_OBS_TOKENS,
+        help=f"tokens of each game observation (default {GAME_OBS_TOKENS}, the paper shape's); another adds -obsN: a "
+        "prefill-heavier game, as agents reading tool outputs or documents (10 turns must fit its 16,384 tokens)",
+    )
+    parser.add_argument(
         "--model",
         default="qwen3-32b",
         help="the simulated model (default qwen3-32b, the paper's largest); another adds -MODEL to the name (a "
@@ -187,6 +207,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if uneven := sorted({n for gpus in GPU_SETS for n in gpus if n % args.gpus_per_engine}):
         parser.error(f"--gpus-per-engine {args.gpus_per_engine} does not divide the GPU counts {uneven}")
+    if not 1 <= args.game_obs_tokens <= GAME_MAX_TOKENS // 10 - GAME_ANSWER_TOKENS:
+        parser.error(f"--game-obs-tokens must be 1..{GAME_MAX_TOKENS // 10 - GAME_ANSWER_TOKENS}: 10 turns must fit")
     args.out = args.out or default_out(args)
     return args
 
@@ -218,6 +240,8 @@ def main() -> None:
             spec["sim"]["trainer"] = None
         spec["sim"]["prefix_cache"] = args.prefix_cache
         spec["sim"]["model"] = args.model
+        game = next(task for task in spec["rollout"]["tasks"] if task["name"] == "game")
+        game["env_kwargs"]["obs_tokens"] = args.game_obs_tokens
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
         print("\n".join(work_rows(name, result)))
@@ -256,7 +280,8 @@ def main() -> None:
     print(table)
     trainer = "no trainer (rollout only)" if args.rollout_only else "a simulated 32-H800 trainer"
     shape = (
-        f"`benchmarks/paper/simrun.py` `paper_run_spec` ({args.model}, batch {args.batch_groups} x 8, game + math, "
+        f"`benchmarks/paper/simrun.py` `paper_run_spec` ({args.model}, batch {args.batch_groups} x 8, game "
+        f"({args.game_obs_tokens}-token observations) + math, "
         f"alpha {args.alpha}, {trainer}, routing: {args.routing}, prefix cache {'on' if args.prefix_cache else 'off'}"
         f"), rollout GPUs as in the table; in-process, virtual clock; {args.steps} batches per run, step time = mean "
         "gap between batches after the first"

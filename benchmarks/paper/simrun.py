@@ -340,6 +340,11 @@ def events(log: Path, event: str) -> list[dict[str, Any]]:
 # FrozenLake-like game (multi-turn, long observations: prefill-heavy) and a math-like task (one
 # long answer: decode-heavy); 96 H800 (32 training, 64 serving as 8 engines of 8) and 32 H20
 # (4 engines of 8); the weights cross to the generators over 200 Gb/s Ethernet.
+GAME_OBS_TOKENS = 600
+GAME_ANSWER_TOKENS = 64
+GAME_MAX_TOKENS = 16384
+"""The game's tokens: each observation, each answer, and a whole trajectory at most."""
+
 PAPER_NODES = [
     {"name": "trainer", "role": "trainer"},
     {"name": "gen-h800", "role": "generator", "hardware": "compute"},
@@ -389,10 +394,16 @@ def paper_run_spec(
                 {
                     "name": "game",
                     "env": "sim",
-                    "env_kwargs": {"turns": [3, 10], "obs_tokens": 600, "reset_s": 8.0, "step_s": 1.0, "sigma": sigma},
+                    "env_kwargs": {
+                        "turns": [3, 10],
+                        "obs_tokens": GAME_OBS_TOKENS,
+                        "reset_s": 8.0,
+                        "step_s": 1.0,
+                        "sigma": sigma,
+                    },
                     "profile": "prefill-heavy",
-                    "max_tokens_per_turn": 64,
-                    "max_total_tokens": 16384,
+                    "max_tokens_per_turn": GAME_ANSWER_TOKENS,
+                    "max_total_tokens": GAME_MAX_TOKENS,
                 },
                 {
                     "name": "math",

@@ -31,10 +31,17 @@ counted once).
 
 Disaggregated serving (`rollout.routing: disaggregated`, as vLLM's disaggregated prefill): a request with
 `prefill_only` is prefilled, then holds its KV cache while it leaves on its replica's link, and ends with
-no tokens; one with `kv_from` first receives its prompt's KV cache on one of the engine's links (the
-first to come free), then queues and is decoded without a prefill. Each replica has one link of
-`kv_link_gbps`; a transfer takes prompt tokens x KV bytes per token over it, at the sender and then
-again at the receiver: one after the other, an overestimate (a real transfer holds both links at once).
+no tokens; one with `kv_from` first receives its prompt's KV cache on one of the engine's links, then
+queues and is decoded without a prefill. Each replica has one link of `kv_link_gbps`; a transfer takes
+tokens x KV bytes per token over it, at the sender and then again at the receiver: one after the other, an
+overestimate (a real transfer holds both links at once). Which tokens: without the prefix cache, the whole
+prompt at both ends. With it, only what the decoding replica lacks crosses, as vLLM's KV connectors load
+only past the local prefix-cache hit: the receiver takes the blocks the replica it queues on (the holder of
+the prompt's longest cached prefix, when it sticks; else the first link to come free, and the whole prompt)
+does not hold, and the sender counts what it prefilled. For a trajectory whose turns are prefilled on one
+replica and decoded on another, each holding its history, both are about the turn's new tokens; where the
+receiver lacks more (a new decoding replica), it takes the rest, so a transfer never takes less than the
+receiver's share of it.
 
 Tokens are drawn uniformly from `token_ids` (ids the tokenizer can decode), so `logprobs` are
 log(1 / len(token_ids)): what the sampler did. A response is `max_tokens` long, or, with
@@ -270,10 +277,16 @@ class SimEngine:
                 f"request {request_id} needs {request.kv_tokens} tokens of KV cache; the engine holds "
                 f"{self.cost.kv_capacity_tokens}"
             )
+        holder = self._holder(request.blocks) if self.prefix_cache else None
+        if holder is not None and not self._sticks(holder):
+            holder = None
         if request.prefilled:
-            await self._receive_kv(request.prompt_tokens)
+            # what the replica that will decode it holds already does not cross (vLLM's KV connectors load only
+            # past the local prefix-cache hit): a trajectory's next turn brings its new tokens only
+            held = self._lookup(self._replicas[holder], request) if holder is not None else 0
+            await self._receive_kv(request.prompt_tokens - held, link=holder)
             request.arrived_s = self.clock.now()
-        if self.prefix_cache and (holder := self._holder(request.blocks)) is not None and self._sticks(holder):
+        if holder is not None:
             request.holder = holder
             self._own_queues[holder].append(request)
         else:
@@ -291,15 +304,19 @@ class SimEngine:
         self._links[link] = max(self._links[link], self.clock.now()) + seconds
         return self._links[link]
 
-    async def _receive_kv(self, tokens: int) -> None:
-        """Wait while `tokens` tokens of KV cache arrive, on the first of the replicas' links to come free."""
-        link = min(range(len(self._links)), key=self._links.__getitem__)
+    async def _receive_kv(self, tokens: int, *, link: int | None) -> None:
+        """Wait while `tokens` tokens of KV cache arrive on replica `link`'s link (None: the first of the replicas'
+        links to come free)."""
+        if link is None:
+            link = min(range(len(self._links)), key=self._links.__getitem__)
         self.kv_received_tokens += tokens
         await self.clock.sleep_until(self._transfer(link, tokens))
 
     async def _send_kv(self, replica: _Replica, request: _Request) -> None:
-        """A prefill half's KV cache leaves on its replica's link; then its KV cache is free and it is answered."""
-        await self.clock.sleep_until(self._transfer(replica.index, request.prompt_tokens))
+        """A prefill half's KV cache leaves on its replica's link (what it prefilled: the rest was cached, and the
+        replica that decodes the trajectory holds it too when it decoded the turn before); then its KV cache is
+        free and it is answered."""
+        await self.clock.sleep_until(self._transfer(replica.index, request.prompt_tokens - request.cached))
         if replica.sending.pop(request.request_id, None) is not None:  # not aborted meanwhile
             replica.kv_used -= request.kv_tokens
             self._finish(request, "length")

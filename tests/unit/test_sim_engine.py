@@ -212,6 +212,40 @@ async def test_disaggregated_halves_prefill_on_one_engine_and_decode_on_another(
 
 
 @virtual
+async def test_with_the_prefix_cache_a_trajectorys_next_turn_sends_only_its_new_tokens() -> None:
+    """Prefilled on one engine and decoded on another, each keeping the trajectory's history: the first turn's
+    KV cache crosses whole; the second turn's only for what each end lacks (the prefill engine prefilled and
+    sends what follows the first prompt's whole blocks; the decoding engine, holding the first prompt and its
+    reply, receives what follows those)."""
+    prefill = engine("H800", model="qwen3-32b", gpus=8, prefix_cache=True)
+    decode = engine("H20", model="qwen3-32b", gpus=8, prefix_cache=True)
+    await prefill.start()
+    await decode.start()
+    half = SamplingParams(max_tokens=40, prefill_only=True)
+    rest = SamplingParams(max_tokens=40, kv_from="gen-compute/t")
+    first = list(range(3, 3 + 1000))
+    await prefill.generate("t/0/prefill", first, half)
+    reply = await decode.generate("t/0", first, rest)
+    assert decode.kv_received_tokens == len(first)
+    second = first + reply.token_ids + list(range(2000, 2500))
+    link_s = MODELS["qwen3-32b"].kv_bytes_per_token * 8 / 200e9  # a token's
+    sent = len(second) - len(first) // PREFIX_BLOCK * PREFIX_BLOCK
+    start = prefill.clock.now()
+    await prefill.generate("t/1/prefill", second, half)
+    assert prefill.prefilled_tokens == len(first) + sent
+    assert prefill.clock.now() - start == pytest.approx(prefill.cost.prefill_s(sent) + sent * link_s, abs=1e-5)
+    received = len(second) - (len(first) + len(reply.token_ids)) // PREFIX_BLOCK * PREFIX_BLOCK
+    start = decode.clock.now()
+    await decode.generate("t/1", second, rest)
+    assert decode.kv_received_tokens == len(first) + received
+    decode_s = sum(decode.cost.decode_step_s(1, len(second) + i) for i in range(40))
+    assert decode.clock.now() - start == pytest.approx(received * link_s + decode_s, abs=1e-4)
+    assert decode.prefilled_tokens == 0
+    await prefill.close()
+    await decode.close()
+
+
+@virtual
 async def test_kv_transfers_share_the_replicas_links() -> None:
     """Two decode halves arriving together on one replica's link: the second waits for the first's transfer;
     with two replicas (two links) they arrive together."""
