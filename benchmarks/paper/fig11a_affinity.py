@@ -54,14 +54,18 @@ GPU_SETS = ((72, 0), (0, 208), PAPER_MIX, (48, 72), (40, 88), (32, 112), (24, 13
 """(H800, H20) GPUs of each configuration: the single kinds, the paper's mix, then mixes with more H20."""
 
 
-def configs(gpus_per_engine: int = 8) -> dict[str, dict[str, dict[str, object]]]:
+def configs(
+    gpus_per_engine: int = 8, gpu_sets: tuple[tuple[int, int], ...] = GPU_SETS
+) -> dict[str, dict[str, dict[str, object]]]:
     """Each configuration's engines of `gpus_per_engine` GPUs: H800 ones as the compute class, H20 ones as the
     bandwidth class."""
     out: dict[str, dict[str, dict[str, object]]] = {}
-    for h800, h20 in GPU_SETS:
+    for h800, h20 in gpu_sets:
         paper = ", the paper's mix" if (h800, h20) == PAPER_MIX else ""
         name = f"affinity{paper} ({h800} H800 + {h20} H20)"
-        name = "H800 only (72)" if not h20 else "H20 only (208)" if not h800 else name
+        if (h800, h20) not in GPU_SETS:
+            name = f"probe ({h800} H800 + {h20} H20)"
+        name = "H800 only (72)" if (h800, h20) == (72, 0) else "H20 only (208)" if (h800, h20) == (0, 208) else name
         engines = {"compute": ("H800", h800), "bandwidth": ("H20", h20)}
         out[name] = {
             kind: {"gpu": gpu, "gpus": gpus_per_engine, "replicas": gpus // gpus_per_engine}
@@ -202,10 +206,24 @@ def parse_args() -> argparse.Namespace:
         help="tensor parallel GPUs of each engine (default 8; each GPU count must divide by it); another adds -tpN",
     )
     parser.add_argument(
+        "--probe",
+        action="append",
+        default=[],
+        metavar="H800+H20",
+        help="run this many H800 and H20 GPUs instead of the table's configurations, at whatever cost (as many as "
+        "given; no report is written): how fast a step can get with more of either kind",
+    )
+    parser.add_argument(
         "--only", default="", help="run only the configurations whose name contains this (no report is written)"
     )
     args = parser.parse_args()
-    if uneven := sorted({n for gpus in GPU_SETS for n in gpus if n % args.gpus_per_engine}):
+    try:
+        args.probe = tuple((int(h800), int(h20)) for h800, h20 in (probe.split("+") for probe in args.probe))
+    except ValueError:
+        parser.error(f"--probe takes H800+H20 GPU counts, as 48+400; got {args.probe}")
+    if any(min(probe) < 0 or not sum(probe) for probe in args.probe):
+        parser.error(f"--probe needs some GPUs and none fewer than 0; got {args.probe}")
+    if uneven := sorted({n for gpus in args.probe or GPU_SETS for n in gpus if n % args.gpus_per_engine}):
         parser.error(f"--gpus-per-engine {args.gpus_per_engine} does not divide the GPU counts {uneven}")
     if not 1 <= args.game_obs_tokens <= GAME_MAX_TOKENS // 10 - GAME_ANSWER_TOKENS:
         parser.error(f"--game-obs-tokens must be 1..{GAME_MAX_TOKENS // 10 - GAME_ANSWER_TOKENS}: 10 turns must fit")
@@ -218,7 +236,7 @@ def main() -> None:
     model = tiny_tokenizer_model()
     began = time.monotonic()
     measured = {}
-    chosen = configs(args.gpus_per_engine)
+    chosen = configs(args.gpus_per_engine, args.probe or GPU_SETS)
     for name, engines in chosen.items():
         if args.only not in name:
             continue
@@ -245,7 +263,7 @@ def main() -> None:
         measured[name] = result = run(spec, nodes_for(engines), inprocess=True, keep_groups=False)
         print(f"  step times (simulated s): {[round(s) for s in result.step_s]}; busy {result.generator_busy}")
         print("\n".join(work_rows(name, result)))
-    if args.only:
+    if args.only or args.probe:
         return
     better = min((measured[name] for name in SINGLE), key=lambda r: r.mean_step_s)
     lines = [
