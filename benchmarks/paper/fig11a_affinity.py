@@ -61,11 +61,13 @@ def configs(
     bandwidth class."""
     out: dict[str, dict[str, dict[str, object]]] = {}
     for h800, h20 in gpu_sets:
-        paper = ", the paper's mix" if (h800, h20) == PAPER_MIX else ""
-        name = f"affinity{paper} ({h800} H800 + {h20} H20)"
         if (h800, h20) not in GPU_SETS:
             name = f"probe ({h800} H800 + {h20} H20)"
-        name = "H800 only (72)" if (h800, h20) == (72, 0) else "H20 only (208)" if (h800, h20) == (0, 208) else name
+        elif not h20 or not h800:
+            name = f"H800 only ({h800})" if h800 else f"H20 only ({h20})"
+        else:
+            paper = ", the paper's mix" if (h800, h20) == PAPER_MIX else ""
+            name = f"affinity{paper} ({h800} H800 + {h20} H20)"
         engines = {"compute": ("H800", h800), "bandwidth": ("H20", h20)}
         out[name] = {
             kind: {"gpu": gpu, "gpus": gpus_per_engine, "replicas": gpus // gpus_per_engine}
