@@ -69,9 +69,10 @@ from gpu_check_rows import measure_generation, measure_push, megatron_unavailabl
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.algorithms.grpo import PackedBatch
-from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.logs import configure_logging
 from rollart.tiny.model import EOS_TOKEN, PAD_TOKEN, build_tokenizer
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 
 GIB = 1 << 30
 

@@ -45,12 +45,13 @@ from typing import Any, TypeVar
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
-from rollart.engines.base import GenerationResult, SamplingParams
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.memory import peak_bytes, reset_peak
-from rollart.engines.training import TRAINING_BACKENDS, TrainerSpec, build_training_engine
+from rollart.generation.engine import GenerationResult, SamplingParams
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.testkit.push import push_once
+from rollart.training.memory import peak_bytes, reset_peak
+from rollart.training.registry import TRAINING_BACKENDS, build_training_engine
+from rollart.training.spec import TrainerSpec
 from rollart.weights import ApplyWeights
 
 T = TypeVar("T")
@@ -228,7 +229,7 @@ def megatron_unavailable(device: str) -> str | None:
     if device != "cuda":
         return "not run on CPU: Megatron-Core's forward needs CUDA (its RNG tracker and RoPE)"
     if "megatron" not in TRAINING_BACKENDS:
-        return "this checkout has no megatron backend (TRAINING_BACKENDS in rollart/engines/training.py)"
+        return "this checkout has no megatron backend (TRAINING_BACKENDS in rollart/training/registry.py)"
     try:
         importlib.import_module("megatron.core")
     except ImportError as exc:

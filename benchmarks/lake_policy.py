@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
 from rollart.envs import make_env
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.render import ChatRenderer
 from rollart.topology import load_topology
 

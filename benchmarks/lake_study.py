@@ -36,12 +36,12 @@ import torch
 
 from rollart.algorithms.grpo import group_advantages, pack_batch
 from rollart.algorithms.selection import select_groups
-from rollart.engines.torch_train import TorchTrainer
-from rollart.engines.training import TrainerSpec
 from rollart.envs import make_env
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.topology import load_topology
+from rollart.training.spec import TrainerSpec
+from rollart.training.torch.engine import TorchTrainer
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 20

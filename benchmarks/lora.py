@@ -37,10 +37,12 @@ import torch
 from gpu_check import random_batch  # benchmarks/: the GPU check's batch maker, a sibling script
 from machine import describe
 
-from rollart.engines.hf import HFEngine
-from rollart.engines.training import LoraSpec, TrainerSpec, build_training_engine
+from rollart.generation.hf.engine import HFEngine
+from rollart.lora.spec import LoraSpec
 from rollart.models.qwen3_bpe import build_qwen3_bpe_model
 from rollart.testkit.push import push_once
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = LoraSpec(rank=8, alpha=16.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

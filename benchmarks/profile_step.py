@@ -29,12 +29,12 @@ import torch
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.algorithms.grpo import PackedBatch, pack_batch
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.step import read_groups
-from rollart.engines.training import build_training_engine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.render import ChatRenderer
 from rollart.tiny.warmup import random_episode
 from rollart.topology import load_topology
+from rollart.training.registry import build_training_engine
+from rollart.training.step import read_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "profile_step.md"

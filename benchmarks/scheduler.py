@@ -27,7 +27,7 @@ proxy, each with its own measured service time and reported backlog: what one tu
 any cluster size.
 
 CPU time is cProfile's tottime of the scheduler's own files (rollart/rollout/dispenser.py, proxy.py,
-buffer.py) and the harness's process time, both per trajectory and per turn, with the ratio to
+routing/, buffer.py) and the harness's process time, both per trajectory and per turn, with the ratio to
 1x. The in-process simulation's curve (benchmarks/results/paper/scale.md) runs the same code among
 thousands of nodes' objects; this one runs it alone, so the two together tell the scheduler's own
 growth from what the whole simulation adds.
@@ -63,9 +63,19 @@ from rollart.protocol.messages import Generate, Generated, GroupDone, Trajectory
 from rollart.rollout.buffer import SampleBuffer  # noqa: E402
 from rollart.rollout.config import RolloutSpec, Routing, TaskSpec  # noqa: E402
 from rollart.rollout.dispenser import Dispenser  # noqa: E402
-from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler  # noqa: E402
+from rollart.rollout.proxy import LLMProxy  # noqa: E402
+from rollart.rollout.routing.base import GeneratorRef, TaskProfiler  # noqa: E402
+from rollart.rollout.staleness import StalenessBound  # noqa: E402
 
-SCHEDULER = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rollart/rollout/buffer.py")
+SCHEDULER = (
+    "rollart/rollout/dispenser.py",
+    "rollart/rollout/proxy.py",
+    "rollart/rollout/routing/base.py",
+    "rollart/rollout/routing/by_class.py",
+    "rollart/rollout/routing/by_finish_time.py",
+    "rollart/rollout/routing/spill.py",
+    "rollart/rollout/buffer.py",
+)
 REPLICAS_PER_NODE = 64
 GROUP, TURNS, BATCHES = 8, 4, 4
 
@@ -122,7 +132,7 @@ async def run(factor: int, routing: Routing) -> dict[str, int]:
         batch_groups=batch,
         alpha=1,
     )
-    buffer = SampleBuffer(batch_groups=batch, alpha=1)
+    buffer = SampleBuffer(batch_groups=batch, bound=StalenessBound(1))
     dispenser = Dispenser(spec, buffered=lambda: len(buffer))
     nodes = math.ceil(factor / REPLICAS_PER_NODE)
     sessions = [InstantSession(f"gen-{kind}-{i}") for kind in ("compute", "bandwidth") for i in range(nodes)]

@@ -53,8 +53,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
 from rollart.algorithms.grpo import PackedBatch, pack_batch  # noqa: E402
-from rollart.engines.training import TrainerSpec, build_training_engine  # noqa: E402
 from rollart.tiny.model import MARKER_FILE, TinySizes, build_tiny_model  # noqa: E402
+from rollart.training.registry import build_training_engine  # noqa: E402
+from rollart.training.spec import TrainerSpec  # noqa: E402
 from tests.batches import Seq  # noqa: E402
 
 VOCAB = 151_936
@@ -268,7 +269,7 @@ def bare_process_mib() -> float:
     code = (
         "import re, torch, torch.distributed, transformers\n"
         "from transformers import Qwen3ForCausalLM\n"
-        "import rollart.engines.fsdp_rank\n"
+        "import rollart.training.fsdp.rank\n"
         "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -32,7 +32,7 @@ import torch
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 from structlog.testing import capture_logs
 
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.vllm.engine import VLLMEngine
 from rollart.tiny.model import TinySizes, build_tiny_model
 
 SIZES = {

@@ -35,10 +35,14 @@ import sys
 from pathlib import Path
 
 from rollart.errors import ConfigError
+from rollart.generation.registry import OwnVenv
+from rollart.generation.registry import backend as generation_backend
 from rollart.rundir import RunDir
 from rollart.topology import Role, Topology, load_topology
 
 EXIT_CONFIG = 2
+IN_VENV_ENV = "ROLLART_IN_BACKEND_VENV"
+"""Set when `run` re-runs itself in a backend's own environment, so it does not set that up again."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if _needs_vllm(topology) and importlib.util.find_spec("vllm") is None:
-        return _rerun_with_vllm(argv if argv is not None else sys.argv[1:])
+    if (venv := _own_venv(topology)) is not None and importlib.util.find_spec(venv.module) is None:
+        return _rerun_in(venv, argv if argv is not None else sys.argv[1:])
 
     import uvloop
 
@@ -263,9 +267,9 @@ def _report(run_dir: Path, out: Path | None) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """`rollart export`: find the checkpoint in the run folder, then `rollart.engines.export`."""
-    from rollart.engines.export import ExportError, export_checkpoint
+    """`rollart export`: find the checkpoint in the run folder, then `rollart.training.export`."""
     from rollart.rundir import RunDirError
+    from rollart.training.export import ExportError, export_checkpoint
 
     run = RunDir(args.run_dir)
     try:
@@ -296,27 +300,29 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _needs_vllm(topology: Topology) -> bool:
-    run = topology.run
-    return (
-        run.rollout is not None and run.generator.backend == "vllm" and bool(topology.nodes_with_role(Role.GENERATOR))
-    )
+def _own_venv(topology: Topology) -> OwnVenv | None:
+    """The environment of its own that the topology's generators' backend lives in (None: none, or no generator
+    of the topology starts an engine)."""
+    if topology.run.rollout is None or not topology.nodes_with_role(Role.GENERATOR):
+        return None
+    return generation_backend(topology.run.generator.backend).venv
 
 
-def _rerun_with_vllm(argv: list[str]) -> int:
-    """The topology's generators run vLLM, which lives in its own environment: set that up when
+def _rerun_in(venv: OwnVenv, argv: list[str]) -> int:
+    """The topology's generators run a library that lives in its own environment (vLLM): set that up when
     missing (`bin/setup-vllm`, a few minutes the first time) and run this command there."""
     root = Path(__file__).resolve().parents[1]
-    venv = Path(os.environ.get("ROLLART_VLLM_VENV", root / ".venv-vllm"))
-    if os.environ.get("ROLLART_IN_VLLM_VENV"):
-        print(f"rollart: vllm is not importable even in {venv}; run bin/setup-vllm (docs/vllm.md)", file=sys.stderr)
+    folder = Path(os.environ.get(venv.override_env, root / venv.folder))
+    if os.environ.get(IN_VENV_ENV):
+        missing = f"{venv.module} is not importable even in {folder}; run {venv.setup} ({venv.doc})"
+        print(f"rollart: {missing}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"rollart: the generators run vLLM: setting up {venv} if needed (bin/setup-vllm)", file=sys.stderr)
-    if subprocess.run([str(root / "bin" / "setup-vllm")], check=False).returncode != 0:
-        print("rollart: bin/setup-vllm failed; see above, or set run.generator.backend: hf", file=sys.stderr)
+    print(f"rollart: the generators run {venv.module}: setting up {folder} if needed ({venv.setup})", file=sys.stderr)
+    if subprocess.run([str(root / venv.setup)], check=False).returncode != 0:
+        print(f"rollart: {venv.setup} failed; see above, or set run.generator.backend: hf", file=sys.stderr)
         return EXIT_CONFIG
-    python = str(venv / "bin" / "python")
-    os.environ["ROLLART_IN_VLLM_VENV"] = "1"
+    python = str(folder / "bin" / "python")
+    os.environ[IN_VENV_ENV] = "1"
     os.execv(python, [python, "-m", "rollart", *argv])
 
 

@@ -25,6 +25,7 @@ import structlog
 
 from rollart.cpus import check_from_env, pin_from_env
 from rollart.errors import ConfigError
+from rollart.generation.registry import backend as generation_backend
 from rollart.topology import NodeSpec, Role, Topology, load_topology
 from rollart.workers.spawn import die_with_parent
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topology = load_topology(args.topology)
         spec = topology.node(args.node)
-        if spec.role is Role.GENERATOR and topology.run.generator.backend == "vllm":
+        if spec.role is Role.GENERATOR and generation_backend(topology.run.generator.backend).pins_after_start:
             check_from_env()  # it settles on its cores once its engine is up (rollart.cpus)
         else:
             pin_from_env()  # the launcher's share of the machine's cores, before any thread starts
@@ -137,7 +138,7 @@ def check_visible_gpus(topology: Topology, spec: NodeSpec) -> None:
     wanted = spec.resources.gpus
     if not wanted or spec.role not in (Role.TRAINER, Role.GENERATOR):
         return
-    if spec.role is Role.GENERATOR and topology.run.generator.backend == "sim":
+    if spec.role is Role.GENERATOR and generation_backend(topology.run.generator.backend).simulated:
         return
     import torch
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.tiny.model import ensure_tiny_model
 
 EOS = 1

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.training import LoraSpec
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
 
 SPEC = LoraSpec(rank=4, alpha=8.0)
 """q, k, v and o projections, scaling 2."""

@@ -11,10 +11,11 @@ engines fit on this machine and what is measured in simulated time does not depe
    utilization, and the CPU the simulation took.
 2. **Overhead curve**: a unit of 2 env-hosts and 2 engines (one H800, one H20), batch 2 groups,
    grown 1x, 10x, 100x, 1000x (env-hosts, engines and batch together; engines grouped 64 to a
-   generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy and SampleBuffer
-   (`rollart/rollout/{dispenser,proxy,buffer}.py`, by cProfile), and all CPU of the process, per
-   trajectory started. It should stay flat: total cost linear in trajectories. cProfile times by
-   the wall clock (its CPU-clock timer tripled the overhead): run it with the machine to itself.
+   generator node). Per trajectory: the CPU time spent in the dispenser, LLMProxy, its router and
+   SampleBuffer (`rollart/rollout/{dispenser,proxy,buffer}.py`, `rollart/rollout/routing/`, by
+   cProfile), and all CPU of the process, per trajectory started. It should stay flat: total cost
+   linear in trajectories. cProfile times by the wall clock (its CPU-clock timer tripled the
+   overhead): run it with the machine to itself.
 
     .venv/bin/python benchmarks/paper/scale.py                     # both; about 20 minutes on 2 cores
     .venv/bin/python benchmarks/paper/scale.py --curve 1 10 100    # a shorter curve
@@ -35,7 +36,15 @@ from typing import Any
 
 from simrun import ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
 
-SCHEDULING = ("rollart/rollout/dispenser.py", "rollart/rollout/proxy.py", "rollart/rollout/buffer.py")
+SCHEDULING = (
+    "rollart/rollout/dispenser.py",
+    "rollart/rollout/proxy.py",
+    "rollart/rollout/routing/base.py",
+    "rollart/rollout/routing/by_class.py",
+    "rollart/rollout/routing/by_finish_time.py",
+    "rollart/rollout/routing/spill.py",
+    "rollart/rollout/buffer.py",
+)
 REPLICAS_PER_NODE = 64
 SESSION = {"heartbeat_interval_s": 30.0, "heartbeat_deadline_s": 300.0}
 """Thousands of sessions: heartbeats every 30 simulated seconds instead of every second."""

@@ -212,9 +212,9 @@ def inprocess_topology(
 
 def inprocess_result(done: InProcessRun) -> Result:
     """What the figures read of an in-process run."""
+    from rollart.generation.sim import SimEngine
     from rollart.nodes import EnvHostNode, GeneratorNode, TrainerNode
     from rollart.nodes.trainer_steps import SimulatedStep, as_record
-    from rollart.sim.engine import SimEngine
 
     trajectories, versions = [], []
     for batch in done.batches:
@@ -222,15 +222,15 @@ def inprocess_result(done: InProcessRun) -> Result:
             trajectories += [as_record(t) for t in group.trajectories]
             versions += [batch.version] * len(group.trajectories)
     env_hosts = [node for node in done.nodes.values() if isinstance(node, EnvHostNode)]
-    aborted = sum(node.counts["aborted_stale"] for node in env_hosts)
+    aborted = sum(node.rollout_state.counts["aborted_stale"] for node in env_hosts)
     dropped = sum(node.buffer.dropped_stale for node in done.nodes.values() if isinstance(node, TrainerNode))
-    started = sum(node.counts["envs_opened"] for node in env_hosts)
+    started = sum(node.rollout_state.counts["envs_opened"] for node in env_hosts)
     reward = done.reward.utilization if done.reward is not None and done.reward.cold_starts.count else None
     result = Result(
         done.step_s, trajectories, versions, 1.0, aborted, dropped, done.generator_busy, reward, done.cpu_s, started
     )
     result.batch_tokens = {batch.version: batch.tokens for batch in done.batches}
-    result.turns = sum(sum(g.calls.values()) for node in env_hosts for g in node.proxy.generators)
+    result.turns = sum(sum(g.calls.values()) for node in env_hosts for g in node.rollout_state.proxy.generators)
     result.batched = done.trajectories
     for node in done.nodes.values():
         if isinstance(node, TrainerNode) and isinstance(node.steps, SimulatedStep):

@@ -28,7 +28,7 @@ from rollart.errors import RollartError
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.render import THINK_END, ChatRenderer
-from rollart.rollout.trajectory import TurnHistory
+from rollart.rollout.turns import TurnHistory, turn_request
 
 Generator = Callable[[Generate], Awaitable[Generated]]
 Normal = tuple[str, str, str, str, str]
@@ -233,16 +233,15 @@ class AgentEpisode:
                 f"the episode's {len(context)} tokens leave no room under the task's max_total_tokens "
                 f"({task.max_total_tokens})",
             )
-        request = Generate(
-            request_id=f"{self.episode_id}.t{self.turns}",
-            trajectory_id=self.episode_id,
-            prompt_ids=context,
+        request = turn_request(
+            self.episode_id,
+            self.turns,
+            context,
             max_tokens=budget,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
-            stop_token_ids=self.renderer.stop_ids,
-            seed=seed,
+            sampling=self.sampling,
+            stop_ids=self.renderer.stop_ids,
             min_version=self._min_version(),
+            seed=seed,
         )
         result = await self.history.timed("gen", self._generate(request))
         if result.finish_reason == "abort":

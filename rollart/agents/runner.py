@@ -18,19 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollart.agents.episode import AgentEpisode, Generator
+from rollart.agents.episode import AgentEpisode
 from rollart.agents.openai_api import AgentEndpoint
 from rollart.errors import RollartError
 from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.config import AgentProgram, SamplingSpec, TaskSpec
-from rollart.rollout.render import ChatRenderer
+from rollart.rollout.turns import EpisodeContext
 from rollart.workers.limits import WorkerLimits, set_limits
 from rollart.workers.sandbox import SandboxSpec, probe, worker_launch
 
@@ -38,8 +40,6 @@ RELAY_PORT = 8000
 """The loopback port an agent in a sandbox without network finds its endpoint on."""
 STDERR_TAIL = 2000
 """Characters of a failed program's stderr kept for its cause."""
-
-Scorer = Callable[[Score], Awaitable[float]]
 
 
 class AgentFailed(RollartError):
@@ -91,6 +91,47 @@ class ProgramLaunch:
 
 
 @dataclass(frozen=True)
+class AgentHost:
+    """How an env-host serves its agent episodes: their OpenAI-compatible endpoint, on loopback and on a Unix
+    socket for agents in sandboxes without network (`rollart.agents.relay`), and how their programs start."""
+
+    endpoint: AgentEndpoint
+    launch: ProgramLaunch
+    socket_dir: Path
+
+    @classmethod
+    async def start(
+        cls,
+        model_name: str,
+        sandbox: SandboxSpec,
+        *,
+        hide: Sequence[str | Path],
+        environ: Mapping[str, str],
+        limits: WorkerLimits,
+    ) -> AgentHost:
+        """Serve the endpoint (answering as `model_name`); programs run as `ProgramLaunch.prepare` decides."""
+        socket_dir = _socket_dir()
+        socket = socket_dir / "endpoint.sock"
+        endpoint = AgentEndpoint(model_name=model_name, unix_socket=socket)
+        await endpoint.start()
+        launch = ProgramLaunch.prepare(sandbox, hide=hide, socket=socket, environ=environ, limits=limits)
+        return cls(endpoint, launch, socket_dir)
+
+    async def stop(self) -> None:
+        await self.endpoint.stop()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def _socket_dir() -> Path:
+    """A directory for the agent endpoint's Unix socket: short (a socket path has 107 bytes at most) and
+    outside the run directory, which sandboxes hide; a sandbox's nobody may reach it (the episodes' keys,
+    not the socket's mode, decide who is served)."""
+    folder = Path(tempfile.mkdtemp(prefix="rollart-agents-"))
+    folder.chmod(0o755)
+    return folder
+
+
+@dataclass(frozen=True)
 class AgentJob:
     """What an agent episode needs to run."""
 
@@ -101,37 +142,28 @@ class AgentJob:
     sampling: SamplingSpec
 
 
-async def run_agent_episode(
-    job: AgentJob,
-    *,
-    endpoint: AgentEndpoint,
-    launch: ProgramLaunch,
-    renderer: ChatRenderer,
-    generate: Generator,
-    score: Scorer,
-    policy_version: Callable[[], int],
-    on_start: Callable[[int], None] = lambda version: None,
-    min_version: Callable[[], int] = lambda: 0,
-) -> Trajectory:
-    """Play one episode of `job.task` with its agent program and return it scored; raises `AgentFailed`."""
+async def run_agent_episode(job: AgentJob, context: EpisodeContext, host: AgentHost) -> Trajectory:
+    """Play one episode of `job.task` with its agent program, served and started by `host`, and return it
+    scored; raises `AgentFailed`."""
     task, program = job.task, job.task.agent
+    endpoint, launch = host.endpoint, host.launch
     assert program is not None  # an agent task (checked with the topology)
     started_at, started_version = time.time(), None
 
     async def first_turn_starts(request: Generate) -> Generated:
         nonlocal started_version
         if started_version is None:
-            started_version = policy_version()
-            on_start(started_version)
-        return await generate(request)
+            started_version = context.policy_version()
+            context.on_start(started_version)
+        return await context.proxy.generate(task.name, request)
 
     episode = AgentEpisode(
         job.trajectory_id,
         task=task,
         sampling=job.sampling,
-        renderer=renderer,
+        renderer=context.renderer,
         generate=first_turn_starts,
-        min_version=min_version,
+        min_version=context.min_version,
     )
     access = endpoint.open(episode)
     reason = "the episode ended"
@@ -160,13 +192,13 @@ async def run_agent_episode(
             score_request = Score(
                 fn=task.reward,
                 task=task.name,
-                prompt=renderer.decode(episode.prompt_ids or []),
+                prompt=context.renderer.decode(episode.prompt_ids or []),
                 response="\n".join(episode.history.replies),
                 answer=report.answer if report is not None else None,
                 env_reward=0.0,
                 tokens=len(episode.history.ids),
             )
-            reward = await episode.history.timed("reward", score(score_request))
+            reward = await episode.history.timed("reward", context.score(score_request))
     except asyncio.CancelledError as exc:
         reason = str(exc.args[0]) if exc.args else "the episode was cancelled"
         raise
@@ -175,6 +207,7 @@ async def run_agent_episode(
         raise
     finally:
         endpoint.close(job.trajectory_id, reason)
+        context.proxy.forget(job.trajectory_id)
     return Trajectory(
         trajectory_id=job.trajectory_id,
         group_id=job.group_id,
@@ -185,7 +218,7 @@ async def run_agent_episode(
         env_reward=report.reward if report is not None and report.reward is not None else 0.0,
         turns=episode.turns,
         finish="done",
-        started_at_version=started_version if started_version is not None else policy_version(),
+        started_at_version=started_version if started_version is not None else context.policy_version(),
         started_at=started_at,
         finished_at=time.time(),
         success=bool(report is not None and report.success),

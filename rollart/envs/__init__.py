@@ -10,8 +10,8 @@
 | `handle` | `EnvHandle`: an env as a trajectory drives it (async, failures contained) |
 
 RollArt's own tasks (`frozen-lake`, `sokoban`, `copy-reverse`, `code`, `dataset`, `sim`, and the
-test wrappers `flaky` and `slow`) live in `rollart.tasks`, which registers them on import; importing
-this package imports it too, so every built-in name resolves as soon as `rollart.envs` is imported.
+test wrappers `flaky` and `slow`) live in `rollart.tasks`, which registers them on import; the registry
+imports it before its first use, so every built-in name resolves wherever envs are made.
 How envs are run (threads or worker processes, with deadlines) is `rollart.envexec`, the env-host's
 concern.
 
@@ -43,10 +43,6 @@ from rollart.envs.registry import (
 
 register_env_family("gem", GemEnv)
 register_env_family("gym", GymnasiumTextEnv)
-
-# The built-in tasks register themselves on import, as a user's env module does. Imported last:
-# they import this package's modules, which are all loaded by now.
-import rollart.tasks  # noqa: E402, F401
 
 __all__ = [
     "DIRECTIONS",

@@ -4,7 +4,8 @@
 `gym:<id>`, go to a family factory with the id as first argument (`make_env("gym:FrozenLake-v1")`),
 so any GEM or Gymnasium env can be named without registering each one.
 
-The built-ins register when `rollart.envs` is imported. A user's envs live in their own modules,
+The built-ins (`rollart.tasks`) register before the registry is first used: read or written, so a
+user's env can never take a built-in's name unnoticed. A user's envs live in their own modules,
 named in the topology under `run.env_modules`; `import_env_modules` imports each one, and each
 registers its envs on import:
 
@@ -38,12 +39,20 @@ _envs: dict[str, EnvFactory] = {}
 _families: dict[str, EnvFactory] = {}
 
 
+def _with_builtins() -> None:
+    """Register RollArt's own tasks as a user's env module does: by importing them (once; a later import is a
+    lookup, and one from inside their own import finds them under way). Deferred to the registry's first use
+    rather than done by `rollart.envs` on import, since the tasks import the env API."""
+    import rollart.tasks  # noqa: F401
+
+
 def _where(factory: EnvFactory) -> str:
     return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', repr(factory))}"
 
 
 def register_env(name: str, factory: EnvFactory, *, overwrite: bool = False) -> None:
     """Make `make_env(name, **kwargs)` call `factory(**kwargs)`."""
+    _with_builtins()
     if not name or ":" in name or name != name.strip():
         raise ConfigError(f"env name {name!r} is invalid: it must be non-empty, without ':' or surrounding spaces")
     if name in _envs and not overwrite and _envs[name] is not factory:
@@ -54,7 +63,7 @@ def register_env(name: str, factory: EnvFactory, *, overwrite: bool = False) -> 
 
 
 def register_env_family(prefix: str, factory: EnvFactory, *, overwrite: bool = False) -> None:
-    """Make `make_env(f"{prefix}:{id}", **kwargs)` call `factory(id, **kwargs)`."""
+    """Make `make_env(f"{prefix}:{id}", **kwargs)` call `factory(id, **kwargs)` (the built-ins name no family)."""
     if not prefix.isidentifier():
         raise ConfigError(f"env family prefix {prefix!r} must be an identifier")
     if prefix in _families and not overwrite and _families[prefix] is not factory:
@@ -64,11 +73,13 @@ def register_env_family(prefix: str, factory: EnvFactory, *, overwrite: bool = F
 
 def registered_envs() -> list[str]:
     """The registered names, sorted (family prefixes such as `gem:` are not listed)."""
+    _with_builtins()
     return sorted(_envs)
 
 
 def registered_factories() -> dict[str, EnvFactory]:
     """Every registered factory by name, families as `prefix:` (a copy: compare before and after imports)."""
+    _with_builtins()
     return {**_envs, **{f"{prefix}:": factory for prefix, factory in _families.items()}}
 
 
@@ -117,6 +128,7 @@ def unknown_env(name: str) -> str | None:
 
     "unknown env 'frozen-lakes'. Did you mean 'frozen-lake'? Registered envs: ..."; the message
     `make_env` raises, and the one the topology loader reports before any env-host starts."""
+    _with_builtins()
     prefix, sep, env_id = name.partition(":")
     if sep and prefix in _families:
         return None if env_id else f"env {name!r}: give an id after {prefix!r}:, e.g. {prefix}:<id>"
@@ -135,6 +147,7 @@ def unknown_env(name: str) -> str | None:
 def env_kwargs_problem(name: str, kwargs: dict[str, Any]) -> str | None:
     """What is wrong with `kwargs` for the registered env `name`, as `make_env` would say it (None: nothing
     known: they fit, or `name` is a family's or unknown, which `unknown_env` tells)."""
+    _with_builtins()
     factory = _envs.get(name)
     if factory is None:
         return None

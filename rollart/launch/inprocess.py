@@ -38,6 +38,8 @@ import structlog
 from rollart.clock import virtual_event_loop
 from rollart.envs import import_env_modules, make_env
 from rollart.errors import ConfigError
+from rollart.generation.registry import GENERATION_BACKENDS
+from rollart.generation.registry import backend as generation_backend
 from rollart.logs import configure_logging
 from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode, TrainerNode
 from rollart.protocol.memory import MemoryNetwork
@@ -101,8 +103,9 @@ def check_inprocess(topology: Topology) -> None:
             if env.blocking:  # a thread would let the virtual clock run past it
                 problems.append(f"run.rollout.tasks[{index}].env: {task.env} blocks; in-process needs env: sim")
             env.close()
-    if run.generator.backend != "sim":
-        problems.append(f"run.generator.backend: must be sim; got {run.generator.backend}")
+    if not generation_backend(run.generator.backend).simulated:
+        modelled = ", ".join(name for name, record in GENERATION_BACKENDS.items() if record.simulated)
+        problems.append(f"run.generator.backend: must be simulated ({modelled}); got {run.generator.backend}")
     if run.sim.speedup != 1:
         problems.append(f"run.sim.speedup: must be 1 in-process (the loop's clock is simulated); got {run.sim.speedup}")
     if run.sim.reward is None and run.reward_service is None:

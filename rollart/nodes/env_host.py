@@ -4,7 +4,9 @@ Each of its `groups_per_env_host` slots asks the trainer for a group task, runs 
 G + R trajectories (`rollout.group`, `rollout.trajectory`), sends the first G back and asks
 again. Generation calls go through the `LLMProxy` (hardware affinity, stickiness, failover);
 scores come from the reward gateway. When the trainer announces a new policy version, every
-trajectory started before `version - alpha` is aborted here at once.
+trajectory started before `version - alpha` is aborted here at once. The policy version, the counts,
+the trajectories in flight and the proxy are the rollout's state (`rollart.nodes.env_host_state`);
+each trajectory's runner, env or agent, gets an `EpisodeContext` of it (`rollart.rollout.turns`).
 
 Envs run where `run.rollout.env_workers` puts them (`rollart.envexec.opener`): user envs in env
 worker processes, without the node's secrets and under resource limits; RollArt's own in
@@ -18,26 +20,21 @@ with backoff (`rollart.protocol.retry`), up to `run.session.retry_deadline_s`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import os
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
 
-from rollart.agents.openai_api import AgentEndpoint
-from rollart.agents.runner import AgentJob, ProgramLaunch, run_agent_episode
+from rollart.agents.runner import AgentHost, AgentJob, run_agent_episode
 from rollart.clock import SimClock
-from rollart.envs import EnvFailure
 from rollart.errors import ConfigError, RollartError
 from rollart.models.checkpoint import generation_eos_ids
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.env_host_modes import EnvHostMode, RollingOut, StatusOnly
+from rollart.nodes.env_host_state import RolloutState
 from rollart.protocol import ClientSession, Session
 from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.messages import (
@@ -54,29 +51,16 @@ from rollart.protocol.retry import Backoff, RetriesExhausted, retry
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import RolloutSpec, SamplingSpec, TaskSpec
 from rollart.rollout.group import GroupDeadlines, run_group
-from rollart.rollout.proxy import GeneratorRef, LLMProxy, TaskProfiler
+from rollart.rollout.proxy import LLMProxy
 from rollart.rollout.render import ChatRenderer
+from rollart.rollout.routing.base import GeneratorRef, TaskProfiler
+from rollart.rollout.staleness import StalenessBound
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
+from rollart.rollout.turns import EpisodeContext
 from rollart.topology import REWARD_SERVICE, Role
 from rollart.workers.limits import WorkerLimits, child_environ
 
 log = structlog.get_logger("rollart.env_host")
-
-
-def _socket_dir() -> Path:
-    """A directory for the agent endpoint's Unix socket: short (a socket path has 107 bytes at most) and
-    outside the run directory, which sandboxes hide; a sandbox's nobody may reach it (the episodes' keys,
-    not the socket's mode, decide who is served)."""
-    folder = Path(tempfile.mkdtemp(prefix="rollart-agents-"))
-    folder.chmod(0o755)
-    return folder
-
-
-@dataclass(frozen=True)
-class _Agents:
-    endpoint: AgentEndpoint
-    launch: ProgramLaunch
-    socket_dir: Path
 
 
 class EnvHostNode(NodeDaemon):
@@ -84,42 +68,37 @@ class EnvHostNode(NodeDaemon):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.rollout = self.topology.run.rollout
-        self.mode: EnvHostMode = StatusOnly() if self.rollout is None else RollingOut(self.rollout)
-        """What this env-host does, chosen once here: the node's hooks defer to it."""
-        self.version = 0
-        self.running: dict[str, tuple[asyncio.Task[Any], int]] = {}
-        """Trajectories that have generated, with the version they started at (for stale aborts)."""
-        self.live: dict[str, asyncio.Task[Any]] = {}
-        """Every trajectory task, from before its env is made (all are cancelled when the run is done)."""
-        self.run_done = False
-        """The trainer said the run is over (`PolicyVersion.done`)."""
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.renderer: ChatRenderer | None = None
-        self.agents: _Agents | None = None
-        """The endpoint of `env: agent` episodes and how their programs start; None without agent tasks."""
-        self.clock = SimClock(self.topology.run.sim.speedup)
-        """Where simulated env latency passes (`sim` envs); real envs take real time."""
-        self._slots: list[asyncio.Task[None]] = []
-        self.envs = self.mode.opener(self)
-        """Opens each task's envs where `run.rollout.env_workers` puts them; owns the env worker pool."""
+        run = self.topology.run
+        self.rollout = run.rollout
+        routing = self.rollout or RolloutSpec()  # with no rollout the proxy is never called: defaults
+        self.tasks = {task.name: task for task in routing.all_tasks()}
+        """Every task this env-host may be given: the training tasks and their held-out twins."""
         generators = [
             GeneratorRef(peer.name, peer.hardware, self.clients[peer.name])
             for peer in self.topology.nodes_with_role(Role.GENERATOR)
         ]
-        routing = self.rollout or RolloutSpec()  # with no rollout the proxy is never called: defaults
-        self.tasks = {task.name: task for task in routing.all_tasks()}
-        """Every task this env-host may be given: the training tasks and their held-out twins."""
         initial = {task.name: task.profile or "decode-heavy" for task in self.tasks.values()}
         self.profiler = TaskProfiler(initial, routing.profile_ratio)
-        self.proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s, routing=routing.routing)
+        proxy = LLMProxy(generators, self.profiler, timeout_s=routing.generate_timeout_s, routing=routing.routing)
+        self.rollout_state = RolloutState(proxy, StalenessBound(routing.alpha), train=routing.mode == "train")
+        """The policy version, the counts, the trajectories in flight and the proxy, in one owner."""
+        self.clock = SimClock(run.sim.speedup)
+        """Where simulated env latency passes (`sim` envs); real envs take real time."""
+        self.mode: EnvHostMode = (
+            StatusOnly(run, clock=self.clock)
+            if self.rollout is None
+            else RollingOut(self.rollout, self.rollout_state, run=run, hide=self.secret_paths(), clock=self.clock)
+        )
+        """What this env-host does, chosen once here: the node's hooks defer to it."""
+        self.envs = self.mode.envs
+        """Opens each task's envs where `run.rollout.env_workers` puts them; owns the env worker pool."""
+        self.renderer: ChatRenderer | None = None
+        self.agents: AgentHost | None = None
+        """The endpoint of `env: agent` episodes and how their programs start; None without agent tasks."""
+        self._slots: list[asyncio.Task[None]] = []
         self.deadlines = GroupDeadlines(routing.deadline_quantile)
         """Each task's group deadline, learned here (`rollout.min_group_size`)."""
         self.backoff = Backoff.for_retries(self.cfg)
-
-    def over(self) -> bool:
-        """Whether the trainer said the run is done (read through a call: it changes across awaits)."""
-        return self.run_done
 
     def _peer(self, role: Role) -> ClientSession:
         if role is Role.REWARD_GATEWAY and REWARD_SERVICE in self.clients:  # a gateway shared by runs
@@ -130,7 +109,7 @@ class EnvHostNode(NodeDaemon):
         raise ConfigError(f"{self.topology.source}: an env-host needs a {role.value} node in the topology")
 
     async def work(self) -> None:
-        await self.mode.work(self)
+        await self.mode.work(self.roll_out)
 
     async def roll_out(self, spec: RolloutSpec) -> None:
         """The work of an env-host with a rollout: place the envs, then run the slots until done."""
@@ -169,29 +148,25 @@ class EnvHostNode(NodeDaemon):
         finally:  # after a drain or a cancellation, every trajectory has ended and closed its env
             await self.envs.close()  # no env worker outlives the env-host's work
             if self.agents is not None:
-                await self.agents.endpoint.stop()
-                shutil.rmtree(self.agents.socket_dir, ignore_errors=True)
-            log.info("env_host.summary", version=self.version, routing=self.proxy.describe(), **self.counts)
+                await self.agents.stop()
+            state = self.rollout_state
+            log.info("env_host.summary", version=state.version, routing=state.proxy.describe(), **state.counts)
 
-    async def _agent_endpoint(self, spec: RolloutSpec) -> _Agents:
-        """Serve the OpenAI-compatible endpoint of this env-host's agent episodes (`env: agent` tasks), on
-        loopback and on a Unix socket for agents in sandboxes without network (`rollart.agents.relay`)."""
+    async def _agent_endpoint(self, spec: RolloutSpec) -> AgentHost:
+        """Serve the endpoint of this env-host's agent episodes (`env: agent` tasks); their programs run where
+        env workers do, without the node's secrets and under the same limits."""
         run, workers = self.topology.run, spec.env_workers
-        socket_dir = _socket_dir()
-        socket = socket_dir / "endpoint.sock"
-        endpoint = AgentEndpoint(model_name=Path(run.model.path).name, unix_socket=socket)
-        await endpoint.start()
-        launch = ProgramLaunch.prepare(
+        agents = await AgentHost.start(
+            Path(run.model.path).name,
             workers.sandbox,
             hide=self.secret_paths(),
-            socket=socket,
             environ=child_environ(os.environ, drop=(run.secret_env, run.admin_token_env), keep=workers.pass_env),
             limits=WorkerLimits(
                 cpu_time_s=workers.cpu_time_s, memory_mb=workers.memory_mb, open_files=workers.open_files
             ),
         )
-        log.info("agents.launch", runs_in=launch.described, relayed=launch.relay_to is not None)
-        return _Agents(endpoint, launch, socket_dir)
+        log.info("agents.launch", runs_in=agents.launch.described, relayed=agents.launch.relay_to is not None)
+        return agents
 
     async def _ask(
         self, spec: RolloutSpec, trainer: ClientSession, *, wait_s: float | None = None
@@ -213,32 +188,32 @@ class EnvHostNode(NodeDaemon):
             log.warning("env_host.no_task", error=str(exc))
             return None
         if isinstance(reply, GroupTask):
-            self.version = max(self.version, reply.version)
+            self.rollout_state.saw_version(reply.version)
         return reply
 
     async def _slot(self, spec: RolloutSpec, trainer: ClientSession, reward: ClientSession) -> None:
         """Ask for a group, run it, hand it in; until the trainer says the run is done."""
-        while not (self.draining or self.run_done or trainer.finished):
+        while not (self.draining or self.rollout_state.over() or trainer.finished):
             await self.unpaused.wait()
             match await self._ask(spec, trainer):
                 case NoTask(done=True):
                     return
                 case GroupTask() as task:
-                    if self.over():  # granted just before the trainer said the run is over
+                    if self.rollout_state.over():  # granted just before the trainer said the run is over
                         return
                     if spec.max_redundancy is not None and not task.evaluation:  # adaptive redundancy
                         extras = self.deadlines.extras(task.task, task.group_size, task.redundancy, spec.max_redundancy)
-                        self.counts["adaptive_extras"] += extras - task.redundancy
+                        self.rollout_state.counts["adaptive_extras"] += extras - task.redundancy
                         task = msgspec.structs.replace(task, redundancy=extras)
                     play = functools.partial(self._trajectory, spec, task, reward, None)
                     outcome = await run_group(task, play, self.deadlines)
-                    if not self.run_done:
+                    if not self.rollout_state.over():
                         await self._hand_in(trainer, outcome)
 
     async def _batch_rounds(self, spec: RolloutSpec, trainer: ClientSession, reward: ClientSession) -> None:
         """The synchronous baseline: gather a batch of groups, step them turn by turn together."""
         done = False
-        while not (done or self.draining or self.run_done or trainer.finished):
+        while not (done or self.draining or self.rollout_state.over() or trainer.finished):
             await self.unpaused.wait()
             tasks: list[GroupTask] = []
             while len(tasks) < spec.groups_per_env_host and not (self.draining or trainer.finished):
@@ -250,24 +225,25 @@ class EnvHostNode(NodeDaemon):
                 elif isinstance(reply, NoTask) and (reply.done or tasks):
                     done = reply.done
                     break
-            if self.over():
+            if self.rollout_state.over():
                 return
             barrier = TurnBarrier()
             outcomes = await asyncio.gather(
                 *(run_group(task, functools.partial(self._trajectory, spec, task, reward, barrier)) for task in tasks)
             )
             for outcome in outcomes:
-                if not self.run_done:
+                if not self.rollout_state.over():
                     await self._hand_in(trainer, outcome)
 
     async def _hand_in(self, trainer: ClientSession, outcome: GroupDone | GroupFailed) -> None:
+        counts = self.rollout_state.counts
         if isinstance(outcome, GroupDone):
-            self.counts["groups_done"] += 1
-            self.counts["cancelled_extras"] += outcome.cancelled
-            self.counts["groups_cut_at_deadline"] += outcome.cut > 0
-            self.counts["trajectories_cut_at_deadline"] += outcome.cut
+            counts["groups_done"] += 1
+            counts["cancelled_extras"] += outcome.cancelled
+            counts["groups_cut_at_deadline"] += outcome.cut > 0
+            counts["trajectories_cut_at_deadline"] += outcome.cut
         else:
-            self.counts["groups_failed"] += 1
+            counts["groups_failed"] += 1
         try:
             ack = await retry(
                 lambda: trainer.request(outcome, timeout=self.cfg.default_request_timeout_s),
@@ -277,11 +253,11 @@ class EnvHostNode(NodeDaemon):
                 deadline_s=self.cfg.retry_deadline_s,
             )
         except (SessionLost, RetriesExhausted, UnexpectedReply) as exc:
-            self.counts["groups_undelivered"] += 1
+            counts["groups_undelivered"] += 1
             log.error("env_host.group_undelivered", group=outcome.group_id, error=str(exc))
             return
         if isinstance(outcome, GroupDone):
-            self.counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
+            counts["groups_accepted" if ack.accepted else "groups_refused"] += 1
 
     def _settings(self, spec: RolloutSpec, group: GroupTask, trajectory_id: str) -> tuple[TaskSpec, SamplingSpec]:
         """A trajectory's task, and how it samples: the run's way, or greedily (the first `group.greedy`)."""
@@ -299,101 +275,38 @@ class EnvHostNode(NodeDaemon):
         barrier: TurnBarrier | None,
         trajectory_id: str,
     ) -> Trajectory:
+        """Play one trajectory of `group`: an env's episode, or an agent program's (`env: agent` tasks)."""
         assert self.renderer is not None  # set by roll_out before any slot starts
         task, sampling = self._settings(spec, group, trajectory_id)
-        job = TrajectoryJob(trajectory_id, group.group_id, task, group.seed, sampling, spec.env_timeout_s)
-        me = asyncio.current_task()
-        assert me is not None
-        self.live[trajectory_id] = me
-
-        def started(version: int) -> None:
-            if not group.evaluation:  # an evaluation's trajectories are never aborted as stale
-                self.running[trajectory_id] = (me, version)
-
-        async def score(request: Score) -> float:
-            request = msgspec.structs.replace(request, timeout_s=spec.reward_timeout_s)
-            return (await reward.request(request, timeout=spec.reward_timeout_s)).reward
-
-        # Versions only mean weights in train mode; rollout-only runs bump them with no push. An evaluation
-        # measures the policy it names: its calls wait for that version's weights where a generator is
-        # still behind (with the staleness bound's alpha they could sample from older ones).
-        train = spec.mode == "train"
-
-        def min_version() -> int:
-            if not train:
-                return 0
-            return group.version if group.evaluation else max(0, self.version - spec.alpha)
-
-        if task.agent is not None:
-            assert self.agents is not None  # set by roll_out when a task is an agent's
-            play = run_agent_episode(
-                AgentJob(trajectory_id, group.group_id, task, group.seed, sampling),
-                endpoint=self.agents.endpoint,
-                launch=self.agents.launch,
-                renderer=self.renderer,
-                generate=functools.partial(self.proxy.generate, task.name),
-                score=score,
-                policy_version=lambda: self.version,
-                on_start=started,
-                min_version=min_version,
-            )
-        else:
+        state = self.rollout_state
+        context = EpisodeContext(
+            self.renderer,
+            state.proxy,
+            score=functools.partial(_score, reward, spec.reward_timeout_s),
+            policy_version=state.current_version,
+            on_start=state.on_start(trajectory_id, group),
+            min_version=state.min_version(group),
+        )
+        with state.playing(trajectory_id):
+            if task.agent is not None:
+                assert self.agents is not None  # set by roll_out when a task is an agent's
+                episode = AgentJob(trajectory_id, group.group_id, task, group.seed, sampling)
+                return await run_agent_episode(episode, context, self.agents)
+            env = await self.envs.open(task.name, timeout_s=spec.env_timeout_s)
+            state.counts["envs_opened"] += 1
             try:
-                env = await self.envs.open(task.name, timeout_s=job.env_timeout_s)
-            except EnvFailure:  # it could not be built in its worker (the cause is named)
-                self.live.pop(trajectory_id, None)
-                self.counts["env_failures"] += 1
-                self.counts["trajectories_failed"] += 1
-                raise
-            except BaseException:
-                self.live.pop(trajectory_id, None)
-                raise
-            self.counts["envs_opened"] += 1
-            play = run_trajectory(
-                job,
-                env=env,
-                renderer=self.renderer,
-                proxy=self.proxy,
-                score=score,
-                policy_version=lambda: self.version,
-                on_start=started,
-                barrier=barrier,
-                min_version=min_version,
-            )
-        try:
-            result = await play
-        except EnvFailure:
-            self.counts["env_failures"] += 1
-            self.counts["trajectories_failed"] += 1
-            raise
-        except RollartError:
-            self.counts["trajectories_failed"] += 1
-            raise
-        finally:
-            self.running.pop(trajectory_id, None)
-            self.live.pop(trajectory_id, None)
-            if task.agent is None:
-                self.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
-            else:
-                self.proxy.forget(trajectory_id)  # as run_trajectory does for its own
-        self.counts["trajectories_done"] += 1
-        return result
+                job = TrajectoryJob(trajectory_id, group.group_id, task, group.seed, sampling, spec.env_timeout_s)
+                return await run_trajectory(job, env, context, barrier=barrier)
+            finally:
+                state.counts["envs_closed"] += 1  # run_trajectory closes its env however it ends
 
     async def on_role_event(self, session: Session, msg: Any) -> None:
         match msg:
             case PolicyVersion(done=True):
-                # The trainer has what it needs: what is in flight can never be used.
-                self.run_done = True
-                for task in list(self.live.values()):
-                    task.cancel("the run is over")
-                log.info("env_host.run_done", aborted=len(self.live))
+                self.rollout_state.run_over()
             case PolicyVersion(version=version, min_start=min_start):
-                self.version = max(self.version, version)
-                for trajectory_id, (task, started) in list(self.running.items()):
-                    if started < min_start:
-                        task.cancel(f"too stale: started at version {started}, trained from version {min_start} on")
-                        self.counts["aborted_stale"] += 1
-                        log.info("env_host.abort_stale", trajectory=trajectory_id, started=started, version=version)
+                self.rollout_state.saw_version(version)
+                self.rollout_state.abort_stale(version, min_start)
             case _:
                 await super().on_role_event(session, msg)
 
@@ -403,37 +316,28 @@ class EnvHostNode(NodeDaemon):
             await asyncio.wait(self._slots)
 
     def progress(self) -> str:
-        return self.mode.progress(self)
+        return self.mode.progress()
 
     def queue_depths(self) -> dict[str, int]:
-        return {"trajectories": len(self.running)}
+        return {"trajectories": len(self.rollout_state.running)}
 
     def role_counters(self) -> dict[str, tuple[str, float]]:
-        return {f"rollart_env_host_{key}": (doc, self.counts[key]) for key, doc in ENV_HOST_COUNTS.items()}
+        return self.rollout_state.metrics()
 
     def policy_version(self) -> int | None:
-        return self.mode.policy_version(self)
+        return self.mode.policy_version()
 
     def busy_fraction(self) -> float | None:
-        return self.mode.busy_fraction(self)
+        return self.mode.busy_fraction()
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), **self.mode.status(self)}
+        return {**super().status(), **self.mode.status()}
 
 
-ENV_HOST_COUNTS = {
-    "groups_done": "Groups run to the end (G trajectories reached)",
-    "groups_failed": "Groups that could not reach G trajectories",
-    "groups_accepted": "Groups the trainer took into its buffer",
-    "groups_refused": "Groups the trainer refused (stale)",
-    "groups_undelivered": "Groups that could not be handed in",
-    "trajectories_done": "Trajectories finished",
-    "trajectories_failed": "Trajectories that failed (environment or generation)",
-    "aborted_stale": "Trajectories aborted while running: a new version made them too stale",
-    "cancelled_extras": "Redundant trajectories cancelled once their group had G",
-    "env_failures": "Environment resets or steps that raised or timed out",
-}
-"""The env-host's counts exported as metrics (`rollart_env_host_<key>_total`)."""
+async def _score(reward: ClientSession, timeout_s: float, request: Score) -> float:
+    """A trajectory's reward from the reward gateway, within `rollout.reward_timeout_s`."""
+    request = msgspec.structs.replace(request, timeout_s=timeout_s)
+    return (await reward.request(request, timeout=timeout_s)).reward
 
 
 @functools.cache  # one per process: the in-process simulation runs thousands of env-hosts

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import os
 import time
 from typing import Any
@@ -28,9 +27,11 @@ import msgspec
 import structlog
 
 from rollart import cpus
-from rollart.engines.base import RecentBusy, SamplingParams
-from rollart.engines.engine_set import EngineSet, slices
 from rollart.errors import ConfigError
+from rollart.generation.engine import RecentBusy, SamplingParams
+from rollart.generation.engine_set import EngineSet, slices
+from rollart.generation.registry import EngineSite, EngineSlot
+from rollart.generation.registry import backend as generation_backend
 from rollart.models.checkpoint import engine_dtype
 from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
@@ -44,13 +45,14 @@ log = structlog.get_logger("rollart.generator")
 
 def build_engines(run: RunSpec, hardware: str, *, dtype: str, on_gpu: bool) -> EngineSet:
     """The node's `run.generator.engines` engines of the configured backend, each on its slice of the node's
-    GPUs (or cores); imported here so a node without rollout never imports torch."""
-    spec, model_path = run.generator, run.model.path
-    if spec.backend == "sim":
-        from rollart.sim.engine import build_sim_engine
-
-        sim = build_sim_engine(run.sim, hardware, tokenizer_path=model_path, max_batch_size=spec.max_num_seqs)
-        return EngineSet([sim])
+    GPUs (or cores); the backend (torch, vLLM) is imported only here, so a node without rollout never does."""
+    spec = run.generator
+    record = generation_backend(spec.backend)
+    site = functools.partial(
+        EngineSite, model_path=run.model.path, dtype=dtype, hardware=hardware, lora=run.trainer.lora, sim=run.sim
+    )
+    if record.simulated:  # one engine stands for the node's replicas (`run.sim.engines`)
+        return EngineSet(record.build(spec, site(slots=[EngineSlot()])))
     gpus = _visible_gpus() if on_gpu else []
     gpu_slices = slices(gpus, spec.engines, what="visible GPUs") if on_gpu else [[]] * spec.engines
     if on_gpu and len(gpu_slices[0]) != spec.tensor_parallel_size:
@@ -61,48 +63,17 @@ def build_engines(run: RunSpec, hardware: str, *, dtype: str, on_gpu: bool) -> E
     given = os.environ.get(cpus.ENV)  # the launcher's share of the machine for this node (rollart.launch.placement)
     cores = cpus.parse_cpu_list(given) if given else []
     core_slices = slices(cores, spec.engines, what="CPU cores") if len(cores) >= spec.engines else [[]] * spec.engines
-    if spec.backend == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                "run.generator.backend: vllm is not installed in this environment; run bin/setup-vllm and start "
-                "the nodes with .venv-vllm/bin/python (docs/vllm.md), or use backend: hf"
-            )
-        from rollart.engines.vllm_engine import VLLMEngine
-
-        return EngineSet(
-            [
-                VLLMEngine(
-                    model_path,
-                    max_batch_size=spec.max_num_seqs,
-                    dtype=dtype,
-                    kv_cache_gb=spec.kv_cache_gb,
-                    cpu_threads_bind=cpus.cpu_list(core_slice) if core_slice else None,
-                    enforce_eager=spec.enforce_eager,
-                    tensor_parallel_size=spec.tensor_parallel_size,
-                    gpu_memory_utilization=spec.gpu_memory_utilization,
-                    max_model_len=spec.max_model_len,
-                    cuda_devices=",".join(gpu_slice) if gpu_slice else None,
-                    lora=run.trainer.lora,
-                    kv_store=spec.kv_store,
-                )
-                for gpu_slice, core_slice in zip(gpu_slices, core_slices, strict=True)
-            ]
-        )
-    import torch
-
-    from rollart.engines.hf import HFEngine
 
     def device(i: int) -> str:
         if spec.device != "auto":
             return spec.device
         return f"cuda:{i}" if on_gpu else "cpu"
 
-    return EngineSet(
-        [
-            HFEngine(model_path, max_batch_size=spec.max_num_seqs, dtype=getattr(torch, dtype), device=device(i))
-            for i in range(spec.engines)
-        ]
-    )
+    slots = [
+        EngineSlot(gpus=gpu_slice, cores=core_slice, device=device(i))
+        for i, (gpu_slice, core_slice) in enumerate(zip(gpu_slices, core_slices, strict=True))
+    ]
+    return EngineSet(record.build(spec, site(slots=slots)))
 
 
 def _visible_gpus() -> list[str]:
@@ -141,6 +112,8 @@ class GeneratorNode(NodeDaemon):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.backend = generation_backend(self.topology.run.generator.backend)
+        """What the node's engines need and can do (`rollart.generation.registry`)."""
         self.engine: EngineSet | None = None
         self.ready = asyncio.Event()
         self.served = 0
@@ -165,14 +138,14 @@ class GeneratorNode(NodeDaemon):
         CUDA is (vLLM takes the GPU whatever the topology says)."""
         if self.spec.resources.gpus > 0:
             return True
-        return self.topology.run.generator.backend == "vllm" and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return self.backend.takes_visible_gpus and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     @functools.cached_property
     def dtype(self) -> str:
         """The dtype the engines run floating-point weights in (`run.generator.dtype`, auto resolved against the
         checkpoint and the device): what the weights must arrive in."""
         run = self.topology.run
-        if run.generator.backend == "sim":
+        if not self.backend.pushed_weights:  # a modelled engine: no weights to cast
             return "float32"
         return engine_dtype(run.generator.dtype, run.model.path, on_gpu=self.on_gpu)
 
@@ -209,7 +182,7 @@ class GeneratorNode(NodeDaemon):
             # A simulated engine gets no real weights (`SimWeights` stands for the push).
             # UCX does not encrypt: with TLS, weights come over the session port's TLS.
             plain = transport == "tcp" or self.tls is not None
-            if not plain and run.generator.backend != "sim" and ucx_unavailable() is None:
+            if not plain and self.backend.pushed_weights and ucx_unavailable() is None:
                 self.ucx_port = await self.receiver.listen_ucx(
                     local=self.identity, secret=self.secret, cfg=self.cfg, port=0
                 )
@@ -223,7 +196,7 @@ class GeneratorNode(NodeDaemon):
         started = time.monotonic()
         engine = build_engines(run, self.spec.hardware, dtype=self.dtype, on_gpu=self.on_gpu)
         await engine.start()
-        if run.generator.backend == "vllm" and (given := os.environ.get(cpus.ENV)):
+        if self.backend.pins_after_start and (given := os.environ.get(cpus.ENV)):
             pinned = cpus.pin_tree(cpus.parse_cpu_list(given))  # started on every core: now its own
             log.info("generator.pinned", cpus=given, threads=pinned)
         self.engine = engine
@@ -257,7 +230,7 @@ class GeneratorNode(NodeDaemon):
     async def _sim_weights(self, msg: SimWeights) -> SimWeights:
         """Simulation mode's weight push: the version arrives after `after_s`, then the engine stops
         generating for `pause_s` while it loads."""
-        from rollart.sim.engine import SimEngine
+        from rollart.generation.sim import SimEngine
 
         await self.ready.wait()
         engine = self.engine.engines[0] if self.engine is not None else None

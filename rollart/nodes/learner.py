@@ -38,11 +38,12 @@ from rollart.tracking import Tracker
 if TYPE_CHECKING:
     import torch
 
-    from rollart.engines.training import TrainerSpec, TrainingEngine
     from rollart.protocol import ClientSession
     from rollart.rollout.config import TaskSpec
     from rollart.topology import NodeSpec
     from rollart.tracking import TrackingSpec
+    from rollart.training.engine import TrainingEngine
+    from rollart.training.spec import TrainerSpec
     from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.learner")

@@ -6,8 +6,8 @@ return finished groups (`GroupDone`, checked against the staleness bound) or fai
 complete and hands it to the node's step strategy (`rollart.nodes.trainer_steps`), chosen once
 from the topology: train on it (`rollout.mode: train`, sync or async schedule), record it
 (`rollout-only`), or record it and model a training step on the simulation clock
-(`run.sim.trainer`). Whatever the mode, a new policy version drops and aborts what it makes too
-stale, here in `bump_version`.
+(`run.sim.trainer`). Whatever the mode, the policy version changes only through `PolicyVersions`
+(`rollart.rollout.versions`), which drops and aborts what a new version makes too stale.
 
 A trainer that spans hosts is this node, the primary, and member trainer nodes that run more of its
 ranks (`rollart.nodes.trainer_member`): its training engine's rank layout counts theirs
@@ -24,7 +24,6 @@ from typing import Any
 
 import structlog
 
-from rollart.engines.training import build_training_engine
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
 from rollart.nodes.trainer_steps import RolloutOnlyStep, SimulatedStep, StepStrategy, TrainStep
@@ -33,8 +32,11 @@ from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, GroupTas
 from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.dispenser import Dispenser
 from rollart.rollout.evaluation import Evaluator
+from rollart.rollout.staleness import StalenessBound
+from rollart.rollout.versions import PolicyVersions
 from rollart.rundir import RunDir
 from rollart.topology import Role
+from rollart.training.registry import build_training_engine
 from rollart.weights import WeightPublisher
 
 log = structlog.get_logger("rollart.trainer")
@@ -81,7 +83,6 @@ class TrainerNode(NodeDaemon):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.version = 0
         self.batches = 0
         self.trained_s = 0.0
         """Seconds spent in training steps (for `/status` busy)."""
@@ -98,13 +99,15 @@ class TrainerNode(NodeDaemon):
         rollout = self.topology.run.rollout
         self.rollout = rollout
         if rollout is not None:
+            bound = StalenessBound(rollout.alpha)
             self.buffer = SampleBuffer(
                 batch_groups=rollout.batch_groups,
-                alpha=rollout.alpha,
+                bound=bound,
                 dynamic_sampling=rollout.dynamic_sampling,
                 max_uniform_batches=rollout.max_uniform_batches,
             )
             self.dispenser = Dispenser(rollout, buffered=lambda: len(self.buffer))
+            self.versions = PolicyVersions(bound, self.buffer, self.dispenser, announce=self.tell_env_hosts)
         self.run_dir = RunDir(self.topology.run_dir())
         self.on_batch: Callable[[int, list[GroupDone]], None] | None = None
         """Rollout-only mode: called with (version, batch) for each batch taken, instead of recording
@@ -184,7 +187,7 @@ class TrainerNode(NodeDaemon):
             self.wait_s = time.perf_counter() - waiting
             self.dispenser.pace(batch_was_ready=ready)
             if steps.makes_versions:
-                await self.foresee_version()
+                await self.versions.foresee()
             await self.unpaused.wait()  # paused: no step starts, not even on a batch that filled meanwhile
             self.last_rewards = [t.reward for group in batch for t in group.trajectories]
             await steps.step(batch)
@@ -193,34 +196,14 @@ class TrainerNode(NodeDaemon):
         await steps.finish()
         self.done = True
         self.finished.set()
-        self.dispenser.done = True
-        self.dispenser.changed()
-        await self.tell_env_hosts(PolicyVersion(self.version, self.version + 1, done=True))
+        self.dispenser.finish()
+        await self.versions.finish()
         log.info("trainer.done", batches=self.batches, version=self.version)
 
-    async def foresee_version(self) -> None:
-        """A batch was taken whose step makes the next version, and the next batch is taken at that one:
-        what it will make too stale cannot be used any more, so it gives its room back now rather than
-        when the step ends (dropped from the buffer and run again, aborted on the env-hosts), and
-        admission counts one batch fewer meanwhile (`Dispenser.training`)."""
-        assert self.rollout is not None
-        self.dispenser.training = True
-        await self._drop_stale(self.version + 1)
-        await self.tell_env_hosts(PolicyVersion(self.version, self.version + 1 - self.rollout.alpha))
-        self.dispenser.changed()
-
-    async def bump_version(self) -> None:
-        """The policy moved to a new version: drop and abort what it makes too stale."""
-        assert self.rollout is not None
-        self.version += 1
-        self.dispenser.training = False
-        await self._drop_stale(self.version)
-        await self.tell_env_hosts(PolicyVersion(self.version, self.version - self.rollout.alpha))
-        self.dispenser.changed()
-
-    async def _drop_stale(self, version: int) -> None:
-        for group in self.buffer.drop_stale(version):
-            self.dispenser.requeue(group.trajectories[0].task, group.trajectories[0].seed, "dropped as stale")
+    @property
+    def version(self) -> int:
+        """The policy version (0 without a rollout)."""
+        return self.versions.version if self.rollout is not None else 0
 
     async def tell_env_hosts(self, notice: PolicyVersion) -> None:
         for session in list(self.server.sessions.values()):
@@ -237,13 +220,12 @@ class TrainerNode(NodeDaemon):
     def pause(self) -> None:
         super().pause()
         if self.rollout is not None:
-            self.dispenser.paused = True
+            self.dispenser.pause()
 
     def resume(self) -> None:
         super().resume()
         if self.rollout is not None:
-            self.dispenser.paused = False
-            self.dispenser.changed()
+            self.dispenser.unpause()
 
     def accepts_while_draining(self, msg: Any) -> bool:
         return isinstance(msg, GroupDone | GroupFailed | TaskWanted)  # groups in flight come home

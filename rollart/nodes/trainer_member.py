@@ -4,7 +4,7 @@ A trainer that spans hosts is a group of trainer nodes (`rollart.topology.traine
 the run's trainer node (`rollart.nodes.trainer`), owns the dispenser, the sample buffer, the
 sessions, the policy version and rank 0, and drives every rank of the group. A member
 (`primary: NAME` in the topology) starts its `run.trainer.ranks` rank processes
-(`rollart.engines.fsdp_group.RankGroup`, with no command pipe: its ranks take their commands from
+(`rollart.training.ranks.group.RankGroup`, with no command pipe: its ranks take their commands from
 rank 0's broadcasts), which find the others through the rendezvous store the primary serves, and
 then only watches them. It opens no session and none is opened to it; its admin endpoint shows its
 ranks (`/status` `ranks`: rank -> pid).
@@ -30,9 +30,10 @@ import structlog
 from rollart.errors import RollartError
 from rollart.nodes.base import NodeDaemon
 from rollart.topology import Role
+from rollart.training.registry import backend as training_backend
 
 if TYPE_CHECKING:
-    from rollart.engines.fsdp_group import RankGroup
+    from rollart.training.ranks.group import RankGroup
 
 log = structlog.get_logger("rollart.trainer_member")
 
@@ -59,10 +60,19 @@ class TrainerMemberNode(NodeDaemon):
         if run.rollout is None or run.rollout.mode != "train":
             await super().work()  # the primary trains nothing: there are no ranks to run
             return
-        from rollart.engines.fsdp_group import RankGroup  # torch, only on a member that trains
+        from rollart.training.ranks.group import RankGroup  # torch, only on a member that trains
 
+        entry = training_backend(run.trainer.backend).rank_main
+        if entry is None:  # the topology check refuses a group of nodes for such a backend
+            raise RollartError(f"run.trainer.backend: {run.trainer.backend} trains in no rank processes")
         self.group = await asyncio.to_thread(
-            RankGroup, run.trainer, str(run.model.path), seed=run.rollout.seed, layout=self.layout, primary=False
+            RankGroup,
+            run.trainer,
+            str(run.model.path),
+            seed=run.rollout.seed,
+            layout=self.layout,
+            primary=False,
+            entry=entry(),
         )
         rank, code = self.rank_exit = await asyncio.to_thread(self.group.wait_exit)
         self._ranks_exited.set()

@@ -1,7 +1,7 @@
 """What the trainer node does with each batch it takes: one step strategy per mode, chosen once at start.
 
-The node (`rollart.nodes.trainer`) owns the policy version, the SampleBuffer and the dispenser, and
-takes batches; a `StepStrategy` says what a batch is for:
+The node (`rollart.nodes.trainer`) owns the policy version (`PolicyVersions`), the SampleBuffer and the
+dispenser, and takes batches; a `StepStrategy` says what a batch is for:
 
 - `TrainStep` (`rollout.mode: train`): the `Learner` trains on it, the version moves on and the
   weights go to generators without the trainer waiting; with `schedule: sync` the dispenser is held
@@ -27,7 +27,7 @@ import structlog
 
 from rollart.clock import SimClock
 from rollart.errors import RollartError
-from rollart.protocol.messages import GroupDone, PolicyVersion, SimWeights
+from rollart.protocol.messages import GroupDone, SimWeights
 from rollart.rundir import JsonlLog, RunDir
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from rollart.rollout.config import RolloutSpec
     from rollart.rollout.dispenser import Dispenser
     from rollart.rollout.evaluation import Evaluator
+    from rollart.rollout.versions import PolicyVersions
     from rollart.sim.config import SimSpec
     from rollart.sim.hardware import EngineShape
 
@@ -53,7 +54,8 @@ FINAL_PUSH_POLL_S = 0.25
 class TrainerCore(Protocol):
     """The part of the trainer node a step strategy works on."""
 
-    version: int
+    versions: PolicyVersions
+    """The policy version: every change of it goes through here (`rollart.rollout.versions`)."""
     batches: int
     draining: bool
     untrained: list[GroupDone]
@@ -65,10 +67,6 @@ class TrainerCore(Protocol):
     evaluator: Evaluator | None
     buffer: SampleBuffer
     on_batch: Callable[[int, list[GroupDone]], None] | None
-
-    async def bump_version(self) -> None: ...
-
-    async def tell_env_hosts(self, notice: PolicyVersion) -> None: ...
 
 
 class StepStrategy(Protocol):
@@ -108,20 +106,19 @@ class TrainStep:
 
     async def start(self, tg: asyncio.TaskGroup) -> None:
         core, learner = self.core, self.learner
-        core.dispenser.held = True  # nothing starts before the weights are ready
+        core.dispenser.hold()  # nothing starts before the weights are ready
         state = await learner.start()
         self._watch = tg.create_task(learner.watch_engine())  # a dead rank fails the node at once
         tg.create_task(learner.publisher.run())
         held = await learner.connect_generators()
         if state is not None:  # continue from a checkpoint: same step and version, same groups to run
-            core.version = int(state["version"])
+            core.versions.resume(int(state["version"]))
             core.batches = self.last_checkpoint_step = int(state["step"])
             core.dispenser.load_state(state["dispenser"])
         claimed = await asyncio.to_thread(learner.claim_incarnation)
         core.dispenser.incarnation = max(core.dispenser.incarnation, claimed)
         await self._bring_generators_in_line(held)
-        core.dispenser.held = False
-        core.dispenser.changed()
+        core.dispenser.release()
         if core.evaluator is not None:
             core.evaluator.incarnation = core.dispenser.incarnation
             self._evaluate()  # the policy before any step (or as the checkpoint left it)
@@ -129,48 +126,43 @@ class TrainStep:
     async def _bring_generators_in_line(self, held: int) -> None:
         """Before any group starts, every generator must run this trainer's weights.
 
-        A generator may hold a version this trainer never saved (pushed by the run it resumes, after
-        its last checkpoint) or never had (no checkpoint at all). Rolling versions back would let two
-        different weights share a number, so the trainer gives its weights a fresh version above
-        every generator's instead; versions only ever increase."""
-        core = self.core
-        if held > core.version:
-            log.warning("trainer.generators_ahead", held=held, checkpoint_version=core.version, new_version=held + 1)
-            core.version = held + 1
-        if core.version > 0:
-            self.learner.publish(core.version)
-            await core.tell_env_hosts(PolicyVersion(core.version, core.version - self.rollout.alpha))
+        A generator may hold a version this trainer never saved or never had: the trainer's weights then
+        take the version above it (`PolicyVersions.jump_above`)."""
+        versions = self.core.versions
+        versions.jump_above(held)
+        if versions.version > 0:
+            self.learner.publish(versions.version)
+            await versions.announce()
 
     async def step(self, batch: list[GroupDone]) -> None:
         """Train on a batch, bump the version, start the push; the sync baseline waits for the push."""
         core, learner = self.core, self.learner
         sync = self.rollout.schedule == "sync"
-        core.dispenser.held = sync
-        core.dispenser.changed()
+        core.dispenser.hold(sync)
         async with self._lock:
             if core.draining:  # the drain's checkpoint keeps the batch (`untrained`) to run again
                 return
-            stats = await learner.train(batch, version=core.version)
+            stats = await learner.train(batch, version=core.versions.version)
             stats["time_wait_s"] = core.wait_s
             stats["lookahead"] = core.dispenser.ahead
             core.trained_s += stats["train_s"]
             core.batches += 1
             core.untrained = []
-            await core.bump_version()
+            await core.versions.advance()
+            version = core.versions.version
             # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
-            await asyncio.to_thread(learner.publish, core.version)
+            await asyncio.to_thread(learner.publish, version)
         if sync:
             try:
-                await learner.publisher.wait_delivered(core.version, timeout=SYNC_PUSH_TIMEOUT_S)
+                await learner.publisher.wait_delivered(version, timeout=SYNC_PUSH_TIMEOUT_S)
             except TimeoutError:
-                log.warning("trainer.push_not_delivered", version=core.version, timeout_s=SYNC_PUSH_TIMEOUT_S)
-            core.dispenser.held = False
-            core.dispenser.changed()
-        line = learner.record(core.batches, core.version, batch, stats, incarnation=core.dispenser.incarnation)
+                log.warning("trainer.push_not_delivered", version=version, timeout_s=SYNC_PUSH_TIMEOUT_S)
+            core.dispenser.release()
+        line = learner.record(core.batches, version, batch, stats, incarnation=core.dispenser.incarnation)
         log.info(
             "trainer.step",
             step=core.batches,
-            version=core.version,
+            version=version,
             reward=round(line["reward_mean"], 4),
             success=round(line["success_rate"], 4),
             loss=round(stats["loss"], 5),
@@ -185,7 +177,7 @@ class TrainStep:
         """Start a held-out evaluation round when this step is due one (`rollart.rollout.evaluation`)."""
         core = self.core
         if core.evaluator is not None and core.evaluator.due(core.batches, self.rollout.steps):
-            core.evaluator.start(core.batches, core.version)
+            core.evaluator.start(core.batches, core.versions.version)
             core.dispenser.wake_all()  # env-hosts waiting for room take the round's groups now
 
     async def _checkpoint(self) -> None:
@@ -196,14 +188,14 @@ class TrainStep:
             waiting = [*core.untrained, *core.buffer.peek()]
             buffered = [(g.trajectories[0].task, g.trajectories[0].seed) for g in waiting]
             await self.learner.checkpoint(
-                step=core.batches, version=core.version, dispenser=core.dispenser.state_dict(buffered)
+                step=core.batches, version=core.versions.version, dispenser=core.dispenser.state_dict(buffered)
             )
             self.last_checkpoint_step = core.batches
 
     async def finish(self) -> None:
         core = self.core
         if core.evaluator is not None and core.evaluator.rounds:  # the last round, before env-hosts are told
-            core.dispenser.held = True  # no more training work meanwhile
+            core.dispenser.hold()  # no more training work meanwhile
             timeout = self.rollout.group_timeout_s
             if not await core.evaluator.wait_idle(timeout):
                 log.warning("trainer.eval_unfinished", rounds=sorted(core.evaluator.rounds), waited_s=timeout)
@@ -219,7 +211,7 @@ class TrainStep:
         waited = 0.0
         while waited < FINAL_PUSH_S and not self.core.draining:
             try:
-                await self.learner.publisher.wait_delivered(self.core.version, timeout=FINAL_PUSH_POLL_S)
+                await self.learner.publisher.wait_delivered(self.core.versions.version, timeout=FINAL_PUSH_POLL_S)
                 break
             except TimeoutError:
                 waited += FINAL_PUSH_POLL_S
@@ -249,20 +241,20 @@ class RolloutOnlyStep:
 
     async def _record(self, batch: list[GroupDone], *, hold: bool) -> None:
         core = self.core
-        core.dispenser.held = hold
-        core.dispenser.changed()
+        core.dispenser.hold(hold)
+        version = core.versions.version
         if core.on_batch is not None:
-            core.on_batch(core.version, batch)
+            core.on_batch(version, batch)
         else:
-            lines = [{"version": core.version, "group": as_record(group)} for group in batch]
+            lines = [{"version": version, "group": as_record(group)} for group in batch]
             await asyncio.to_thread(self.out.write, lines)
         core.batches += 1
-        log.info("trainer.batch", step=core.batches, version=core.version, groups=len(batch))
+        log.info("trainer.batch", step=core.batches, version=version, groups=len(batch))
 
     async def step(self, batch: list[GroupDone]) -> None:
         await self._record(batch, hold=False)
         if self.rollout.bump_version_every_batch:
-            await self.core.bump_version()
+            await self.core.versions.advance()
 
     async def finish(self) -> None:
         pass
@@ -356,23 +348,22 @@ class SimulatedStep(RolloutOnlyStep):
         model, gpu = MODELS[sim.model], GPUS[sim.trainer.gpu]
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in batch for t in group.trajectories)
         await self.clock.sleep(train_step_s(model, gpu, gpus=sim.trainer.gpus, mfu=sim.trainer.mfu, tokens=tokens))
-        await self.core.bump_version()
+        await self.core.versions.advance()
         if not self.synchronous:
             self._new_version.set()
             return
-        version = self.core.version
+        version = self.core.versions.version
         self.pushed.append(version)
         pushes = [self._push(name, version, after_s=0.0, pause_s=self.arrival_s[name]) for name in self.generators]
         await asyncio.gather(*pushes, self.clock.sleep(self.sync.last_s))
-        self.core.dispenser.held = False
-        self.core.dispenser.changed()
+        self.core.dispenser.release()
 
     async def _push_newest(self) -> None:
         """Async push: send the newest version each time the trainer's egress is free."""
         while True:
             await self._new_version.wait()
             self._new_version.clear()
-            version = self.core.version
+            version = self.core.versions.version
             self.pushed.append(version)
             for name in self.generators:
                 push = self._push(name, version, after_s=self.arrival_s[name], pause_s=self.load_s[name])

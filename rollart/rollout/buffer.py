@@ -1,9 +1,9 @@
 """The SampleBuffer: finished groups waiting for the trainer, under the staleness bound alpha.
 
 Every trajectory is stamped with the policy version that *started* it (the trainer's version at
-its first generation call). When the policy is at version n, the buffer holds only groups whose
-every trajectory started at n - alpha or later: `put` refuses an older group and `drop_stale`
-removes the ones a version bump left behind. `take` hands out a batch as soon as `batch_groups`
+its first generation call). The buffer holds only groups whose every trajectory the bound admits
+(`rollart.rollout.staleness`): `put` refuses an older group and `drop_stale` removes the ones a new
+version left behind. `take` hands out a batch as soon as `batch_groups`
 groups are there: the groups that started earliest (closest to going stale), in arrival order among
 equals. A long group that finished after younger ones is trained before a version bump drops it,
 where taking by arrival would leave it behind to go stale.
@@ -25,6 +25,7 @@ import collections
 
 from rollart.algorithms.selection import has_signal
 from rollart.protocol.messages import GroupDone
+from rollart.rollout.staleness import StalenessBound
 
 
 def started_at(group: GroupDone) -> int:
@@ -35,9 +36,11 @@ def started_at(group: GroupDone) -> int:
 class SampleBuffer:
     """Groups ready for training, oldest first."""
 
-    def __init__(self, *, batch_groups: int, alpha: int, dynamic_sampling: bool = False, max_uniform_batches: int = 4):
+    def __init__(
+        self, *, batch_groups: int, bound: StalenessBound, dynamic_sampling: bool = False, max_uniform_batches: int = 4
+    ):
         self.batch_groups = batch_groups
-        self.alpha = alpha
+        self.bound = bound
         self.dynamic_sampling = dynamic_sampling
         self.max_uniform = max_uniform_batches * batch_groups
         self._groups: collections.deque[GroupDone] = collections.deque()
@@ -57,7 +60,7 @@ class SampleBuffer:
     def put(self, group: GroupDone, version: int) -> tuple[bool, str]:
         """Add a group unless it breaks the bound at `version`; says why when it does not."""
         oldest = started_at(group)
-        if oldest < version - self.alpha:
+        if not self.bound.admits(oldest, version):
             self.refused_stale += 1
             return False, f"stale: a trajectory started at version {oldest}, the policy is at {version}"
         if self.dynamic_sampling and not has_signal([t.reward for t in group.trajectories]):
@@ -73,8 +76,8 @@ class SampleBuffer:
         """Remove and return the groups that `version` makes too old."""
         dropped: list[GroupDone] = []
         for queue in (self._groups, self._uniform):
-            keep = [group for group in queue if started_at(group) >= version - self.alpha]
-            dropped += [group for group in queue if started_at(group) < version - self.alpha]
+            keep = [group for group in queue if self.bound.admits(started_at(group), version)]
+            dropped += [group for group in queue if not self.bound.admits(started_at(group), version)]
             queue.clear()
             queue.extend(keep)
         self.dropped_stale += len(dropped)

@@ -1,7 +1,7 @@
 """Typed settings of rollout: tasks and their mix, groups, redundancy, alpha, the model to use.
 
 Part of the topology's `run` section (`run.model`, `run.rollout`, `run.env_modules`); checked where the
-topology is loaded. Imports no torch. `run.generator` is `rollart.engines.config`, `run.reward_pool`
+topology is loaded. Imports no torch. `run.generator` is `rollart.generation.config`, `run.reward_pool`
 `rollart.rewards.config`.
 """
 
@@ -243,7 +243,7 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     """Tries of one task and seed: when a try fails and this many were made, the seed is given up
     for a fresh one, so a task instance that breaks its env every time does not hold a slot forever."""
     routing: Routing = "class"
-    """How an env-host picks a generator for each turn (`rollart.rollout.proxy`): `class`, the paper's: the
+    """How an env-host picks a generator for each turn (`rollart.rollout.routing`): `class`, the paper's: the
     class the task's profile prefers always, least loaded within it, others only when it is down; or
     `finish-time`, where the turn is predicted to finish first (its task's measured service time there,
     plus that generator's backlog) within its preferred class, which it leaves only when that class

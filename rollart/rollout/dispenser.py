@@ -16,7 +16,7 @@ started now can fill one batch fewer before it goes stale: the limit is then alp
 alpha 0). Counting (alpha + 1) batches there too let a batch's worth of groups start that could
 only be dropped (the paper's simulated shape at alpha 1: 169 groups dropped stale in 6 batches of
 64); the trainer also drops and aborts, when it takes a batch, the work that the version this
-batch makes will leave too old (`TrainerNode.foresee_version`), so its room is not held either.
+batch makes will leave too old (`PolicyVersions.foresee`), so its room is not held either.
 
 With `lookahead: adaptive` the alpha in that rule is `ahead`, which `pace` moves as batches are taken: one up (to
 alpha at most) whenever the trainer had to wait for a batch, one down (to 0) after `SHED_AFTER`
@@ -79,11 +79,10 @@ class Dispenser:
         self.buffered = buffered
         self.clock = clock
         self.leases: dict[str, Lease] = {}
-        self.paused = False
-        """Paused by an operator (admin /pause)."""
-        self.held = False
-        """Held by the trainer (the synchronous baseline, while it trains and pushes weights)."""
-        self.done = False
+        self._paused = False
+        self._held = False
+        self._done = False
+        self._training = False
         self.incarnation = 0
         """Which life of the trainer this is (one more than its checkpoint's; the trainer makes it the
         count of its starts, `Learner.claim_incarnation`): part of group ids after a restart, so a
@@ -103,12 +102,58 @@ class Dispenser:
         """The seeds given up, so a run's records account for every seed drawn."""
         self.ahead = min(spec.alpha, START_AHEAD) if spec.lookahead == "adaptive" else spec.alpha
         """Batches of work admitted beyond the one the trainer waits for (`pace`)."""
-        self.training = False
-        """The trainer has taken a batch whose version is not out yet: the next batch comes a version later."""
         self.other_work: Callable[[], bool] = lambda: False
         """Whether work outside admission waits to be handed out (held-out evaluation): a grant waiting for
         room returns None at once, so its env-host's request can take that work."""
         self._ready_in_a_row = 0
+
+    # -- what admission depends on: each change wakes the grants waiting for room -------------------
+
+    @property
+    def paused(self) -> bool:
+        """Paused by an operator (admin /pause)."""
+        return self._paused
+
+    @property
+    def held(self) -> bool:
+        """Held by the trainer (before its weights are ready; the synchronous baseline, while it trains and
+        pushes weights; at the end, while the last evaluation runs)."""
+        return self._held
+
+    @property
+    def done(self) -> bool:
+        """The last batch is taken: nothing more is granted, and every waiting grant is told so."""
+        return self._done
+
+    @property
+    def training(self) -> bool:
+        """The trainer has taken a batch whose version is not out yet: the next batch comes a version later."""
+        return self._training
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def unpause(self) -> None:
+        self._paused = False
+        self.changed()
+
+    def hold(self, held: bool = True) -> None:
+        """Hold grants (`held` False: release them, as `release` does)."""
+        self._held = held
+        if not held:
+            self.changed()
+
+    def release(self) -> None:
+        self.hold(False)
+
+    def finish(self) -> None:
+        self._done = True
+        self.changed()
+
+    def set_training(self, training: bool) -> None:
+        """A batch was taken whose step makes the next version (True), or that version is out (False)."""
+        self._training = training
+        self.changed()
 
     @property
     def limit(self) -> int:

@@ -1,194 +1,63 @@
-"""LLMProxy: where each generation call of a trajectory goes, in the env-host.
+"""LLMProxy: sends each generation call of a trajectory to a generator, in the env-host, and sees it
+answered.
 
-With `rollout.routing: finish-time` a call goes to the generator where it is predicted to
-**finish first** (the default, `class`, is the paper's routing, further below):
+Which generator takes a call is the router's pick (`rollart.rollout.routing`), chosen once from
+`rollout.routing` when the proxy is built: `class` (the paper's hardware affinity, `by_class`),
+`finish-time` (`by_finish_time`), or `disaggregated`, which sends each turn in two halves, a prefill on
+a `compute` generator and a decode on a `bandwidth` one, each routed as `class` routes a turn. The proxy
+keeps what every routing shares:
 
-    finish(g) = service(g, task) + backlog(g) * mean service(g) / running(g)
-
-- `service(g, task)`: how long this task's calls took on `g` once started, measured here (an
-  exponentially weighted mean of the call's time minus the `queued_s` the generator reports);
-  unmeasured on `g`: the mean of the task on `g`'s hardware class. A class the task has never run on
-  is tried once (its estimate is the task's mean elsewhere, so the first call that finds its own class
-  slower goes there and measures it), and `EXPLORE` of the calls go to a random candidate so that
-  every class's means stay current: a class slowed by its own load (a continuous-batching engine
-  admits everything and decodes slower, rather than queueing) is seen as slow only against a
-  measurement of the others;
-- `backlog(g)`: requests queued on `g` (not yet started) as its last reply reported, plus the calls
-  sent to it since, at the rate it works them off (Little's law over its running requests);
-- **hardware class** is a preference the estimate overrules only where that pays: a call's candidates
-  are its preferred class's generators, and those of the other classes with room (no queue, not
-  `SATURATED`) when every one of its own has a queue, or all of the others' (a fraction `spill` of its
-  calls) when the class is saturated while another has room.
-  A continuous-batching engine does not queue when loaded, it slows down, and a call routed to the
-  generator that finishes it first (measured: routing every call by finish time) takes decode work
-  to the class that is quick at it while lightly loaded and costly per token, which a class routing
-  kept balanced would not (paper shape 48 H800 + 72 H20: 1.27x -> 1.07x). So each class's `spill`
-  follows the recent busy fractions the generators report with each reply: up by `SPILL_STEP` every
-  `SPILL_EVERY_S` while the class is `SATURATED` and another is `SPILL_GAP` less busy, down once the
-  two are within `SPILL_HOLD` (or it has room itself). Off-class estimates are also `OFF_CLASS`
-  longer, so the class wins near-ties;
-- **stickiness**: a trajectory stays on the generator of its previous turn (its prefix is cached
-  there) while that one's estimate is within `STICKY_MARGIN` of the best;
-- **candidates**: every generator of a class of up to `EXACT_POOL`, else two drawn at random, from
-  the preferred class and from the others, and the sticky one: a pick costs the same at any size.
-
-Before a task has a measured call, and with `routing: class`, the route is the paper's:
-1. **hardware affinity**: the task's profile picks the class: prefill-heavy -> `compute`
-   generators, decode-heavy -> `bandwidth` ones. The profile starts as the topology (or the
-   environment) says and is then *measured*: prompt tokens per generated token, per task;
-2. **failover**: when no generator of that class is up, any generator will do (but a class whose
-   sessions are all still connecting, as at start-up, is waited for up to `CONNECT_WAIT_S` first);
-3. **stickiness**: a trajectory stays on the generator of its previous turn unless that one has
-   `STICKY_SLACK` more calls in flight than the least busy;
-4. **least loaded**: otherwise the generator with the fewest calls in flight from this env-host,
-   or, in a class of more than `EXACT_POOL` generators, the less loaded of two drawn at random
-   (the "power of two choices": a pick costs the same however large the cluster, and the load stays
-   nearly as even as with a full scan).
-
-A call that times out, or whose generator's session drops, is re-issued on another generator
-after a full-jitter backoff; a generator that failed is avoided for a short cool-down. A call
-whose session drops while no other generator is up waits for that session instead (it resumes
-with the call, nothing lost or run twice), and while no generator is up at all, a call waits for
-one, up to its timeout, without using an attempt.
+- **start-up**: a call whose class has sessions all still connecting waits up to `CONNECT_WAIT_S` for
+  one before the router may fail it over to another class;
+- **re-issue**: a call that times out, or whose generator's session drops, is re-issued on another
+  generator after a full-jitter backoff; a generator that failed is avoided for `COOL_DOWN_S`;
+- **waiting instead of failing**: a call whose session drops while no other generator is up waits for
+  that session (it resumes with the call, nothing lost or run twice), and while no generator is up at
+  all, a call waits for one, up to its timeout, without using an attempt;
+- **measuring**: each answered call's service time (its time less the `queued_s` the generator
+  reports) and the load its generator reported, for the router and the status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 
 from rollart.errors import RollartError
-from rollart.protocol import Session, State
+from rollart.protocol import State
 from rollart.protocol.errors import RemoteError, RequestTimeout, SessionLost, UnexpectedReply
 from rollart.protocol.messages import Generate, Generated
 from rollart.protocol.retry import Backoff
 from rollart.rollout.config import Profile, Routing
+from rollart.rollout.routing.base import CLASS_FOR, GeneratorRef, Pool, Router, TaskProfiler, loop_time
+from rollart.rollout.routing.by_class import ClassRouter
+from rollart.rollout.routing.by_finish_time import FinishTimeRouter
 
 log = structlog.get_logger("rollart.rollout.proxy")
 
-CLASS_FOR: dict[Profile, str] = {"prefill-heavy": "compute", "decode-heavy": "bandwidth"}
-STICKY_SLACK = 2
-"""A sticky generator is kept while it has at most this many more calls in flight than the least busy."""
 COOL_DOWN_S = 2.0
+"""How long a generator whose call failed is left out of picks."""
 CONNECT_WAIT_S = 30.0
 """How long a call waits for a hardware class whose sessions have never come up before failing over."""
-MIN_SAMPLES = 4
-EXACT_POOL = 8
-"""Up to this many generators in a pool, a pick scans them all for the least loaded; beyond, it draws two."""
-EWMA_WEIGHT = 0.2
-"""Weight of the newest call in a service-time mean."""
-OFF_CLASS = 1.1
-"""Estimates off a task's preferred class are this much longer: the class its profile prefers wins near-ties."""
-EXPLORE = 0.02
-"""Fraction of finish-time picks that go to a random candidate instead of the best: measurements of every
-class stay current."""
-STICKY_MARGIN = 0.25
-"""A sticky generator is kept while its predicted finish is within this fraction of the best one's."""
-SATURATED = 0.9
-"""A hardware class this busy (its generators' recent busy fraction, on average) has no room to spare."""
-SPILL_GAP = 0.15
-"""Calls spill out of a saturated class while another is at least this much less busy..."""
-SPILL_HOLD = 0.05
-"""...and spill less once the gap is below this (between the two, the spill holds)."""
-SPILL_STEP = 0.05
-SPILL_MAX = 0.9
-SPILL_EVERY_S = 2.0
-"""How often (the loop's clock) the spill fractions move, by `SPILL_STEP`, within 0 and `SPILL_MAX`."""
+
+ROUTERS: dict[Routing, Callable[[Pool, dict[str, str]], Router]] = {
+    "class": ClassRouter,
+    "finish-time": FinishTimeRouter,
+    "disaggregated": ClassRouter,  # each half of a turn, as class routing routes a whole one
+}
+"""The router each `rollout.routing` builds, given the pool and where each trajectory's last turn ran."""
 
 
 class GenerationFailed(RollartError):
     """Every attempt to generate a turn failed."""
 
 
-@dataclass
-class GeneratorRef:
-    """A generator as one env-host sees it."""
-
-    name: str
-    hardware: str
-    session: Session
-    in_flight: int = 0
-    failures: int = 0
-    avoid_until: float = 0.0
-    calls: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Calls served, by the task profile they were routed as (a disaggregated turn: its decode half)."""
-    prefills: int = 0
-    """Prefill halves of disaggregated turns served (`routing: disaggregated`)."""
-    service_s: dict[str, float] = field(default_factory=dict)
-    """Per task: mean seconds its calls took here once started (exponentially weighted)."""
-    mean_service_s: float = 0.0
-    """The same over every task."""
-    running: int = 0
-    """Requests running on the generator, as its last reply to this env-host said."""
-    waiting: int = 0
-    """Requests queued on it, not yet started, as its last reply said."""
-    busy: float | None = None
-    """Its recent busy fraction, as its last reply said (None: never said)."""
-    sent_since_report: int = 0
-    """Calls sent to it from here since that reply."""
-    reported_at: float = 0.0
-    """When that reply came (the loop's clock)."""
-
-    def record(self, task: str, service_s: float, result: Generated, now: float) -> None:
-        """What a finished call measured: its service time, and the load the generator reported."""
-        self.service_s[task] = _ewma(self.service_s.get(task), service_s)
-        self.mean_service_s = _ewma(self.mean_service_s or None, service_s)
-        self.running, self.waiting, self.sent_since_report = result.running, result.waiting, 0
-        self.reported_at = now
-        if result.busy is not None:
-            self.busy = result.busy
-
-    def backlog_s(self, now: float) -> float:
-        """Predicted wait before a call sent now starts here: the queue its last reply reported, worked
-        off since at the rate its running requests finish (Little's law), and the calls sent here since,
-        which joined that queue if any of it is left."""
-        per_call = self.mean_service_s / max(1, self.running)
-        left = max(0.0, self.waiting * per_call - (now - self.reported_at))
-        return left + self.sent_since_report * per_call if left > 0 else 0.0
-
-
-class TaskProfiler:
-    """Measures each task's prompt-to-generated token ratio and classifies it."""
-
-    def __init__(self, initial: dict[str, Profile], ratio: float) -> None:
-        self.initial = initial
-        self.ratio = ratio
-        self.prompt_tokens: collections.Counter[str] = collections.Counter()
-        self.generated_tokens: collections.Counter[str] = collections.Counter()
-        self.samples: collections.Counter[str] = collections.Counter()
-
-    def record(self, task: str, prompt_tokens: int, generated_tokens: int) -> None:
-        self.prompt_tokens[task] += prompt_tokens
-        self.generated_tokens[task] += generated_tokens
-        self.samples[task] += 1
-
-    def profile(self, task: str) -> Profile:
-        if self.samples[task] < MIN_SAMPLES:
-            return self.initial.get(task, "decode-heavy")
-        measured = self.prompt_tokens[task] / max(1, self.generated_tokens[task])
-        return "prefill-heavy" if measured > self.ratio else "decode-heavy"
-
-    def describe(self) -> dict[str, dict[str, object]]:
-        return {
-            task: {
-                "profile": self.profile(task),
-                "configured": self.initial.get(task),
-                "prompt_per_generated": round(self.prompt_tokens[task] / max(1, self.generated_tokens[task]), 2),
-                "samples": self.samples[task],
-            }
-            for task in sorted(set(self.initial) | set(self.samples))
-        }
-
-
 class LLMProxy:
-    """Routes generation calls to generators; re-issues them when a generator fails."""
+    """Sends generation calls to the generators its router picks; re-issues them when a generator fails."""
 
     def __init__(
         self,
@@ -202,107 +71,36 @@ class LLMProxy:
         backoff_cap_s: float = 2.0,
     ) -> None:
         self.generators = generators
-        self.by_name = {generator.name: generator for generator in generators}
-        self.by_class: dict[str, list[GeneratorRef]] = collections.defaultdict(list)
-        for generator in generators:
-            self.by_class[generator.hardware].append(generator)
-        classes = [*self.by_class, *CLASS_FOR.values()]
-        self.outside = {hardware: [g for g in generators if g.hardware != hardware] for hardware in classes}
-        """Per class, the generators of every other class (the candidates that overrule a preference)."""
+        self.pool = Pool(generators)
         self.routing = routing
-        self.class_service_s: dict[tuple[str, str], float] = {}
-        """Per (task, hardware class): mean service seconds of the task's calls on that class."""
-        self.task_service_s: dict[str, float] = {}
-        """Per task: mean service seconds anywhere."""
-        self.overruled = 0
-        """Calls sent outside their preferred class while it had a usable generator."""
-        self.explored = 0
-        """Calls sent to a random candidate (`EXPLORE`)."""
-        self.spill: dict[str, float] = dict.fromkeys(classes, 0.0)
-        """Per hardware class: the fraction of its calls whose candidates include the other classes."""
-        self._spill_moved_at = 0.0
+        self.sticky: dict[str, str] = {}
+        """Per trajectory: the generator its previous turn ran on (its prefix is cached there)."""
+        self.router = ROUTERS[routing](self.pool, self.sticky)
+        self.split_turns = routing == "disaggregated"
+        """Whether each turn is sent as a prefill half and a decode half."""
         self._started: set[str] = set()
         """Classes with a generator past its first connection: no start-up wait for them again."""
         self.profiler = profiler
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.backoff = Backoff(backoff_base_s, backoff_cap_s)  # full jitter
-        self.sticky: dict[str, str] = {}
         self.reissued = 0
         self.cancelled = 0
 
     def _pick(self, trajectory_id: str, task: str, want: str, excluded: set[str]) -> GeneratorRef | None:
+        """The router's pick among generators up, out of their cool-down and not yet `excluded` for this call."""
         now = time.monotonic()
 
         def usable(g: GeneratorRef) -> bool:
             return g.session.state is State.UP and g.avoid_until <= now and g.name not in excluded
 
-        if self.routing == "finish-time" and task in self.task_service_s:
-            return self._pick_first_finish(trajectory_id, task, want, usable)
-        return self._pick_by_class(trajectory_id, want, usable)
-
-    def estimate_s(self, g: GeneratorRef, task: str, want: str, now: float) -> float:
-        """Predicted seconds until a call of `task` sent at `now` (the loop's clock) would finish on `g`
-        (the task has a measured call)."""
-        service = g.service_s.get(task)
-        if service is None:
-            service = self.class_service_s.get((task, g.hardware))
-        if service is None:  # never run on this class: as fast as anywhere until one call says otherwise
-            service = self.task_service_s[task]
-        return (service + g.backlog_s(now)) * (1.0 if g.hardware == want else OFF_CLASS)
-
-    def _pick_first_finish(
-        self, trajectory_id: str, task: str, want: str, usable: Callable[[GeneratorRef], bool]
-    ) -> GeneratorRef | None:
-        now = _now()
-        candidates = _drawn(self.by_class.get(want, []), usable)
-        if not candidates or random.random() < self.spill[want]:
-            candidates += _drawn(self.outside[want], usable)
-        elif all(g.backlog_s(now) > 0 for g in candidates):  # the class queues: others with room may take it
-            candidates += [g for g in _drawn(self.outside[want], usable) if _has_room(g, now)]
-        if not candidates:
-            return None
-        if len(candidates) > 1 and random.random() < EXPLORE:
-            best = random.choice(candidates)
-            self.explored += 1
-            if best.hardware != want and self.by_class.get(want):
-                self.overruled += 1
-            return best
-        scored = [(self.estimate_s(g, task, want, now), g.in_flight, random.random(), g) for g in candidates]
-        best_s, _, _, best = min(scored, key=lambda entry: entry[:3])
-        sticky = self.by_name.get(self.sticky.get(trajectory_id, ""))
-        near = best_s * (1 + STICKY_MARGIN)
-        if sticky is not None and usable(sticky) and self.estimate_s(sticky, task, want, now) <= near:
-            best = sticky
-        if best.hardware != want and self.by_class.get(want):
-            self.overruled += 1
-        return best
-
-    def _pick_by_class(
-        self, trajectory_id: str, want: str, usable: Callable[[GeneratorRef], bool]
-    ) -> GeneratorRef | None:
-        # The wanted class first; every generator only when none of it is usable (failover).
-        failover = False
-        best = _least_loaded(self.by_class.get(want, []), usable)
-        if best is None:
-            failover, best = True, _least_loaded(self.generators, usable)
-            if best is None:
-                return None
-        sticky = self.by_name.get(self.sticky.get(trajectory_id, ""))
-        if (
-            sticky is not None
-            and (failover or sticky.hardware == want)
-            and usable(sticky)
-            and sticky.in_flight <= best.in_flight + STICKY_SLACK
-        ):
-            return sticky
-        return best
+        return self.router.pick(trajectory_id, task, want, usable)
 
     async def _first_connection(self, want: str) -> None:
         """Wait (bounded) while every generator of class `want` is still making its first connection."""
         if want in self._started:  # the common case: checked once per call, so kept O(1)
             return
-        mine = self.by_class.get(want, [])
+        mine = self.pool.by_class.get(want, [])
         if not mine or any(g.session.state is not State.CONNECTING for g in mine):
             self._started.add(want)  # a session never goes back to CONNECTING
             return
@@ -319,7 +117,7 @@ class LLMProxy:
         from the first (each half re-issued on its own; a class with no generator up takes the whole turn
         to the other, as failover)."""
         profile = self.profiler.profile(task)
-        if self.routing == "disaggregated" and await self._both_up():
+        if self.split_turns and await self._both_up():
             half = msgspec.structs.replace(request, request_id=f"{request.request_id}/prefill", prefill_only=True)
             prefilled = await self._generate_on(task, half, "compute", profile)
             decode = msgspec.structs.replace(request, kv_from=f"{prefilled.generator}/{prefilled.request_id}")
@@ -332,7 +130,7 @@ class LLMProxy:
         """Whether the compute and the bandwidth class each have a generator up (after start-up's wait)."""
         for hardware in ("compute", "bandwidth"):
             await self._first_connection(hardware)
-            if not any(g.session.state is State.UP for g in self.by_class.get(hardware, [])):
+            if not any(g.session.state is State.UP for g in self.pool.by_class.get(hardware, [])):
                 return False
         return True
 
@@ -355,7 +153,7 @@ class LLMProxy:
             attempt += 1
             generator.in_flight += 1
             generator.sent_since_report += 1
-            sent_at = _now()
+            sent_at = loop_time()
             try:
                 result = await self._call(generator, request)
             except (RequestTimeout, SessionLost, RemoteError, UnexpectedReply, _Down) as exc:
@@ -372,7 +170,7 @@ class LLMProxy:
                 self.sticky[request.trajectory_id] = generator.name
                 generator.calls[profile] += 1
                 self.profiler.record(task, result.prompt_tokens, len(result.token_ids))
-                now = _now()
+                now = loop_time()
                 self._record(generator, task, max(0.0, now - sent_at - result.queued_s), result, now)
                 return result
             finally:
@@ -419,40 +217,18 @@ class LLMProxy:
             down.cancel()
 
     def _record(self, generator: GeneratorRef, task: str, service_s: float, result: Generated, now: float) -> None:
+        """A call answered: what it measured, for its generator and the router."""
         if result.finish_reason == "abort":
             return  # cut short: says nothing of what a whole call takes
         generator.record(task, service_s, result, now)
-        key = (task, generator.hardware)
-        self.class_service_s[key] = _ewma(self.class_service_s.get(key), service_s)
-        self.task_service_s[task] = _ewma(self.task_service_s.get(task), service_s)
-        if now - self._spill_moved_at >= SPILL_EVERY_S:
-            self._spill_moved_at = now
-            self._move_spill()
-
-    def _move_spill(self) -> None:
-        """Each class's spill follows how busy it is against the least busy other class: up while it is
-        saturated and that one has room, down once they are near level (or it has room itself)."""
-        busy = {
-            hardware: sum(reports) / len(reports)
-            for hardware, pool in self.by_class.items()
-            if (reports := [g.busy for g in pool if g.busy is not None])
-        }
-        for hardware, mine in busy.items():
-            others = [other for name, other in busy.items() if name != hardware]
-            if not others:
-                continue
-            gap, spill = mine - min(others), self.spill[hardware]
-            if mine >= SATURATED and gap >= SPILL_GAP:
-                spill = min(SPILL_MAX, spill + SPILL_STEP)
-            elif mine < SATURATED - SPILL_HOLD or gap < SPILL_HOLD:
-                spill = max(0.0, spill - SPILL_STEP)
-            self.spill[hardware] = spill
+        self.router.record(generator, task, service_s, now)
 
     def forget(self, trajectory_id: str) -> None:
+        """The trajectory ended: no turn of it will look for its prefix again."""
         self.sticky.pop(trajectory_id, None)
 
     def describe(self) -> dict[str, object]:
-        now = _now()
+        now = loop_time()
         return {
             "generators": {
                 g.name: {
@@ -469,51 +245,10 @@ class LLMProxy:
             },
             "tasks": self.profiler.describe(),
             "routing": self.routing,
-            "spill": {hardware: round(fraction, 3) for hardware, fraction in self.spill.items()},
-            "overruled": self.overruled,
-            "explored": self.explored,
+            **self.router.describe(),
             "reissued": self.reissued,
             "cancelled": self.cancelled,
         }
-
-
-def _now() -> float:
-    """The running loop's clock (simulated time in the in-process simulations), else the monotonic one."""
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:
-        return time.monotonic()
-
-
-def _has_room(g: GeneratorRef, now: float) -> bool:
-    """Whether `g` would start a call at once and is not saturated: a backlogged class's calls may go there
-    (to a busy one, a continuous-batching engine that slows everything it runs, they would not)."""
-    return g.backlog_s(now) == 0 and (g.busy is None or g.busy < SATURATED)
-
-
-def _ewma(mean: float | None, value: float) -> float:
-    return value if mean is None else mean + EWMA_WEIGHT * (value - mean)
-
-
-def _drawn(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], bool]) -> list[GeneratorRef]:
-    """The usable generators of `pool` to score: all of a pool of up to `EXACT_POOL`, else two drawn at
-    random (scanning for usable ones only when neither drawn is)."""
-    if len(pool) > EXACT_POOL:
-        drawn = [g for g in random.sample(pool, 2) if usable(g)]
-        if drawn:
-            return drawn
-    return [g for g in pool if usable(g)]
-
-
-def _least_loaded(pool: list[GeneratorRef], usable: Callable[[GeneratorRef], bool]) -> GeneratorRef | None:
-    """The usable generator of `pool` with the fewest calls in flight (ties broken at random); in a
-    pool larger than `EXACT_POOL`, the less loaded of two drawn at random, scanning only if neither
-    of them is usable."""
-    candidates = _drawn(pool, usable)
-    if not candidates:
-        return None
-    least = min(g.in_flight for g in candidates)
-    return random.choice([g for g in candidates if g.in_flight == least])
 
 
 class _Down(RollartError):

@@ -4,34 +4,29 @@
     decode the action -> step -> render the observation as the next user turn -> ... ->
     score with the task's reward function on the reward gateway
 
-It keeps the token-level history the trainer needs: the first prompt's ids, then every later
-token with a mask that is 1 exactly on generated tokens, and each generated token's behaviour
+It keeps the token-level history the trainer needs (`rollout.turns.TurnHistory`): the first prompt's ids,
+then every later token with a mask that is 1 exactly on generated tokens, and each generated token's behaviour
 log-prob and weight version. With the task's `context: last` every turn starts afresh from the
 latest observation, and the history marks where each turn's prompt begins (`Trajectory.segments`),
 so the trainer trains the turns as separate sequences. A trajectory stops when the environment
 ends it, at the task's turn limit, or when the context would pass its token budget. Every environment call runs off
 the event loop with a deadline, in a thread (`EnvRunner`) or an env worker process (`WorkerEnvRunner`), as the
-env-host opened it; an environment that fails fails this trajectory only.
+env-host opened it; an environment that fails fails this trajectory only. What it knows of its env-host is its
+`EpisodeContext` (`rollout.turns`), the same an agent episode is given.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 from rollart.envs import EnvHandle
 from rollart.errors import RollartError
-from rollart.protocol.messages import Generate, Generated, Score, Trajectory
+from rollart.protocol.messages import Score, Trajectory
 from rollart.rollout.barrier import TurnBarrier
 from rollart.rollout.config import SamplingSpec, TaskSpec
-from rollart.rollout.proxy import LLMProxy
 from rollart.rollout.render import ChatRenderer
-
-Scorer = Callable[[Score], Awaitable[float]]
-T = TypeVar("T")
+from rollart.rollout.turns import EpisodeContext, TurnHistory, turn_request
 
 
 @dataclass
@@ -48,66 +43,6 @@ class TrajectoryJob:
 
 class TrajectoryAborted(RollartError):
     """A generator aborted the turn (its request was cancelled there)."""
-
-
-@dataclass
-class TurnHistory:
-    """Every token after the first prompt, with what the trainer needs to know of each."""
-
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    replies: list[str] = field(default_factory=list)
-    generators: list[str] = field(default_factory=list)
-    waited: dict[str, float] = field(default_factory=lambda: {"env": 0.0, "gen": 0.0, "reward": 0.0})
-    spans: list[tuple[str, float, float]] = field(default_factory=list)
-    segments: list[int] = field(default_factory=list)
-    """Offsets in `ids` where a turn's fresh prompt starts (`context: last`)."""
-
-    async def timed(self, kind: str, call: Awaitable[T]) -> T:
-        """Await `call`, adding the wait to the trajectory's env, generation or reward time."""
-        loop = asyncio.get_running_loop()  # its clock: simulated time on the in-process virtual loop
-        t0, wall = loop.time(), time.time()
-        try:
-            return await call
-        finally:
-            took = loop.time() - t0
-            self.waited[kind] += took
-            self.spans.append((kind, round(wall, 4), round(wall + took, 4)))
-
-    def record(self) -> dict[str, Any]:
-        """The `Trajectory` fields this history fills: the tokens, their log-probs and versions, the waits."""
-        return {
-            "response_ids": self.ids,
-            "response_mask": self.mask,
-            "logprobs": self.logprobs,
-            "versions": self.versions,
-            "env_wait_s": round(self.waited["env"], 6),
-            "gen_wait_s": round(self.waited["gen"], 6),
-            "generators": self.generators,
-            "spans": self.spans,
-            "segments": self.segments,
-        }
-
-    def generated(self, result: Generated, reply: str) -> None:
-        self.ids += result.token_ids
-        self.mask += [1] * len(result.token_ids)
-        self.logprobs += result.logprobs
-        self.versions += result.versions
-        self.replies.append(reply)
-        self.generators.append(result.generator)
-
-    def context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def fresh_prompt(self, ids: list[int]) -> None:
-        """A new, independent sequence starts here with prompt `ids` (`context: last`)."""
-        self.segments.append(len(self.ids))
-        self.context(ids)
 
 
 @dataclass
@@ -156,22 +91,13 @@ class _Conversation:
 
 
 async def run_trajectory(
-    job: TrajectoryJob,
-    *,
-    env: EnvHandle,
-    renderer: ChatRenderer,
-    proxy: LLMProxy,
-    score: Scorer,
-    policy_version: Callable[[], int],
-    on_start: Callable[[int], None] = lambda version: None,
-    barrier: TurnBarrier | None = None,
-    min_version: Callable[[], int] = lambda: 0,
+    job: TrajectoryJob, env: EnvHandle, context: EpisodeContext, *, barrier: TurnBarrier | None = None
 ) -> Trajectory:
     """Run one episode in `env` (opened for this trajectory; closed here however it ends) and
     return it scored. Raises `EnvFailure`, `GenerationFailed`, ...
 
-    `min_version` gives the oldest weight version a generator may use (the staleness bound)."""
-    task = job.task
+    `barrier`: batch-level stepping (`rollout.barrier`), each turn waits for the whole batch."""
+    task, renderer, proxy = job.task, context.renderer, context.proxy
     runner = env
     if barrier is not None:
         barrier.join()
@@ -187,25 +113,24 @@ async def run_trajectory(
         env_reward, turns, finish = 0.0, 0, "max-turns"
         max_turns = task.max_turns or env.max_turns
         while turns < max_turns:
-            context = talk.prompt(history)
-            budget = min(task.max_tokens_per_turn, task.max_total_tokens - len(context))
+            prompt = talk.prompt(history)
+            budget = min(task.max_tokens_per_turn, task.max_total_tokens - len(prompt))
             if budget <= 0:
                 finish = "max-tokens"
                 break
             if barrier is not None:
                 await barrier.wait()  # batch-level stepping: the whole batch finished the last turn
             if started_at_version is None:
-                started_at_version = policy_version()
-                on_start(started_at_version)
-            request = Generate(
-                request_id=f"{job.trajectory_id}.t{turns}",
-                trajectory_id=job.trajectory_id,
-                prompt_ids=context,
+                started_at_version = context.policy_version()
+                context.on_start(started_at_version)
+            request = turn_request(
+                job.trajectory_id,
+                turns,
+                prompt,
                 max_tokens=budget,
-                temperature=job.sampling.temperature,
-                top_p=job.sampling.top_p,
-                stop_token_ids=renderer.stop_ids,
-                min_version=min_version(),
+                sampling=job.sampling,
+                stop_ids=renderer.stop_ids,
+                min_version=context.min_version(),
             )
             result = await history.timed("gen", proxy.generate(task.name, request))
             if result.finish_reason == "abort":
@@ -224,7 +149,7 @@ async def run_trajectory(
         answer = info.get("answer")
         reward = await history.timed(
             "reward",
-            score(
+            context.score(
                 Score(
                     fn=task.reward,
                     task=task.name,
@@ -251,7 +176,7 @@ async def run_trajectory(
         env_reward=env_reward,
         turns=turns,
         finish=finish,
-        started_at_version=started_at_version if started_at_version is not None else policy_version(),
+        started_at_version=started_at_version if started_at_version is not None else context.policy_version(),
         started_at=started_at,
         finished_at=time.time(),
         success=bool(info.get("success", False)),

@@ -47,6 +47,7 @@ from typing import Any
 
 import aiohttp
 
+from rollart.generation.registry import backend as generation_backend
 from rollart.protocol.certs import NodeName, issue_for_nodes
 from rollart.rundir import RunDir
 from rollart.testkit.outcome import Injection, Outcome, Sample, Scenario, check_run, write_outcome
@@ -220,7 +221,8 @@ class ChaosRun:
         return env
 
     def python(self) -> str:
-        return str(ROOT / ".venv-vllm" / "bin" / "python") if self.scenario.backend == "vllm" else sys.executable
+        venv = generation_backend(self.scenario.backend).venv
+        return str(ROOT / venv.folder / "bin" / "python") if venv is not None else sys.executable
 
     # -- the run --------------------------------------------------------------------------------
 

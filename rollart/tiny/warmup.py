@@ -31,8 +31,8 @@ from typing import Any
 import structlog
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
 from rollart.envs import make_env
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.tiny.model import MARKER_FILE

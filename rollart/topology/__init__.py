@@ -20,10 +20,12 @@ from typing import Literal, TypeAlias
 import msgspec
 import yaml
 
-from rollart.engines.config import GeneratorSpec
-from rollart.engines.training import RankLayout, TrainerSpec
 from rollart.envs.registry import env_kwargs_problem, unknown_env
 from rollart.errors import ConfigError
+from rollart.generation.config import GeneratorSpec
+from rollart.generation.registry import GENERATION_BACKENDS
+from rollart.generation.registry import backend as generation_backend
+from rollart.generation.registry import check as generation_check
 from rollart.models.presets import preset, unknown_preset
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.tls import NodeTls, TlsSpec
@@ -33,6 +35,8 @@ from rollart.sim.config import SimSpec
 from rollart.topology import exposure, gpus, trainers
 from rollart.topology.explain import explain
 from rollart.tracking.config import TrackingSpec
+from rollart.training.registry import check as training_check
+from rollart.training.spec import RankLayout, TrainerSpec
 
 REWARD_SERVICE = "reward-service"
 """The session name of the shared reward gateway an env-host uses (`run.reward_service`)."""
@@ -345,24 +349,29 @@ def parse_topology(text: str | bytes, source: str = "<string>") -> Topology:
 
 def _check_generators(topology: Topology) -> list[tuple[str, str]]:
     """Simulated generators need an engine shape for their hardware. `rollout.routing: disaggregated` hands KV
-    cache between engines: simulated engines model that, vLLM engines do it through a KV store
-    (`generator.kv_store`), and it needs a generator to prefill on (hardware compute) and one to decode on
+    cache between engines: a backend that can (`GenerationBackend.kv_handoff`), through a KV store where it uses
+    one (`generator.kv_store`), with a generator to prefill on (hardware compute) and one to decode on
     (bandwidth)."""
     run, problems = topology.run, []
-    if run.generator.backend == "sim":
+    record = generation_backend(run.generator.backend)
+    if record.simulated:
         for i, node in enumerate(topology.nodes):
             if node.role is Role.GENERATOR and node.hardware not in run.sim.engines:
                 problems.append((f"nodes[{i}].hardware", f"run.sim.engines has no engine for {node.hardware!r}"))
     if run.rollout is None or run.rollout.routing != "disaggregated":
         return problems
-    if run.generator.backend == "hf":
+    if not record.kv_handoff:
+        takes = " and ".join(name for name, other in GENERATION_BACKENDS.items() if other.kv_handoff)
         problem = (
-            "disaggregated prefill hands KV cache between engines: the vllm backend does (with generator.kv_store) "
-            "and the sim backend models it; got backend hf"
+            f"disaggregated prefill hands KV cache between engines, which the {takes} backends do; "
+            f"got backend {run.generator.backend}"
         )
         problems.append(("run.rollout.routing", problem))
-    elif run.generator.backend == "vllm" and run.generator.kv_store is None:
-        problem = "disaggregated prefill on vLLM needs generator.kv_store, the folder its engines hand KV cache through"
+    elif record.kv_store and run.generator.kv_store is None:
+        problem = (
+            f"disaggregated prefill on {run.generator.backend} needs generator.kv_store, the folder its engines hand "
+            "KV cache through"
+        )
         problems.append(("run.generator.kv_store", problem))
     kinds = {node.hardware for node in topology.nodes if node.role is Role.GENERATOR}
     if missing := sorted({"compute", "bandwidth"} - kinds):
@@ -387,8 +396,10 @@ def _check(topology: Topology) -> list[tuple[str, str]]:
         problems += _check_env_names(run.rollout.tasks, run.env_modules)
         problems += _check_reward_names(run.rollout.tasks, run.reward_modules)
     problems += [(f"run.trainer.{field}", problem) for field, problem in run.trainer.validate()]
+    problems += [(f"run.trainer.{field}", problem) for field, problem in training_check(run.trainer)]
     problems += [(f"run.sim.{field}", problem) for field, problem in run.sim.validate()]
     problems += [(f"run.generator.{field}", problem) for field, problem in run.generator.validate()]
+    problems += [(f"run.generator.{field}", problem) for field, problem in generation_check(run.generator)]
     problems += [(f"run.tracking.{field}", problem) for field, problem in run.tracking.validate()]
     if run.model.shape is not None and preset(run.model.shape) is None:
         problems.append(("run.model.shape", unknown_preset(run.model.shape)))

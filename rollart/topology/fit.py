@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from rollart.generation.registry import backend as generation_backend
 from rollart.models.presets import preset
 from rollart.models.shapes import ModelShape, ShapeError, read_shape
 from rollart.topology import NodeSpec, Role, Topology
@@ -182,7 +183,7 @@ def _trainer(topology: Topology, size: NodeSize, shape: ModelShape) -> None:
 
 def _generator(topology: Topology, size: NodeSize, shape: ModelShape) -> None:
     gen, node = topology.run.generator, size.node
-    if gen.backend == "sim":
+    if generation_backend(gen.backend).simulated:
         size.notes.append("simulated engine (run.sim)")
         return
     on_gpu = node.resources.gpus > 0

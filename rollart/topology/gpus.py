@@ -29,6 +29,8 @@ import difflib
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from rollart.generation.registry import backend as generation_backend
+
 if TYPE_CHECKING:
     from rollart.topology import NodeSpec, Topology
 
@@ -135,7 +137,7 @@ def check_gpus(topology: Topology) -> list[tuple[str, str]]:
                 f"per GPU; set ranks: {res.gpus} (backend fsdp2 or megatron) or gpus: {run.trainer.ranks}"
             )
             problems.append((f"{at}.gpus", problem))
-        if node.role.value == "generator" and run.generator.backend != "sim":
+        if node.role.value == "generator" and not generation_backend(run.generator.backend).simulated:
             engines, tp = run.generator.engines, run.generator.tensor_parallel_size
             if res.gpus != engines * tp:
                 problem = (

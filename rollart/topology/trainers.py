@@ -18,8 +18,9 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from rollart.engines.training import RankLayout
 from rollart.errors import ConfigError
+from rollart.training.registry import TRAINING_BACKENDS
+from rollart.training.spec import RankLayout
 
 if TYPE_CHECKING:
     from rollart.topology import NodeSpec, Topology
@@ -81,8 +82,9 @@ def check_trainer_groups(topology: Topology) -> list[tuple[str, str]]:
         at = f"nodes[{index[primary]}].rendezvous_port"
         if topology.nodes[index[primary]].rendezvous_port is None:
             problems.append((at, f"missing: the ranks of its members ({', '.join(names)}) rendezvous there"))
-        if topology.run.trainer.backend != "fsdp2":
-            problem = f"a group of trainer nodes ({primary}, {', '.join(names)}) needs fsdp2"
+        if not TRAINING_BACKENDS[topology.run.trainer.backend].node_groups:  # known: checked before
+            takes = ", ".join(name for name, record in TRAINING_BACKENDS.items() if record.node_groups)
+            problem = f"a group of trainer nodes ({primary}, {', '.join(names)}) needs {takes}"
             problems.append(("run.trainer.backend", f"{problem}; got {topology.run.trainer.backend!r}"))
     return problems
 

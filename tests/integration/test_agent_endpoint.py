@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from rollart.agents import AgentEndpoint, AgentEpisode
-from rollart.engines.base import SamplingParams
-from rollart.engines.hf import HFEngine
+from rollart.generation.engine import SamplingParams
+from rollart.generation.hf.engine import HFEngine
 from rollart.models.checkpoint import engine_dtype, generation_eos_ids
 from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import SamplingSpec, TaskSpec

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from rollart.engines.base import SamplingParams
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.generation.engine import SamplingParams
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.protocol import CONTROL, Identity, SessionConfig, SessionServer
 from rollart.weights import WeightPublisher, WeightReceiver
 from tests.engine_reference import PROMPTS, build_engine_test_model, noisy_weights

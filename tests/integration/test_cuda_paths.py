@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.logprobs import PolicyLogprobs, shared_heads, shared_reads
-from rollart.engines.training import TrainerSpec, build_training_engine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.tiny.model import build_tiny_model
+from rollart.training.logprobs import PolicyLogprobs, shared_heads, shared_reads
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 from tests.batches import grouped_batch
 
 pytestmark = [

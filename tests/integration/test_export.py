@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from rollart.cli import main
-from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.rundir import RunDir
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 from tests.batches import random_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from rollart.algorithms.config import GRPOConfig
-from rollart.engines.fsdp import FSDPTrainer
-from rollart.engines.fsdp_group import RankDied
-from rollart.engines.logprobs import PolicyLogprobs
-from rollart.engines.step import micro_batch_rows, split_rows
-from rollart.engines.torch_train import TorchTrainer
-from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.errors import RollartError
+from rollart.training.fsdp.engine import FSDPTrainer
+from rollart.training.logprobs import PolicyLogprobs
+from rollart.training.ranks.group import RankDied
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
+from rollart.training.step import micro_batch_rows, split_rows
+from rollart.training.torch.engine import TorchTrainer
 from tests.batches import grouped_batch, random_batch, repeated_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -209,7 +210,7 @@ def test_token_budget_split_balances_tokens_across_ranks() -> None:
 
 
 def test_chunked_logprob_equals_full_logprobs_and_their_gradients(tiny_model: Path) -> None:
-    from rollart.engines.loading import load_model_and_tokenizer
+    from rollart.models.loading import load_model_and_tokenizer
 
     lm, _ = load_model_and_tokenizer(tiny_model)
     batch = random_batch(5, rows=4)

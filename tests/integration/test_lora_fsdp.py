@@ -18,13 +18,14 @@ from peft import PeftModel
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from rollart.engines.export import export_checkpoint
-from rollart.engines.fsdp import FSDPTrainer
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from rollart.engines.torch_train import TorchTrainer
-from rollart.engines.training import LoraSpec, TrainerSpec
 from rollart.errors import RollartError
+from rollart.lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
+from rollart.training.export import export_checkpoint
+from rollart.training.fsdp.engine import FSDPTrainer
+from rollart.training.spec import TrainerSpec
+from rollart.training.torch.engine import TorchTrainer
 from tests.batches import grouped_batch, random_batch
 from tests.integration import test_fsdp
 from tests.integration.test_fsdp import relative

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.base import SamplingParams
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.generation.engine import SamplingParams
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy
 from tests.lora_reference import SPEC, adapter_bytes, peft_adapters
 from tests.weight_push import push_over_tcp
@@ -61,9 +61,9 @@ async def test_lora_the_trainers_adapters_pushed_decode_as_the_trainers_exported
     engine's greedy output equals that of the merged model `rollart export` writes from the trainer's checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from rollart.engines.export import export_checkpoint
-    from rollart.engines.torch_train import TorchTrainer
-    from rollart.engines.training import TrainerSpec
+    from rollart.training.export import export_checkpoint
+    from rollart.training.spec import TrainerSpec
+    from rollart.training.torch.engine import TorchTrainer
     from tests.batches import random_batch
 
     model_dir = build_engine_test_model(tmp_path / "model")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.training import LoraSpec
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.protocol import Identity, SessionConfig
 from rollart.protocol.messages import Generate, Generated
 from rollart.weights import WeightPublisher

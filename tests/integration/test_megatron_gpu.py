@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
-from rollart.engines.training import TrainerSpec, build_training_engine
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 from tests.batches import random_batch, synthetic_batch
 
 pytestmark = [
@@ -47,7 +48,7 @@ def with_behaviour(batch: PackedBatch, logprobs: torch.Tensor) -> PackedBatch:
     [(1, 1, 1), pytest.param(2, 2, 1, id="tp2"), pytest.param(2, 1, 2, id="pp2")],
 )
 def test_megatron_trains_and_exports_hf_weights(tiny_model: Path, tmp_path: Path, ranks: int, tp: int, pp: int) -> None:
-    from rollart.engines.loading import load_model_and_tokenizer
+    from rollart.models.loading import load_model_and_tokenizer
 
     if torch.cuda.device_count() < ranks:
         pytest.skip(f"needs {ranks} GPUs")

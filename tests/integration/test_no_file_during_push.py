@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollart.engines.base import SamplingParams
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.generation.engine import SamplingParams
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
 from tests.filewatch import SHM, FileWatch, private_tmpdir
 from tests.weight_push import push_over_tcp

@@ -127,9 +127,9 @@ def test_the_same_nodes_run_in_process_on_a_virtual_clock(tmp_path: Path) -> Non
 def test_disaggregated_routing_prefills_on_compute_and_decodes_on_bandwidth(tmp_path: Path) -> None:
     """`routing: disaggregated`: every turn is prefilled on the H800 and decoded on the H20, which receives
     the prompt's KV cache instead of prefilling it."""
+    from rollart.generation.sim import SimEngine
     from rollart.nodes import GeneratorNode
     from rollart.nodes.trainer_steps import as_record
-    from rollart.sim.engine import SimEngine
 
     done = inprocess(tmp_path, routing="disaggregated")
     trajectories = [as_record(t) for b in done.batches for g in b.groups for t in g.trajectories]

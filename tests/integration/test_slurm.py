@@ -211,4 +211,4 @@ def test_trainer_group_is_one_component_and_its_primary_ends_the_job(
     assert "trainer finished the run" in out and "trainer-b finished" not in out, out
     for name in nodes:
         assert job.events(name, "node.stopped"), name
-    assert not job.events("trainer-b", "fsdp.rank_group_failed")
+    assert not job.events("trainer-b", "ranks.group_failed")

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from rollart.engines.fsdp import FSDPTrainer
-from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.rundir import RunDir, read_jsonl
 from rollart.testkit.topology import TopologyBuilder
 from rollart.topology import load_topology
+from rollart.training.fsdp.engine import FSDPTrainer
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
 from tests.batches import random_batch
 from tests.integration.cluster import HARDWARE, NODES, Cluster, make_cluster, training_yaml
 from tests.support import ROOT, healthy, http, node_env, start_node, wait_for, write_topology
@@ -72,7 +73,7 @@ def test_trainer_group_two_nodes_match_two_ranks_in_one_node(tmp_path: Path, tin
             member.kill()
             member.wait()
     log = (tmp_path / "trainer-b.log").read_text()
-    assert "the primary trainer stopped its ranks" in log and "fsdp.rank_group_failed" not in log
+    assert "the primary trainer stopped its ranks" in log and "ranks.group_failed" not in log
 
     one_node = build_training_engine(TrainerSpec(**(SPEC | {"ranks": 2})), tiny_model, seed=0)
     assert isinstance(one_node, FSDPTrainer)
@@ -119,7 +120,7 @@ def test_trainer_group_training_run_checkpoints_and_every_node_exits_cleanly(
     assert cluster.stop() == dict.fromkeys([*NODES, "trainer-b"], 0)
     assert not Path(f"/proc/{rank_pid}").exists() or "zombie" in Path(f"/proc/{rank_pid}/status").read_text()
     assert [event["code"] for event in cluster.events("trainer-b", "trainer_member.rank_exited")] == [0]
-    assert not cluster.events("trainer-b", "fsdp.rank_group_failed", "trainer_member.stopping_ranks")
+    assert not cluster.events("trainer-b", "ranks.group_failed", "trainer_member.stopping_ranks")
 
 
 def test_trainer_group_member_fails_when_the_primary_dies(tmp_path: Path, tiny_model: Path) -> None:

@@ -172,7 +172,7 @@ def test_sync_baseline_trains_on_fresh_tokens_and_waits_for_every_push(
 async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:
-    from rollart.engines.loading import load_model_and_tokenizer
+    from rollart.models.loading import load_model_and_tokenizer
     from rollart.protocol import Identity, SessionConfig
     from rollart.protocol.messages import Generate, Generated
     from rollart.weights import WeightPublisher
@@ -461,7 +461,7 @@ def test_fsdp_training_run_with_two_ranks_checkpoints_and_exits_cleanly(
     assert (RunDir(cluster.run_dir).latest_checkpoint() / "dcp" / ".metadata").exists()
     saved = cluster.events("trainer", "learner.checkpoint")
     assert [event["step"] for event in saved] == list(range(1, steps + 1)), saved
-    ranks = cluster.events("trainer", "fsdp.ranks_started")[0]["pids"]
+    ranks = cluster.events("trainer", "ranks.started")[0]["pids"]
     assert cluster.stop() == dict.fromkeys(NODES, 0)
     for pid in ranks:  # the ranks left with their node
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid

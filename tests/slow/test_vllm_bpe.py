@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.vllm.engine import VLLMEngine
 from rollart.models.checkpoint import engine_dtype
 from tests.slow.vllm_marks import vllm_engine_marks
 from tests.unit.test_bpe_rollout import check_and_train, lake, play

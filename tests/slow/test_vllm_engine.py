@@ -18,9 +18,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollart.engines.base import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.engine import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
+from rollart.generation.vllm.engine import VLLMEngine
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights, until
 from tests.slow.vllm_marks import vllm_engine_marks
 

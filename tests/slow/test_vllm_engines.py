@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rollart import cpus
-from rollart.engines.base import SamplingParams
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.engine import SamplingParams
+from rollart.generation.vllm.engine import VLLMEngine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.nodes.generator import build_engines
 from rollart.topology import parse_topology
 from tests.engine_reference import noisy_weights

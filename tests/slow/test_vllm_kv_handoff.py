@@ -1,8 +1,8 @@
 """Disaggregated serving on real vLLM: one engine prefills a prompt and writes its KV cache to the KV store, another
-reads it and decodes (`rollart.engines.vllm_kv`), with greedy tokens equal to transformers' and log-probs equal to
-one engine's whole request; a corrupted store changes the answer (so the KV read is the KV used), a missing one
-does not (the engine prefills itself), and the decode half removes what it read, after reading it, however early
-or late it is cut short.
+reads it and decodes (`rollart.generation.vllm.kv_connector`), with greedy tokens equal to transformers' and log-probs
+equal to one engine's whole request; a corrupted store changes the answer (so the KV read is the KV used), a missing one
+does not (the engine prefills itself), and the decode half removes what it read, after reading it, however early or late
+it is cut short.
 
 Needs vLLM: `.venv-vllm/bin/python -m pytest tests/slow/test_vllm_kv_handoff.py -p no:cacheprovider -q`.
 The two engines share the module (each takes 20-50 s to start on a small CPU), one core each.
@@ -20,10 +20,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollart.engines.base import InvalidRequest, SamplingParams
-from rollart.engines.kv_store import kv_key
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.engine import InvalidRequest, SamplingParams
+from rollart.generation.kv_store import kv_key
+from rollart.generation.vllm.engine import VLLMEngine
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import build_engine_test_model, hf_greedy
 from tests.slow.vllm_marks import vllm_engine_marks
 

@@ -18,10 +18,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollart.engines.base import InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.training import LoraSpec
-from rollart.engines.vllm_engine import VLLMEngine
+from rollart.generation.engine import InvalidRequest, SamplingParams, WeightsMismatch
+from rollart.generation.vllm.engine import VLLMEngine
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import build_engine_test_model, encoded_prompts, hf_greedy, until
 from tests.lora_reference import SPEC, peft_adapters
 from tests.slow.vllm_marks import vllm_engine_marks

@@ -16,17 +16,18 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import pack_batch
-from rollart.engines.base import GenerationEngine, SamplingParams
-from rollart.engines.hf import HFEngine
-from rollart.engines.torch_train import TorchTrainer
-from rollart.engines.training import TrainerSpec
 from rollart.envexec.runner import EnvRunner
 from rollart.envs import make_env
+from rollart.generation.engine import GenerationEngine, SamplingParams
+from rollart.generation.hf.engine import HFEngine
 from rollart.models.checkpoint import engine_dtype, generation_eos_ids
 from rollart.protocol.messages import Generate, Generated, Score, Trajectory
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
+from rollart.rollout.turns import EpisodeContext
+from rollart.training.spec import TrainerSpec
+from rollart.training.torch.engine import TorchTrainer
 from tests.unit.test_chat_render import load
 
 TURNS = 3
@@ -64,14 +65,7 @@ async def play(engine: GenerationEngine, model: Path, task: TaskSpec, n: int) ->
     async def one(i: int) -> Trajectory:
         job = TrajectoryJob(f"t{i}", "g", task, seed=i, sampling=SamplingSpec(), env_timeout_s=10.0)
         env = EnvRunner(make_env(task.env, **task.env_kwargs), timeout_s=10.0)
-        return await run_trajectory(
-            job,
-            env=env,
-            renderer=renderer,
-            proxy=proxy,
-            score=score,
-            policy_version=lambda: 0,  # type: ignore[arg-type]
-        )
+        return await run_trajectory(job, env, EpisodeContext(renderer, proxy, score, policy_version=lambda: 0))
 
     return list(await asyncio.gather(*(one(i) for i in range(n)))), proxy
 

@@ -415,7 +415,7 @@ async def test_calculator_agent_episode_with_the_real_engine_reports_a_reward(
 ) -> None:
     import torch
 
-    from rollart.engines.hf import HFEngine
+    from rollart.generation.hf.engine import HFEngine
     from rollart.models.checkpoint import engine_dtype
     from tests.integration.test_agent_endpoint import EngineGenerator
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollart.cli import _needs_vllm, main
+from rollart.cli import IN_VENV_ENV, _own_venv, main
 from rollart.rundir import RunDir
 from rollart.topology import parse_topology
 
@@ -17,9 +17,10 @@ ROLLOUT = "  rollout: {tasks: [{name: t, env: copy-reverse}]}\n"
 
 
 def test_only_a_rollout_whose_generators_run_vllm_needs_the_vllm_environment() -> None:
-    assert _needs_vllm(parse_topology("run:\n" + ROLLOUT + NODES))  # vllm is the default backend
-    assert not _needs_vllm(parse_topology("run:\n  generator: {backend: hf}\n" + ROLLOUT + NODES))
-    assert not _needs_vllm(parse_topology(NODES))  # no rollout: generators start no engine
+    venv = _own_venv(parse_topology("run:\n" + ROLLOUT + NODES))  # vllm is the default backend
+    assert venv is not None and (venv.module, venv.folder, venv.setup) == ("vllm", ".venv-vllm", "bin/setup-vllm")
+    assert _own_venv(parse_topology("run:\n  generator: {backend: hf}\n" + ROLLOUT + NODES)) is None
+    assert _own_venv(parse_topology(NODES)) is None  # no rollout: generators start no engine
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed in this environment")
@@ -28,7 +29,7 @@ def test_run_says_how_to_get_vllm_when_even_its_environment_lacks_it(
 ) -> None:
     topology = tmp_path / "t.yaml"
     topology.write_text("run:\n" + ROLLOUT + NODES)
-    monkeypatch.setenv("ROLLART_IN_VLLM_VENV", "1")  # as after the re-run in .venv-vllm
+    monkeypatch.setenv(IN_VENV_ENV, "1")  # as after the re-run in .venv-vllm
     assert main(["run", str(topology)]) == 2
     assert "run bin/setup-vllm" in capsys.readouterr().err
 

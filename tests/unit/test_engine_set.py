@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.base import InvalidRequest, SamplingParams
-from rollart.engines.engine_set import EngineSet, slices
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.generation.engine import InvalidRequest, SamplingParams
+from rollart.generation.engine_set import EngineSet, slices
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.nodes.generator import build_engines
 from rollart.topology import parse_topology
 from tests.engine_reference import PROMPTS, build_engine_test_model, noisy_weights

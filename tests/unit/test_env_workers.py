@@ -37,6 +37,7 @@ from rollart.protocol.messages import Generate, Generated
 from rollart.rollout.config import SamplingSpec, TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
+from rollart.rollout.turns import EpisodeContext
 from rollart.topology import parse_topology
 from tests.support import ROOT
 
@@ -392,14 +393,13 @@ async def test_the_env_host_runs_user_envs_in_workers_and_its_own_in_threads(
             assert isinstance(env, kind)
             spec = TaskSpec(name=task, env="-", max_turns=2)
             job = TrajectoryJob(f"{task}.0", "g", spec, 1, SamplingSpec(), 10.0)
-            result = await run_trajectory(
-                job,
-                env=env,
-                renderer=ChatRenderer(ByteTokenizer()),  # type: ignore[arg-type]
-                proxy=ScriptedProxy(),  # type: ignore[arg-type]
+            context = EpisodeContext(
+                ChatRenderer(ByteTokenizer()),  # type: ignore[arg-type]
+                ScriptedProxy(),
                 score=lambda request: asyncio.sleep(0, request.env_reward),
                 policy_version=lambda: 0,
             )
+            result = await run_trajectory(job, env, context)
             assert result.turns >= 1 and bytes(result.response_ids).startswith(b"left")
             assert env.closed  # type: ignore[attr-defined]
         assert node.envs.status()["workers"]["started"] == 1

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.base import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.generation.engine import EngineClosed, GenerationResult, InvalidRequest, SamplingParams, WeightsMismatch
+from rollart.generation.hf.engine import HFEngine
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import EOS, build_engine_test_model, encoded_prompts, hf_greedy, noisy_weights
 
 torch.set_num_threads(1)

@@ -37,11 +37,16 @@ RULES: dict[str, set[str]] = {
     "workers": set(),
     "tasks": {"envs"},
     "rewards": {"envs", "workers"},
-    "sim": {"envs", "rewards", "engines"},
+    # modelled hardware, links and reward service for the simulation mode
+    "sim": {"envs", "rewards"},
     # running env calls in threads and worker processes (`workers`: spawn, limits, sandbox, framing)
     "envexec": {"envs", "tasks", "workers"},
-    # engines are driven by their node: no nodes, no protocol, no rollout
-    "engines": {"algorithms", "models"},
+    # LoRA settings and PEFT's adapter format: shared by training and generation, it imports neither
+    "lora": set(),
+    # training engines are driven by their node: no nodes, no protocol, no rollout, no generation
+    "training": {"algorithms", "models", "lora"},
+    # generation engines likewise, and generation never imports training (`sim`: the simulated engine's model)
+    "generation": {"models", "lora", "sim", "cpus"},
     # the weight path: the wire and the bulk transfer
     "weights": {"protocol"},
     # experiment trackers (TensorBoard, W&B, MLflow) fed the metrics lines, into the run folder
@@ -57,21 +62,22 @@ RULES: dict[str, set[str]] = {
         "envs",
         "envexec",
         "rewards",
-        "engines",
+        "training",
+        "generation",
         "sim",
         "algorithms",
         "models",
         "tracking",
     },
     "plugins": {"envs", "rewards"},
-    # the tiny model and its warm-up: a recipe over engines, envs, tasks and rollout
-    "tiny": {"engines", "envs", "tasks", "rollout", "algorithms", "models"},
+    # the tiny model and its warm-up: a recipe over models, envs, tasks and rollout
+    "tiny": {"envs", "tasks", "rollout", "algorithms", "models"},
     # the daemons put the parts together
     "nodes": set(),  # every part of a run (filled in below, from ROWS)
     "rundir": set(),
     "step_times": set(),
     "cpus": set(),
-    "node": {"nodes", "topology", "plugins", "cpus", "workers"},
+    "node": {"nodes", "topology", "plugins", "cpus", "workers", "generation"},
     "report": {"rundir", "topology", "step_times"},
     # starting runs: the top, beside the CLI
     "launch": {
@@ -89,10 +95,23 @@ RULES: dict[str, set[str]] = {
         "envs",
         "rewards",
         "models",
+        "generation",
     },
     "admin_cli": {"protocol", "topology", "rundir"},
-    # `rollart export` reads a checkpoint with the engines that wrote it
-    "cli": {"launch", "topology", "report", "admin_cli", "tiny", "rundir", "protocol", "engines", "models"},
+    # `rollart export` reads a checkpoint with the training code that wrote it; `run` asks a generation backend's
+    # record where its library lives
+    "cli": {
+        "launch",
+        "topology",
+        "report",
+        "admin_cli",
+        "tiny",
+        "rundir",
+        "protocol",
+        "training",
+        "generation",
+        "models",
+    },
     "__main__": {"cli"},
     "__init__": set(),
     # tools for testing a deployment (fault injection, topology building): imports anything, imported by nothing
@@ -103,11 +122,11 @@ RULES: dict[str, set[str]] = {
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
     **dict.fromkeys(
-        ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "__init__"], 0
+        ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "lora", "__init__"], 0
     ),
-    **dict.fromkeys(["engines", "tasks", "rewards", "weights", "tracking"], 1),
+    **dict.fromkeys(["training", "tasks", "rewards", "weights", "tracking"], 1),
     **dict.fromkeys(["envexec", "sim", "plugins"], 2),
-    "rollout": 3,
+    **dict.fromkeys(["rollout", "generation"], 3),
     **dict.fromkeys(["topology", "tiny", "agents"], 4),
     "nodes": 5,
     **dict.fromkeys(["node", "report"], 6),
@@ -121,9 +140,9 @@ RULES["testkit"] = {part for part, row in ROWS.items() if row >= 0} - {"testkit"
 
 # The few imports a rule allows one module, with the reason; each one is drawn in docs/architecture.md.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("rollart.envs", "tasks"): (
-        "the package's __init__ imports rollart.tasks so that every built-in name resolves once rollart.envs "
-        "is imported: the built-ins register as a user's env module does; no module of the env API imports a task"
+    ("rollart.envs.registry", "tasks"): (
+        "the registry imports rollart.tasks at its first use so that every built-in name resolves: the built-ins "
+        "register as a user's env module does; no other module of the env API imports a task"
     ),
 }
 
@@ -203,15 +222,26 @@ def test_import_rules_hold_for_the_whole_package() -> None:
 
 
 def test_import_rule_checker_fails_on_a_planted_bad_import(tmp_path: Path) -> None:
-    """The same walk over a copy of the package with one bad import planted: the protocol importing a role,
-    deferred inside a function, the way a shortcut would sneak in."""
+    """The same walk over a copy of the package with bad imports planted: the protocol importing a role,
+    deferred inside a function, the way a shortcut would sneak in; generation importing training; lora importing
+    generation, for the type checker only."""
     shutil.copytree(ROOT / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     framing = tmp_path / PACKAGE / "protocol" / "framing.py"
     framing.write_text(framing.read_text() + "\n\ndef _shortcut():\n    from rollart.nodes import trainer\n")
     envs_base = tmp_path / PACKAGE / "envs" / "base.py"
-    envs_base.write_text(envs_base.read_text() + "\nfrom ..engines import hf  # noqa\n")
+    envs_base.write_text(envs_base.read_text() + "\nfrom ..generation.hf import engine  # noqa\n")
+    # generation never imports training (its LoRA settings come from `lora`), and lora imports neither
+    generation = tmp_path / PACKAGE / "generation" / "engine_set.py"
+    generation.write_text(generation.read_text() + "\nfrom rollart.training.spec import TrainerSpec  # noqa\n")
+    lora = tmp_path / PACKAGE / "lora" / "spec.py"
+    lora.write_text(lora.read_text() + "\nif TYPE_CHECKING:\n    from rollart.generation import engine  # noqa\n")
     violations = {(v.module, v.imported) for v in check(tmp_path)}
-    assert violations == {("rollart.protocol.framing", "rollart.nodes"), ("rollart.envs.base", "rollart.engines")}
+    assert violations == {
+        ("rollart.protocol.framing", "rollart.nodes"),
+        ("rollart.envs.base", "rollart.generation.hf"),
+        ("rollart.generation.engine_set", "rollart.training.spec"),
+        ("rollart.lora.spec", "rollart.generation"),
+    }
 
 
 def test_an_unknown_part_is_a_broken_rule(tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from rollart.engines.training import TrainerSpec
 from rollart.errors import RollartError
 from rollart.nodes.learner import Learner
 from rollart.rundir import RunDir
+from rollart.training.spec import TrainerSpec
 
 
 class BackgroundWrites:

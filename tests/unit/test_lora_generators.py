@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollart.engines.base import InvalidRequest, SamplingParams, WeightsMismatch
-from rollart.engines.engine_set import EngineSet
-from rollart.engines.hf import HFEngine
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.training import LoraSpec
-from rollart.engines.vllm_lora import vllm_lora_rank
+from rollart.generation.engine import InvalidRequest, SamplingParams, WeightsMismatch
+from rollart.generation.engine_set import EngineSet
+from rollart.generation.hf.engine import HFEngine
+from rollart.generation.vllm.lora import vllm_lora_rank
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import build_engine_test_model, encoded_prompts, hf_greedy
 from tests.lora_reference import SPEC, peft_adapters
 

@@ -1,7 +1,7 @@
 """LoRA in the torch training engine (`run.trainer.lora`), with PEFT, on the tiny model.
 
 The base is frozen and AdamW holds state for the adapters alone; the engine exports the adapters
-alone under PEFT's saved names; `rollart.engines.lora` merges them as PEFT's `merge_and_unload`
+alone under PEFT's saved names; `rollart.lora.adapters` merges them as PEFT's `merge_and_unload`
 does and writes a PEFT adapter folder that `PeftModel.from_pretrained` loads to the same outputs;
 a checkpoint holds the adapters and resumes exactly; `rollart export` writes the merged model or
 (`--adapters`) the adapter folder; bad targets and ranks are refused naming the YAML path; a bf16
@@ -18,18 +18,20 @@ import pytest
 import torch
 
 from rollart.cli import main as cli_main
-from rollart.engines.export import export_checkpoint
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.lora import (
+from rollart.errors import ConfigError, RollartError
+from rollart.lora.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     adapter_base_names,
     merge_adapters,
     write_peft_adapter,
 )
-from rollart.engines.torch_train import TorchTrainer
-from rollart.engines.training import LoraSpec, TrainerSpec, build_training_engine
-from rollart.errors import ConfigError, RollartError
+from rollart.lora.spec import LoraSpec
+from rollart.models.loading import load_model_and_tokenizer
+from rollart.training.export import export_checkpoint
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
+from rollart.training.torch.engine import TorchTrainer
 from tests.batches import random_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -227,7 +229,7 @@ def test_lora_on_a_bf16_base_keeps_fp32_adapters(tiny_model: Path) -> None:
 
 
 def test_lora_dropout_is_off_where_the_step_computes_pi_prox(tiny_model: Path) -> None:
-    from rollart.engines.logprobs import policy_logprobs
+    from rollart.training.logprobs import policy_logprobs
 
     calls: list[tuple[bool, bool]] = []
 

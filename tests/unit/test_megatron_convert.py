@@ -1,4 +1,4 @@
-"""Tests of the Hugging Face <-> Megatron-Core weight conversion (`rollart.engines.megatron_convert`).
+"""Tests of the Hugging Face <-> Megatron-Core weight conversion (`rollart.training.megatron.convert`).
 
 Small Qwen3 (tied embeddings, q/k norms, head_dim != hidden/heads), Qwen2 (q/k/v biases, untied)
 and Llama (one key/value head, so tp=2 splits a query group) models with random weights go to
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from rollart.engines.megatron_convert import (
+from rollart.errors import ConfigError
+from rollart.training.megatron.convert import (
     Architecture,
     Parallel,
     architecture,
@@ -31,7 +32,6 @@ from rollart.engines.megatron_convert import (
     to_megatron,
     transformer_config_kwargs,
 )
-from rollart.errors import ConfigError
 
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "max_position_embeddings": 128}
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -352,11 +352,11 @@ def test_megatron_convert_step_matches_the_torch_backend(
     import json
     import types
 
-    from rollart.engines.megatron_rank import HFWeights
-    from rollart.engines.megatron_step import MegatronStep
-    from rollart.engines.step import World
-    from rollart.engines.torch_train import TorchTrainer
-    from rollart.engines.training import TrainerSpec
+    from rollart.training.megatron.rank import HFWeights
+    from rollart.training.megatron.step import MegatronStep
+    from rollart.training.spec import TrainerSpec
+    from rollart.training.step import World
+    from rollart.training.torch.engine import TorchTrainer
     from tests.batches import synthetic_batch
 
     with quiet():
@@ -404,7 +404,8 @@ def test_megatron_convert_step_matches_the_torch_backend(
 
 
 def test_megatron_convert_engine_refuses_a_machine_without_cuda(tiny_model: Any) -> None:
-    from rollart.engines.training import TrainerSpec, build_training_engine
+    from rollart.training.registry import build_training_engine
+    from rollart.training.spec import TrainerSpec
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -415,15 +416,15 @@ def test_megatron_convert_engine_refuses_a_machine_without_cuda(tiny_model: Any)
 def test_megatron_convert_engine_checks_the_split(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """tensor_parallel must divide ranks (topology validation); tp x pp the group's ranks, and the model's
     heads and layers (at build time, named as run.trainer fields)."""
-    from rollart.engines.megatron import check_megatron
-    from rollart.engines.training import RankLayout, TrainerSpec
+    from rollart.training.megatron.engine import check_megatron
+    from rollart.training.registry import check
+    from rollart.training.spec import RankLayout, TrainerSpec
 
-    problems = dict(TrainerSpec(backend="megatron", ranks=4, tensor_parallel=3).validate())
+    problems = dict(check(TrainerSpec(backend="megatron", ranks=4, tensor_parallel=3)))
     assert "must divide run.trainer.ranks" in problems["tensor_parallel"]
-    assert TrainerSpec(backend="megatron", ranks=4, tensor_parallel=2, pipeline_parallel=2).validate() == []
+    assert check(TrainerSpec(backend="megatron", ranks=4, tensor_parallel=2, pipeline_parallel=2)) == []
     assert (
-        "only the megatron backend"
-        in dict(TrainerSpec(backend="fsdp2", tensor_parallel=2).validate())["tensor_parallel"]
+        "only the megatron backend" in dict(check(TrainerSpec(backend="fsdp2", tensor_parallel=2)))["tensor_parallel"]
     )
     # past the CUDA check, as on a GPU machine with 8 devices
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,25 +12,15 @@ from typing import Any, cast
 
 import pytest
 
-from rollart.engines.base import RecentBusy
+from rollart.generation.engine import RecentBusy
 from rollart.protocol import Session, State
 from rollart.protocol.errors import RequestTimeout, SessionLost
 from rollart.protocol.messages import Generate, Generated
-from rollart.rollout.proxy import (
-    EXACT_POOL,
-    OFF_CLASS,
-    SATURATED,
-    SPILL_GAP,
-    SPILL_HOLD,
-    SPILL_MAX,
-    SPILL_STEP,
-    STICKY_MARGIN,
-    STICKY_SLACK,
-    GenerationFailed,
-    GeneratorRef,
-    LLMProxy,
-    TaskProfiler,
-)
+from rollart.rollout.proxy import GenerationFailed, LLMProxy
+from rollart.rollout.routing.base import EXACT_POOL, GeneratorRef, TaskProfiler
+from rollart.rollout.routing.by_class import STICKY_SLACK
+from rollart.rollout.routing.by_finish_time import OFF_CLASS, STICKY_MARGIN, FinishTimeRouter
+from rollart.rollout.routing.spill import SATURATED, SPILL_GAP, SPILL_HOLD, SPILL_MAX, SPILL_STEP
 
 
 class Looked:
@@ -57,6 +47,12 @@ def generators(hardware: str, loads: list[int], *, up: bool = True, prefix: str 
 def proxy(refs: list[GeneratorRef]) -> LLMProxy:
     """Routing by finish time: a task without a measured call is routed by class all the same."""
     return LLMProxy(refs, TaskProfiler({}, ratio=4.0), timeout_s=1.0, routing="finish-time")
+
+
+def finish_time(p: LLMProxy) -> FinishTimeRouter:
+    """The router of a proxy built with `routing: finish-time`."""
+    assert isinstance(p.router, FinishTimeRouter)
+    return p.router
 
 
 def picks(
@@ -153,7 +149,7 @@ def reply(
 def spill_moves(p: LLMProxy, times: int) -> None:
     """`times` periods of `SPILL_EVERY_S` pass."""
     for _ in range(times):
-        p._move_spill()
+        finish_time(p).spill.move()
 
 
 def test_finish_time_sends_a_call_outside_its_class_when_the_class_is_backlogged() -> None:
@@ -169,9 +165,9 @@ def test_finish_time_sends_a_call_outside_its_class_when_the_class_is_backlogged
     assert band.backlog_s(band.reported_at) == pytest.approx(20.0)
     assert band.backlog_s(band.reported_at + 15.0) == pytest.approx(5.0)  # worked off meanwhile
     assert band.backlog_s(band.reported_at + 25.0) == 0.0
-    p.overruled = 0
+    finish_time(p).overruled = 0
     assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 950
-    assert p.overruled > 950
+    assert finish_time(p).overruled > 950
     # Not to a class with no room: a saturated generator slows whatever it takes on.
     measured(p, comp, "math", 15.0, busy=SATURATED)
     measured(p, band, "math", 10.0, running=10, waiting=20)
@@ -193,10 +189,10 @@ def test_a_class_a_task_never_ran_on_is_tried_and_then_judged_by_what_it_measure
     measured(p, band, "math", 10.0, running=200, busy=1.0)
     measured(p, comp, "game", 1.0, busy=0.3)
     spill_moves(p, 30)
-    assert p.spill == {"bandwidth": SPILL_MAX, "compute": 0.0}
+    assert finish_time(p).spill.fractions == {"bandwidth": SPILL_MAX, "compute": 0.0}
     now = time.monotonic()
-    assert p.estimate_s(comp, "math", "bandwidth", now) == pytest.approx(10.0 * OFF_CLASS)  # as fast as there
-    assert p.estimate_s(band, "math", "bandwidth", now) == pytest.approx(10.0)
+    assert finish_time(p).estimate_s(comp, "math", "bandwidth", now) == pytest.approx(10.0 * OFF_CLASS)  # as there
+    assert finish_time(p).estimate_s(band, "math", "bandwidth", now) == pytest.approx(10.0)
     measured(p, comp, "math", 6.0)  # tried: faster, though off its class
     assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 1000 * SPILL_MAX - 50  # each spilled call
     for _ in range(20):  # the class caught up (its mean follows its calls): back to it
@@ -204,10 +200,10 @@ def test_a_class_a_task_never_ran_on_is_tried_and_then_judged_by_what_it_measure
     assert picks(p, "bandwidth", task="math", n=1000)["bandwidth-0"] > 950
     # A class-mate that has not run the task is judged by its class's mean.
     more = generators("compute", [0], prefix="compute-new")[0]
-    p2 = proxy([band, comp, more])
-    p2.task_service_s, p2.class_service_s = p.task_service_s, p.class_service_s
-    guess = p2.estimate_s(more, "math", "bandwidth", time.monotonic())
-    assert guess == pytest.approx(p.class_service_s[("math", "compute")] * OFF_CLASS)
+    old, new = finish_time(p), finish_time(proxy([band, comp, more]))
+    new.task_service_s, new.class_service_s = old.task_service_s, old.class_service_s
+    guess = new.estimate_s(more, "math", "bandwidth", time.monotonic())
+    assert guess == pytest.approx(old.class_service_s[("math", "compute")] * OFF_CLASS)
 
 
 def test_a_saturated_class_spills_while_another_has_room_and_stops_once_they_are_level() -> None:
@@ -218,23 +214,23 @@ def test_a_saturated_class_spills_while_another_has_room_and_stops_once_they_are
     measured(p, comp, "math", 5.0)  # quicker for one call: not a reason to leave a class with room
     assert picks(p, "bandwidth", task="math", n=1000)["bandwidth-0"] > 950
     spill_moves(p, 5)
-    assert p.spill["bandwidth"] == 0.0  # nothing said how busy they are
+    assert finish_time(p).spill.fractions["bandwidth"] == 0.0  # nothing said how busy they are
     measured(p, band, "math", 10.0, running=100, busy=SATURATED)
     measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_GAP)
     spill_moves(p, 4)
-    assert p.spill == {"bandwidth": pytest.approx(4 * SPILL_STEP), "compute": 0.0}
+    assert finish_time(p).spill.fractions == {"bandwidth": pytest.approx(4 * SPILL_STEP), "compute": 0.0}
     spilled = picks(p, "bandwidth", task="math", n=4000)["compute-0"] / 4000
     assert 4 * SPILL_STEP - 0.05 < spilled < 4 * SPILL_STEP + 0.05
     measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_GAP / 2)  # between the thresholds: it holds
     spill_moves(p, 4)
-    assert p.spill["bandwidth"] == pytest.approx(4 * SPILL_STEP)
+    assert finish_time(p).spill.fractions["bandwidth"] == pytest.approx(4 * SPILL_STEP)
     measured(p, comp, "game", 1.0, busy=SATURATED - SPILL_HOLD / 2)  # near level: it comes back
     spill_moves(p, 10)
-    assert p.spill["bandwidth"] == 0.0
+    assert finish_time(p).spill.fractions["bandwidth"] == 0.0
     measured(p, band, "math", 10.0, running=100, busy=SATURATED - 2 * SPILL_HOLD)
     measured(p, comp, "game", 1.0, busy=0.1)
     spill_moves(p, 10)
-    assert p.spill["bandwidth"] == 0.0  # room of its own: no spill however idle the other
+    assert finish_time(p).spill.fractions["bandwidth"] == 0.0  # room of its own: no spill however idle the other
 
 
 def test_a_task_without_a_measured_call_and_routing_class_go_by_class() -> None:
@@ -243,8 +239,9 @@ def test_a_task_without_a_measured_call_and_routing_class_go_by_class() -> None:
     assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}  # nothing measured yet
     measured(p, refs[0], "math", 10.0, running=10, waiting=50)
     assert picks(p, "bandwidth", task="math", n=1000)["compute-0"] > 950
-    p.routing = "class"
-    assert set(picks(p, "bandwidth", task="math")) == {"bandwidth-0"}
+    by_class = LLMProxy(refs, TaskProfiler({}, ratio=4.0), timeout_s=1.0, routing="class")
+    measured(by_class, refs[0], "math", 10.0, running=10, waiting=50)  # the same calls measured: no matter
+    assert set(picks(by_class, "bandwidth", task="math")) == {"bandwidth-0"}
 
 
 def test_finish_time_keeps_a_trajectory_on_its_generator_within_the_margin() -> None:
@@ -271,7 +268,7 @@ def test_an_aborted_call_measures_nothing() -> None:
     refs = generators("compute", [0])
     p = proxy(refs)
     p._record(refs[0], "game", 0.01, reply(finish="abort"), time.monotonic())
-    assert "game" not in p.task_service_s and refs[0].service_s == {}
+    assert "game" not in finish_time(p).task_service_s and refs[0].service_s == {}
 
 
 class Answers:
@@ -294,7 +291,7 @@ async def test_a_call_is_timed_on_the_loop_clock_less_the_queueing_the_generator
     await p.generate("game", Generate("r", "t", [1, 2], max_tokens=4))
     assert ref.service_s["game"] == pytest.approx(0.05, abs=0.04)
     assert (ref.running, ref.waiting, ref.sent_since_report) == (3, 1, 0)
-    assert p.task_service_s["game"] == ref.service_s["game"]
+    assert finish_time(p).task_service_s["game"] == ref.service_s["game"]
 
 
 class Reconnecting:

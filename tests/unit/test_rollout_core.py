@@ -13,6 +13,7 @@ from rollart.rollout.buffer import SampleBuffer
 from rollart.rollout.config import RolloutSpec, TaskSpec
 from rollart.rollout.dispenser import Dispenser
 from rollart.rollout.group import CALIBRATE_EVERY, MIN_SAMPLES, GroupDeadlines, run_group
+from rollart.rollout.staleness import StalenessBound
 
 
 def trajectory(tid: str, started: int = 0, group: str = "g1") -> Trajectory:
@@ -54,7 +55,7 @@ def spec(**overrides: object) -> RolloutSpec:
 
 
 async def test_buffer_refuses_and_drops_what_breaks_the_alpha_bound() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=1)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(1))
     assert buffer.put(group("g1", 3, 3), version=4) == (True, "")
     accepted, why = buffer.put(group("g2", 2, 3), version=4)
     assert not accepted and "started at version 2, the policy is at 4" in why
@@ -72,7 +73,7 @@ async def test_buffer_refuses_and_drops_what_breaks_the_alpha_bound() -> None:
 
 
 async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=0)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(0))
     taker = asyncio.ensure_future(buffer.take())
     buffer.put(group("g1", 0), version=0)
     await asyncio.sleep(0)
@@ -84,7 +85,7 @@ async def test_buffer_take_waits_for_a_whole_batch_oldest_first() -> None:
 
 
 async def test_buffer_take_hands_out_the_groups_that_started_earliest_first() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=2)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(2))
     for gid, start in [("young", 3), ("old", 1), ("middle", 2), ("also-young", 3)]:
         buffer.put(group(gid, start, 3), version=3)
     batch = await asyncio.wait_for(buffer.take(), 1)
@@ -99,7 +100,7 @@ def rewarded(gid: str, *rewards: float, started: int = 0) -> GroupDone:
 
 
 async def test_dynamic_sampling_counts_only_groups_with_signal_and_hands_the_rest_beside() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=1, dynamic_sampling=True, max_uniform_batches=2)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(1), dynamic_sampling=True, max_uniform_batches=2)
     taker = asyncio.ensure_future(buffer.take())
     buffer.put(rewarded("solved", 1.0, 1.0), version=0)
     buffer.put(rewarded("learning", 0.0, 1.0), version=0)
@@ -113,7 +114,7 @@ async def test_dynamic_sampling_counts_only_groups_with_signal_and_hands_the_res
 
 
 async def test_dynamic_sampling_steps_anyway_when_no_group_has_signal() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=1, dynamic_sampling=True, max_uniform_batches=2)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(1), dynamic_sampling=True, max_uniform_batches=2)
     taker = asyncio.ensure_future(buffer.take())
     for i in range(3):
         buffer.put(rewarded(f"u{i}", 1.0, 1.0), version=0)
@@ -124,7 +125,7 @@ async def test_dynamic_sampling_steps_anyway_when_no_group_has_signal() -> None:
 
 
 async def test_dynamic_sampling_drops_stale_uniform_groups_too() -> None:
-    buffer = SampleBuffer(batch_groups=2, alpha=0, dynamic_sampling=True)
+    buffer = SampleBuffer(batch_groups=2, bound=StalenessBound(0), dynamic_sampling=True)
     buffer.put(rewarded("old", 1.0, 1.0, started=0), version=0)
     buffer.put(rewarded("new", 1.0, 1.0, started=1), version=1)
     assert [g.group_id for g in buffer.drop_stale(version=1)] == ["old"]
@@ -155,13 +156,12 @@ async def test_while_the_trainer_trains_admission_counts_one_batch_fewer(alpha: 
     only the batches up to version + alpha after it (AReaL's rule: every group submitted counts, trained
     ones too, against (version + alpha + 1) batches)."""
     dispenser = Dispenser(spec(alpha=alpha, batch_groups=2, lookahead="alpha"), buffered=lambda: 0)
-    dispenser.training = True
+    dispenser.set_training(True)
     granted = [await dispenser.grant("env-0", 0, wait_s=0.01) for _ in range(2 * alpha + 1)]
     assert sum(g is not None for g in granted) == 2 * alpha  # none at alpha 0: all of it would be stale
     waiting = asyncio.ensure_future(dispenser.grant("env-0", 1, wait_s=1))
     await asyncio.sleep(0.01)
-    dispenser.training = False  # the version is out: one batch more fits
-    dispenser.changed()
+    dispenser.set_training(False)  # the version is out: one batch more fits
     assert await waiting is not None
     assert dispenser.limit == 2 * (alpha + 1)
 
@@ -208,8 +208,7 @@ async def test_room_wakes_the_oldest_waiting_grants_only_as_many_as_fit() -> Non
     assert woken_before == 0
     assert [w.done() for w in waiting] == [True, False, False, False]
     assert waiting[0].result() is not None
-    dispenser.done = True  # the run is over: every waiter is told at once
-    dispenser.changed()
+    dispenser.finish()  # the run is over: every waiter is told at once
     assert await asyncio.gather(*waiting[1:]) == [None, None, None]
 
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from rollart.clock import SimClock, virtual_event_loop
-from rollart.engines.base import GenerationResult, InvalidRequest, SamplingParams
 from rollart.errors import ConfigError
-from rollart.sim.engine import PREFIX_BLOCK, SimEngine, _block_hashes
+from rollart.generation.engine import GenerationResult, InvalidRequest, SamplingParams
+from rollart.generation.sim import PREFIX_BLOCK, SimEngine, _block_hashes
 from rollart.sim.hardware import GPUS, MODELS, CostModel, EngineShape, train_step_s, transfer_s
 
 TOKENS = list(range(10, 20))

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.tiny.model import (
     MARKER_FILE,
     TinySizes,

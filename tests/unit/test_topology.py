@@ -336,7 +336,7 @@ def test_disaggregated_routing_needs_engines_that_hand_kv_on_of_both_classes() -
     text = _yaml(_nodes(), run={"rollout": rollout, "sim": {"kv_link_gbps": 0}})
     assert _error(text).splitlines() == [
         "t.yaml: run.sim.kv_link_gbps: expected a value > 0; got 0.0",
-        "t.yaml: run.generator.kv_store: disaggregated prefill on vLLM needs generator.kv_store, the folder its "
+        "t.yaml: run.generator.kv_store: disaggregated prefill on vllm needs generator.kv_store, the folder its "
         "engines hand KV cache through",
         "t.yaml: run.rollout.routing: disaggregated prefill needs compute and bandwidth generators; none has "
         "hardware ['bandwidth', 'compute']",
@@ -344,8 +344,8 @@ def test_disaggregated_routing_needs_engines_that_hand_kv_on_of_both_classes() -
     text = _yaml(_nodes(), run={"rollout": rollout, "generator": {"backend": "hf", "kv_store": "/dev/shm/kv"}})
     assert _error(text).splitlines() == [
         "t.yaml: run.generator.kv_store: only the vllm backend hands KV cache on; backend is hf",
-        "t.yaml: run.rollout.routing: disaggregated prefill hands KV cache between engines: the vllm backend does "
-        "(with generator.kv_store) and the sim backend models it; got backend hf",
+        "t.yaml: run.rollout.routing: disaggregated prefill hands KV cache between engines, which the vllm and sim "
+        "backends do; got backend hf",
         "t.yaml: run.rollout.routing: disaggregated prefill needs compute and bandwidth generators; none has "
         "hardware ['bandwidth', 'compute']",
     ]

@@ -22,20 +22,22 @@ from typing import Any
 import pytest
 import torch
 
-from rollart.engines.loading import load_model_and_tokenizer
-from rollart.engines.logprobs import PolicyLogprobs, shared_heads, shared_reads
-from rollart.engines.step import read_groups
-from rollart.engines.torch_train import OPTIMIZER_FILE, TorchTrainer
-from rollart.engines.training import TrainerSpec, build_training_engine
 from rollart.envs import Env, Info, StepResult, make_env, parse_choice, register_env
 from rollart.envs import registry as registry_module
 from rollart.errors import ConfigError
+from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.tasks.grid import parse_letter
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology
+from rollart.training.layout import OPTIMIZER_FILE
+from rollart.training.logprobs import PolicyLogprobs, shared_heads, shared_reads
+from rollart.training.registry import build_training_engine
+from rollart.training.spec import TrainerSpec
+from rollart.training.step import read_groups
+from rollart.training.torch.engine import TorchTrainer
 from tests.batches import grouped_batch, repeated_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")

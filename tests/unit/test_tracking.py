@@ -21,7 +21,6 @@ import yaml
 from google.protobuf.message import DecodeError
 from structlog.testing import capture_logs
 
-from rollart.engines.training import TrainerSpec
 from rollart.errors import ConfigError
 from rollart.nodes.learner import Learner
 from rollart.protocol.messages import GroupDone, Trajectory
@@ -29,6 +28,7 @@ from rollart.rundir import RunDir, read_jsonl
 from rollart.topology import load_topology, parse_topology
 from rollart.tracking import MlflowSpec, Tracker, TrackingSpec, WandbSpec, step_scalars
 from rollart.tracking.sinks import TensorBoardSink
+from rollart.training.spec import TrainerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -47,8 +47,11 @@ class Learner:
 class Dispenser:
     held, ahead, incarnation = False, 0, 0
 
-    def changed(self) -> None:
-        pass
+    def hold(self, held: bool = True) -> None:
+        self.held = held
+
+    def release(self) -> None:
+        self.held = False
 
     def state_dict(self, buffered: list[tuple[str, int]]) -> dict[str, Any]:
         return {"retry": buffered}
@@ -58,14 +61,19 @@ class Core:
     """The trainer node's part a step works on (`TrainerCore`)."""
 
     def __init__(self) -> None:
-        self.version = self.batches = 0
+        self.versions = Versions()
+        self.batches = 0
         self.draining = False
         self.untrained: list[Any] = []
         self.trained_s = self.wait_s = 0.0
         self.dispenser, self.evaluator, self.on_batch = Dispenser(), None, None
         self.buffer = SimpleNamespace(peek=lambda: batch(9))
 
-    async def bump_version(self) -> None:
+
+class Versions:
+    version = 0
+
+    async def advance(self) -> None:
         self.version += 1
 
 

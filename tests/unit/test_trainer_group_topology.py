@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
-from rollart.engines.training import RankLayout
 from rollart.errors import ConfigError
 from rollart.nodes import TrainerMemberNode, TrainerNode, daemon_for
 from rollart.nodes.env_host import EnvHostNode
 from rollart.testkit.topology import TopologyBuilder
 from rollart.topology import Topology, parse_topology
+from rollart.training.spec import RankLayout
 
 FSDP = {"insecure": True, "trainer": {"backend": "fsdp2", "ranks": 2}}  # insecure: hosts beyond loopback, no TLS
 NOT_PRIMARY = "only a primary trainer serves a rendezvous (the trainer that names no primary)"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rollart.engines.base import SamplingParams
-from rollart.engines.kv_store import KV_ARG, READING, KVStore, kv_key, sweep
-from rollart.engines.vllm_args import vllm_sampling_params
+from rollart.generation.engine import SamplingParams
+from rollart.generation.kv_store import KV_ARG, READING, KVStore, kv_key, sweep
+from rollart.generation.vllm.args import vllm_sampling_params
 
 
 def test_the_decode_half_reads_the_key_its_prefill_half_wrote() -> None:

@@ -1,5 +1,5 @@
 """The vLLM engine's weight route without vLLM: the checks, the offer on a loopback port, and the worker's side of
-it (`rollart.engines.vllm_worker.receive_tensors`, run here in a thread as vLLM's worker would run it), with the
+it (`rollart.generation.vllm.worker.receive_tensors`, run here in a thread as vLLM's worker would run it), with the
 ticket passed through msgpack and pickle as vLLM passes it. The route into a real engine is
 tests/slow/test_vllm_streamed_weights.py.
 """
@@ -18,9 +18,9 @@ import msgspec
 import pytest
 import torch
 
-from rollart.engines.base import WeightsMismatch
-from rollart.engines.vllm_weights import WeightOffer, checked_tensors
-from rollart.engines.vllm_worker import WeightTicket, receive_tensors, with_aliases
+from rollart.generation.engine import WeightsMismatch
+from rollart.generation.vllm.weights import WeightOffer, checked_tensors
+from rollart.generation.vllm.worker import WeightTicket, receive_tensors, with_aliases
 
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 SHAPES = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,), "lm_head.weight": (8, 4)}
@@ -90,7 +90,7 @@ async def test_a_connection_without_the_token_is_refused_and_the_worker_still_ge
 
 def test_importing_the_vllm_engine_imports_neither_vllm_nor_torch() -> None:
     code = (
-        "import sys, rollart.engines.vllm_engine\n"
+        "import sys, rollart.generation.vllm.engine\n"
         "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
     )
     root = Path(__file__).resolve().parents[2]
