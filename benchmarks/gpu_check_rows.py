@@ -52,7 +52,7 @@ from rollart.testkit.push import push_once
 from rollart.training.memory import peak_bytes, reset_peak
 from rollart.training.registry import TRAINING_BACKENDS, build_training_engine
 from rollart.training.spec import TrainerSpec
-from rollart.weights import ApplyWeights
+from rollart.weights.receiver import ApplyWeights
 
 T = TypeVar("T")
 WIRE_DTYPE = torch.bfloat16

@@ -75,7 +75,7 @@ def _say(**fields: Any) -> None:
 async def _receiver(engine_close_s: float) -> None:
     """A generator's weight path: `WeightReceiver` serving UCX; drained as `GeneratorNode` drains."""
     from rollart.protocol import Identity, SessionConfig
-    from rollart.weights import WeightReceiver
+    from rollart.weights.receiver import WeightReceiver
 
     engine_up = True
 
@@ -103,11 +103,11 @@ async def _receiver(engine_close_s: float) -> None:
 async def _publisher(ports: dict[str, int]) -> None:
     """The trainer's weight path: `WeightPublisher` over UCX, a new version every PUBLISH_EVERY_S."""
     from rollart.protocol import Identity, SessionConfig
-    from rollart.weights import WeightPublisher
+    from rollart.weights.config import WeightsSpec
+    from rollart.weights.publisher import WeightPublisher
 
-    publisher = WeightPublisher(
-        Identity("trainer", "trainer"), SECRET, SessionConfig(), bucket_bytes=1 << 20, transport="ucx"
-    )
+    settings = WeightsSpec(bucket_mb=1, transport="ucx")
+    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, SessionConfig(), settings)
     for name, port in ports.items():
         publisher.add_target(name, HOST, 0, ucx_port=port)
     drain = asyncio.Event()

@@ -52,8 +52,11 @@ import uvloop
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
-from rollart.weights import WeightPublisher, WeightReceiver, ucx, ucx_unavailable
-from rollart.weights.publisher import Fanout
+from rollart.weights import ucx
+from rollart.weights.config import Fanout, WeightsSpec
+from rollart.weights.publisher import WeightPublisher
+from rollart.weights.receiver import WeightReceiver
+from rollart.weights.ucx import ucx_unavailable
 
 HOST = "127.0.0.1"
 SECRET = b"weight sync benchmark"
@@ -242,7 +245,9 @@ async def measure_config(
     config: Config, ports: list[dict[str, int]], weights: dict[str, torch.Tensor], rounds: int, versions: Versions
 ) -> Row:
     transport = "ucx" if config.transport == "UCX" else "tcp"
-    publisher = WeightPublisher(TRAINER, SECRET, SessionConfig(), transport=transport, fanout=config.fanout)
+    publisher = WeightPublisher(
+        TRAINER, SECRET, SessionConfig(), WeightsSpec(transport=transport, fanout=config.fanout)
+    )
     for i, port in enumerate(ports[: config.generators]):
         publisher.add_target(f"gen-{i}", HOST, port["tcp"], ucx_port=port.get("ucx") if transport == "ucx" else None)
     raw = RawTcp(ports[0]["raw-tcp"])

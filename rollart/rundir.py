@@ -143,6 +143,18 @@ class RunDir:
         scratch.write_text(checkpoint.name + "\n")
         scratch.replace(self.latest)
 
+    def claim_incarnation(self) -> int:
+        """Count up `incarnation` and return how many trainer processes of this run started before this one
+        (0 for the first). Group ids carry it: a trainer that dies before its first checkpoint, or twice after
+        the same one, would otherwise hand out the ids its last life did, and take a group still coming home
+        from that life for a different one."""
+        started = int(self.incarnation.read_text()) + 1 if self.incarnation.exists() else 0
+        self.incarnation.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self.incarnation.with_suffix(".tmp")
+        scratch.write_text(f"{started}\n")
+        scratch.replace(self.incarnation)
+        return started
+
     @staticmethod
     def trainer_state(checkpoint: Path) -> Path:
         """The trainer's state in a checkpoint folder (version, step, RNG, dispenser)."""

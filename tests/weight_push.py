@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from rollart.testkit.push import push_once
-from rollart.weights import ApplyWeights, ReceiverStats
+from rollart.weights.receiver import ApplyWeights, ReceiverStats
 
 
 async def push_over_tcp(

@@ -214,7 +214,7 @@ def inprocess_result(done: InProcessRun) -> Result:
     """What the figures read of an in-process run."""
     from rollart.generation.sim import SimEngine
     from rollart.nodes import EnvHostNode, GeneratorNode, TrainerNode
-    from rollart.nodes.trainer_steps import SimulatedStep, as_record
+    from rollart.nodes.trainer_rollout_only import SimulatedStep, as_record
 
     trajectories, versions = [], []
     for batch in done.batches:

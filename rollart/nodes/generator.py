@@ -38,7 +38,8 @@ from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.messages import Generate, Generated, SimWeights, WeightsHere, WeightsWhere
 from rollart.topology import Role, RunSpec
-from rollart.weights import WeightReceiver, ucx_unavailable
+from rollart.weights.receiver import WeightReceiver
+from rollart.weights.ucx import ucx_unavailable
 
 log = structlog.get_logger("rollart.generator")
 
@@ -123,7 +124,7 @@ class GeneratorNode(NodeDaemon):
         self.recent_busy = RecentBusy()
         """On the loop's clock (simulated time in the in-process simulations), as the routers time calls."""
         self.receiver = WeightReceiver(
-            self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weight_delta
+            self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weights.delta
         )
         self.receiver.relay_as(self.identity, self.secret, self.cfg, self.tls)  # relay chains pass through generators
         self.ucx_port = 0
@@ -178,7 +179,7 @@ class GeneratorNode(NodeDaemon):
             return
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.receiver.serve())
-            transport = run.trainer.weight_transport
+            transport = run.trainer.weights.transport
             # A simulated engine gets no real weights (`SimWeights` stands for the push).
             # UCX does not encrypt: with TLS, weights come over the session port's TLS.
             plain = transport == "tcp" or self.tls is not None

@@ -26,7 +26,8 @@ import structlog
 
 from rollart.nodes.base import NodeDaemon
 from rollart.nodes.learner import Learner
-from rollart.nodes.trainer_steps import RolloutOnlyStep, SimulatedStep, StepStrategy, TrainStep
+from rollart.nodes.trainer_rollout_only import RolloutOnlyStep, SimulatedStep
+from rollart.nodes.trainer_steps import StepStrategy, TrainStep
 from rollart.protocol import Session
 from rollart.protocol.messages import GroupAck, GroupDone, GroupFailed, GroupTask, NoTask, PolicyVersion, TaskWanted
 from rollart.rollout.buffer import SampleBuffer
@@ -36,8 +37,10 @@ from rollart.rollout.staleness import StalenessBound
 from rollart.rollout.versions import PolicyVersions
 from rollart.rundir import RunDir
 from rollart.topology import Role
+from rollart.tracking.records import StepRecords
 from rollart.training.registry import build_training_engine
-from rollart.weights import WeightPublisher
+from rollart.weights.generators import GeneratorAddress, GeneratorTargets
+from rollart.weights.publisher import WeightPublisher
 
 log = structlog.get_logger("rollart.trainer")
 
@@ -113,6 +116,8 @@ class TrainerNode(NodeDaemon):
         """Rollout-only mode: called with (version, batch) for each batch taken, instead of recording
         it in `RunDir.rollout` (the in-process simulation reads batches this way, with no thread)."""
         self.learner: Learner | None = None
+        self.records: StepRecords | None = None
+        """The training steps' records (train mode); None without."""
         self.evaluator: Evaluator | None = None
         """Held-out evaluation rounds (`run.rollout.eval`, train mode); None without."""
         self.steps: StepStrategy | None = None
@@ -125,20 +130,15 @@ class TrainerNode(NodeDaemon):
         assert rollout is not None
         if rollout.mode == "train":
             spec = run.trainer
+            publisher = WeightPublisher(self.identity, self.secret, self.cfg, spec.weights, tls=self.tls)
+            addresses = [
+                GeneratorAddress(peer.name, peer.host, peer.port, place=f"{peer.cluster}/{peer.host}")
+                for peer in self.topology.nodes_with_role(Role.GENERATOR)
+            ]
             self.learner = Learner(
                 spec,
                 run_dir=self.run_dir,
-                publisher=WeightPublisher(
-                    self.identity,
-                    self.secret,
-                    self.cfg,
-                    bucket_bytes=spec.bucket_mb << 20,
-                    transport=spec.weight_transport,
-                    fanout=spec.weight_fanout,
-                    push_timeout_s=spec.push_timeout_s,
-                    delta=spec.weight_delta,
-                    tls=self.tls,
-                ),
+                targets=GeneratorTargets(publisher, addresses, self.clients, self.peer_status),
                 build_engine=functools.partial(
                     build_training_engine,
                     spec,
@@ -146,17 +146,12 @@ class TrainerNode(NodeDaemon):
                     seed=rollout.seed,
                     layout=self.topology.rank_layout(self.spec.name),  # members' ranks too, if it has any
                 ),
-                generators=self.topology.nodes_with_role(Role.GENERATOR),
-                clients=self.clients,
-                peer_status=self.peer_status,
-                tasks=rollout.tasks,
-                seed=rollout.seed,
-                tracking=run.tracking,
             )
+            self.records = StepRecords(self.run_dir, peer_status=self.peer_status, tracking=run.tracking)
             if rollout.eval is not None:
-                self.evaluator = Evaluator(rollout.eval, rollout.eval_tasks(), write=self.learner.write_metrics)
+                self.evaluator = Evaluator(rollout.eval, rollout.eval_tasks(), write=self.records.write)
                 self.dispenser.other_work = lambda: bool(self.evaluator and self.evaluator.queue)
-            return TrainStep(self, self.learner, rollout)
+            return TrainStep(self, self.learner, self.records, rollout)
         if run.sim.trainer is not None:
             generators = {
                 peer.name: run.sim.engines[peer.hardware]
@@ -307,7 +302,7 @@ class TrainerNode(NodeDaemon):
         return f"{'step' if self.learner is not None else 'batch'} {self.batches}/{steps}, version {self.version}{mean}"
 
     def role_gauges(self) -> dict[str, tuple[str, float]]:
-        last = self.learner.last_stats if self.learner is not None else {}
+        last = self.records.last if self.records is not None else {}
         gauges: dict[str, tuple[str, float]] = {
             "rollart_trainer_steps": ("Steps trained (batches taken in rollout-only mode)", self.batches)
         }
@@ -317,7 +312,7 @@ class TrainerNode(NodeDaemon):
         return gauges
 
     def role_labelled_gauges(self) -> dict[str, tuple[str, str, dict[str, float]]]:
-        last = self.learner.last_stats if self.learner is not None else {}
+        last = self.records.last if self.records is not None else {}
         gauges = {}
         for kind, doc in RANK_MEMORY_GAUGES.items():
             values = {key.rsplit("_r", 1)[1]: float(v) for key, v in last.items() if key.startswith(f"{kind}_bytes_r")}
@@ -360,12 +355,12 @@ class TrainerNode(NodeDaemon):
                 "buffer": self.buffer.stats(),
                 "dispenser": self.dispenser.stats(),
             }
-        if self.learner is not None:
+        if self.learner is not None and self.records is not None:
             status["training"] = {
                 "schedule": self.rollout.schedule if self.rollout else None,
                 "engine": self.learner.engine_info,
-                "last_step": self.learner.last_stats,
-                "baseline": self.learner.baseline,
+                "last_step": self.records.last,
+                "baseline": self.records.baseline,
                 "weights": {name: vars(stats) for name, stats in self.learner.publisher.stats().items()},
                 "stall_s_max": max(self.learner.stall_s, default=0.0),
             }

@@ -173,7 +173,7 @@ class ChaosRun:
                 "micro_batch_size": 16,
                 "checkpoint_every": s.checkpoint_every,
                 "threads": 1,
-                "weight_transport": s.weight_transport,
+                "weights": {"transport": s.weight_transport},
                 **({"backend": "fsdp2", "ranks": s.fsdp_ranks} if s.fsdp_ranks else {}),
             },
             rollout={

@@ -49,7 +49,7 @@ class Scenario:
     processes (`kill-rank` needs them)."""
     checkpoint_every: int = 2
     weight_transport: str = "tcp"
-    """`run.trainer.weight_transport`: "auto" pushes weights over UCX where ucxx imports (the default
+    """`run.trainer.weights.transport`: "auto" pushes weights over UCX where ucxx imports (the default
     run's choice), "tcp" over the generators' session ports."""
     tls: bool = False
     """Every session, bulk connection and admin endpoint over TLS (`run.tls`, certificates made for the

@@ -15,7 +15,9 @@ import torch
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
 from rollart.testkit.ports import free_ports
-from rollart.weights import ApplyWeights, ReceiverStats, WeightPublisher, WeightReceiver
+from rollart.weights.config import WeightsSpec
+from rollart.weights.publisher import WeightPublisher
+from rollart.weights.receiver import ApplyWeights, ReceiverStats, WeightReceiver
 
 HOST = "127.0.0.1"
 SECRET = b"loopback weight push"
@@ -59,7 +61,7 @@ async def push_once(
     server = SessionServer(
         local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
     )
-    publisher = WeightPublisher(TRAINER, SECRET, CFG, transport="tcp")
+    publisher = WeightPublisher(TRAINER, SECRET, CFG, WeightsSpec(transport="tcp"))
     async with asyncio.timeout(timeout + 30), asyncio.TaskGroup() as tg:
         tg.create_task(server.serve())
         await server.listen_tcp(HOST, port)

@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from rollart.envs import make_env
+from rollart.errors import ConfigError
 from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.render import ChatRenderer
@@ -179,6 +180,22 @@ def warmup_outdated(model_dir: Path) -> str | None:
     if warmup is None or warmup.get("policy") == WARMUP_POLICY:
         return None
     return f"its format warm-up played {warmup.get('policy', 'uniformly random moves')!r}, not {WARMUP_POLICY!r}"
+
+
+def random_policy_baselines(tasks: Sequence[TaskSpec], *, seed: int) -> dict[str, dict[str, float]]:
+    """`random_policy_baseline` of each task that has one, by task name. A task whose env is not registered here
+    (a user's env: `run.env_modules` registers it on env-hosts only) is skipped, with a log line saying so."""
+    baseline = {}
+    for task in tasks:
+        try:
+            measured = random_policy_baseline(task, seed=seed)
+        except ConfigError as exc:
+            log.info("learner.no_baseline", task=task.name, reason=str(exc))
+            continue
+        if measured is not None:
+            baseline[task.name] = measured
+            log.info("learner.baseline", task=task.name, policy="uniformly random valid actions", **measured)
+    return baseline
 
 
 def random_policy_baseline(

@@ -20,8 +20,17 @@ _MSGSPEC_ERROR = re.compile(
     r"^(?P<msg>.*?)(?: - at `(?P<key>key)` in `\$(?P<kpath>[^`]*)`| - at `\$(?P<path>[^`]*)`)?$"
 )
 _YAML_KINDS = {"object": "mapping", "array": "list"}
-RENAMED = {"max_batch_size": "max_num_seqs"}
-"""Keys an earlier RollArt had under another name: an old file's key is named with its new one."""
+RENAMED = {
+    "max_batch_size": "max_num_seqs",
+    # run.trainer's weight settings, now one struct (`run.trainer.weights`)
+    "weight_transport": "weights.transport",
+    "bucket_mb": "weights.bucket_mb",
+    "weight_fanout": "weights.fanout",
+    "weight_delta": "weights.delta",
+    "push_timeout_s": "weights.push_timeout_s",
+}
+"""Keys an earlier RollArt had under another name: an old file's key is named with its new one (a dotted name:
+under the key before the dot, in the same mapping)."""
 
 
 def explain(message: str, data: Any, root: type[msgspec.Struct]) -> tuple[str, str]:
@@ -35,8 +44,9 @@ def explain(message: str, data: Any, root: type[msgspec.Struct]) -> tuple[str, s
     if (quoted := re.match(r"Object contains unknown field `(.*)`$", msg)) is not None:
         key, problem = quoted[1], f"unknown key {quoted[1]!r}"
         fields = [f.encode_name for f in msgspec.structs.fields(target) if f.name != "source"]
-        if RENAMED.get(key) in fields:
-            return path, problem + f"; it is called {RENAMED[key]!r} now"
+        if (new := RENAMED.get(key)) is not None and new.split(".")[0] in fields:
+            moved = f" ({path}.{new})" if "." in new and path else ""
+            return path, problem + f"; it is called {new!r} now{moved}"
         hint = difflib.get_close_matches(key, fields, n=1)
         return path, problem + (f"; did you mean {hint[0]!r}?" if hint else "")
     if (quoted := re.match(r"Object missing required field `(.*)`$", msg)) is not None:

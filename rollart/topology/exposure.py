@@ -36,9 +36,9 @@ def check_exposure(topology: Topology) -> list[tuple[str, str]]:
     """(YAML path, problem) for each socket beyond loopback that TLS does not protect."""
     run = topology.run
     problems: list[tuple[str, str]] = []
-    if run.tls is not None and run.trainer.weight_transport == "ucx":
-        problem = "UCX does not encrypt; with run.tls weights go over TLS on TCP (weight_transport: auto or tcp)"
-        problems.append(("run.trainer.weight_transport", problem))
+    if run.tls is not None and run.trainer.weights.transport == "ucx":
+        problem = "UCX does not encrypt; with run.tls weights go over TLS on TCP (transport: auto or tcp)"
+        problems.append(("run.trainer.weights.transport", problem))
     if run.insecure:
         return problems
     fix = "set run.tls (make the certificates with `rollart certs`), or run.insecure: true for a trusted network"

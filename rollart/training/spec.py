@@ -13,6 +13,7 @@ import msgspec
 
 from rollart.algorithms.config import GRPOConfig
 from rollart.lora.spec import LoraSpec
+from rollart.weights.config import WeightsSpec
 
 Precision = Literal["auto", "fp32", "bf16"]
 
@@ -72,22 +73,8 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     checkpoint_every: int = 10
     """Save a checkpoint every this many steps (and on drain); 0: only on drain."""
     keep_checkpoints: int = 2
-    weight_transport: Literal["auto", "tcp", "ucx"] = "auto"
-    """How weights reach generators: ucx when ucxx is installed (auto), else our TCP bulk path."""
-    bucket_mb: int = 64
-    """Weight-push bucket size."""
-    weight_fanout: Literal["star", "relay"] = "relay"
-    """How a version reaches the generators: relay (the trainer sends it once, to the head of a chain
-    of generators ordered by cluster and host, and each forwards every bucket to the next as it
-    arrives: the trainer's egress is one state dict) or star (the trainer sends it to each)."""
-    weight_delta: bool = False
-    """Send a generator that holds the version before the latest only what changed (each bucket's
-    bytes XOR the previous version's, byte-shuffled and zstd-compressed, where that is smaller):
-    for links slower than ~0.5 GiB/s, where the bytes saved outweigh the encoding. Each generator
-    then keeps the bytes of its last version (one more copy of the weights in its memory)."""
-    push_timeout_s: float | None = None
-    """Seconds a push may take before it counts as failed and is retried; None: scaled with its bytes
-    (30 s plus four times the transfer at the slowest rate measured so far)."""
+    weights: WeightsSpec = WeightsSpec()
+    """How weights reach the generators (`run.trainer.weights`: transport, buckets, fan-out, deltas)."""
     threads: int = 0
     """torch intra-op threads on CPU; 0: torch's default."""
 
@@ -98,7 +85,8 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
             problems += [(f"lora.{key}", problem) for key, problem in self.lora.validate()]
             if self.master_dtype != "fp32":
                 problems.append(("master_dtype", "with lora the base is in lora.base_dtype: keep master_dtype fp32"))
-        for key in ("lr", "ranks", "micro_batch_size", "updates_per_batch", "epochs", "bucket_mb", "rank_timeout_s"):
+        problems += [(f"weights.{key}", problem) for key, problem in self.weights.validate()]
+        for key in ("lr", "ranks", "micro_batch_size", "updates_per_batch", "epochs", "rank_timeout_s"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
         for key in (
@@ -116,10 +104,6 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
         if self.keep_checkpoints < 1:
             problems.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
-        if self.push_timeout_s is not None and self.push_timeout_s <= 0:
-            problems.append(
-                ("push_timeout_s", f"must be > 0 (or null: scaled with the bytes), got {self.push_timeout_s}")
-            )
         return problems
 
 

@@ -14,7 +14,7 @@ Measured here on a 64 MiB tensor moved by an Adam-sized step (`lr` per element),
 bytes whole: fp32 0.67 at lr 1e-3, 0.55 at 1e-4; bf16 0.47 and 0.30 (a bf16 weight often does not
 change at all); without the shuffle fp32 compresses to 0.82. zstd level 1 encodes at 0.3-0.6 GiB/s
 on one core here and decodes at 0.6-0.8 GiB/s: slower than loopback TCP, faster than the links
-between clusters delta sync is for, so it is an option per run (`trainer.weight_delta`).
+between clusters delta sync is for, so it is an option per run (`run.trainer.weights.delta`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The trainer's end of weight sync: snapshot a version, push it to every generator in the background.
 
-    publisher = WeightPublisher(identity, secret, cfg, fanout="relay")   # transport "auto": UCX where it can
+    publisher = WeightPublisher(identity, secret, cfg, run.trainer.weights)   # a WeightsSpec: transport, ...
     publisher.add_target("gen-0", host, session_port, ucx_port=port, dtype=torch.bfloat16, place="cluster-a/h1")
     tg.create_task(publisher.run())                                       # plans and runs the pushes
     stall_s = publisher.publish(step, model.state_dict())                 # plans the buckets and returns
@@ -13,6 +13,7 @@ while the first buckets are already on their way (`snapshot`). The trainer must 
 tensors it handed over before `wait_packed` (its next optimizer step); an export made for the push
 needs no wait.
 
+How is `run.trainer.weights` (`rollart.weights.config.WeightsSpec`), handed whole to the publisher.
 Who gets what from whom is planned per round: every target that lacks the latest version and is
 not in backoff joins a push. With `fanout="star"` each such target gets its own push from the
 trainer; with `"relay"` the targets of one wire dtype form a chain ordered by `place` (cluster,
@@ -23,7 +24,7 @@ reached, refuses, dies mid-push) is retried with jittered exponential backoff; t
 relay stranded are planned into the next round at once, without it. Latest wins: a target still
 receiving version n when n+2 is published gets n+2 next; n+1 is skipped, never queued.
 
-With `delta=True` a target that keeps the bytes of the version before the latest (it says so:
+With `delta` a target that keeps the bytes of the version before the latest (it says so:
 `Holding.base`, `VersionAck.base`) gets each bucket as a delta against them where that is smaller
 (`rollart.weights.delta`); those targets chain apart from the ones that get whole versions.
 `link_bytes` and `link_whole_bytes` count what the generators' links carried and what whole
@@ -40,7 +41,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import structlog
 import torch
@@ -53,15 +54,13 @@ from rollart.protocol.errors import ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
 from rollart.protocol.tls import NodeTls
 from rollart.weights import ucx
-from rollart.weights.buckets import DEFAULT_BUCKET_BYTES
+from rollart.weights.config import Fanout, WeightsSpec
 from rollart.weights.snapshot import Snapshot, SnapshotStore
 from rollart.weights.targets import Target, TargetStats
 from rollart.weights.wire import WEIGHTS, Holding, RelayFailed, VersionAck, WeightMsg
 
 log = structlog.get_logger("rollart.weights.publisher")
 
-Transport = Literal["auto", "tcp", "ucx"]
-Fanout = Literal["star", "relay"]
 M = TypeVar("M", bound=WeightMsg)
 
 _FIRST_RATE = 100 * 1024**2
@@ -78,15 +77,14 @@ class WeightPublisher:
         local: Identity,
         secret: bytes,
         cfg: SessionConfig,
+        settings: WeightsSpec | None = None,
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        transport: Transport = "auto",
-        fanout: Fanout = "star",
-        push_timeout_s: float | None = None,
-        delta: bool = False,
         tls: NodeTls | None = None,
     ) -> None:
-        """`tls`: connections to generators are TLS (UCX, which does not encrypt, is then refused)."""
+        """`settings`: `run.trainer.weights` (None: its defaults). `tls`: connections to generators are TLS
+        (UCX, which does not encrypt, is then refused)."""
+        settings = settings or WeightsSpec()
+        transport, bucket_bytes = settings.transport, settings.bucket_bytes
         if tls is not None and transport == "ucx":
             raise ValueError("weights: UCX does not encrypt; with TLS use transport 'tcp' or 'auto'")
         if tls is not None:
@@ -94,8 +92,8 @@ class WeightPublisher:
         if transport == "ucx":
             ucx.import_ucxx()  # TransportUnavailable now, rather than at the first push
         self.local, self.cfg, self.bucket_bytes, self.transport = local, cfg, bucket_bytes, transport
-        self.fanout: Fanout = fanout
-        self.push_timeout_s = push_timeout_s
+        self.fanout: Fanout = settings.fanout
+        self.push_timeout_s = settings.push_timeout_s
         self.last_stall_s = 0.0
         self.egress_bytes = 0
         """Payload bytes the trainer has sent, to every target together."""
@@ -110,7 +108,7 @@ class WeightPublisher:
         self._secret = secret
         self._tls = tls
         self._targets: dict[str, Target] = {}
-        self._store = SnapshotStore(bucket_bytes, delta=delta)
+        self._store = SnapshotStore(bucket_bytes, delta=settings.delta)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._wake = asyncio.Event()

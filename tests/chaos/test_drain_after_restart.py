@@ -17,7 +17,7 @@ import pytest
 from rollart.rundir import RunDir
 from rollart.testkit.harness import ROLES, ChaosRun
 from rollart.testkit.outcome import Scenario, read_jsonl
-from rollart.weights import ucx_unavailable
+from rollart.weights.ucx import ucx_unavailable
 
 UCX_MISSING = ucx_unavailable()
 # Slow (64 s here): the default test run stays under 15 minutes on 2 cores; CI runs it (bin/test --all).

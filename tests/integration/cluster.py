@@ -55,7 +55,7 @@ def training_yaml(
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
   trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {checkpoint_every}, threads: 1,
-             weight_transport: tcp, weight_fanout: star{", " + trainer if trainer else ""}}}
+             weights: {{transport: tcp, fanout: star}}{", " + trainer if trainer else ""}}}
   rollout:
     mode: train
     schedule: {schedule}

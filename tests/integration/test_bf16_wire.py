@@ -15,7 +15,9 @@ from rollart.generation.engine import SamplingParams
 from rollart.generation.hf.engine import HFEngine
 from rollart.models.loading import load_model_and_tokenizer
 from rollart.protocol import CONTROL, Identity, SessionConfig, SessionServer
-from rollart.weights import WeightPublisher, WeightReceiver
+from rollart.weights.config import WeightsSpec
+from rollart.weights.publisher import WeightPublisher
+from rollart.weights.receiver import WeightReceiver
 from tests.engine_reference import PROMPTS, build_engine_test_model, noisy_weights
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -61,7 +63,7 @@ async def test_bf16_wire_fp32_weights_arrive_as_their_bf16_cast_and_decode_like_
     server = SessionServer(
         local=generator, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
     )
-    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, CFG, transport="tcp")
+    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, CFG, WeightsSpec(transport="tcp"))
     try:
         async with asyncio.timeout(90), asyncio.TaskGroup() as tg:
             tg.create_task(server.serve())

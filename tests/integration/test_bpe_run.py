@@ -22,7 +22,7 @@ def run_yaml(model: Path) -> str:
     return f"""  model: {{path: {model}, build_tiny_if_missing: false}}
   generator: {{backend: hf, dtype: auto}}
   reward_pool: {{min_workers: 0, max_workers: 1}}
-  trainer: {{lr: 0.0001, micro_batch_size: 8, checkpoint_every: 0, threads: 1, weight_transport: tcp}}
+  trainer: {{lr: 0.0001, micro_batch_size: 8, checkpoint_every: 0, threads: 1, weights: {{transport: tcp}}}}
   rollout:
     mode: train
     tasks:

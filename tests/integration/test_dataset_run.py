@@ -24,7 +24,7 @@ def run_yaml(model: Path) -> str:
     return f"""  model: {{path: {model}}}
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
-  trainer: {{lr: 0.001, micro_batch_size: 16, checkpoint_every: 0, threads: 1, weight_transport: tcp}}
+  trainer: {{lr: 0.001, micro_batch_size: 16, checkpoint_every: 0, threads: 1, weights: {{transport: tcp}}}}
   rollout:
     mode: train
     tasks:

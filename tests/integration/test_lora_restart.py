@@ -14,7 +14,8 @@ from rollart.lora.spec import LoraSpec
 from rollart.models.loading import load_model_and_tokenizer
 from rollart.protocol import Identity, SessionConfig
 from rollart.protocol.messages import Generate, Generated
-from rollart.weights import WeightPublisher
+from rollart.weights.config import WeightsSpec
+from rollart.weights.publisher import WeightPublisher
 from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy
 from tests.integration.cluster import SECRET, Cluster, make_cluster, training_yaml
 from tests.lora_reference import peft_adapters
@@ -70,7 +71,7 @@ async def test_lora_a_restarted_generator_serves_the_base_from_disk_with_the_new
     await asyncio.to_thread(engine_ready, cluster, 0)
     assert cluster.status("gen-0")["engine"]["lora"] is True
     port = cluster.ports["gen-0"][0]
-    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, SessionConfig(), transport="tcp")
+    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, SessionConfig(), WeightsSpec(transport="tcp"))
     publisher.add_target("gen-0", "127.0.0.1", port)
     async with asyncio.timeout(120), asyncio.TaskGroup() as tg:
         tg.create_task(publisher.run())

@@ -106,7 +106,7 @@ def inprocess(tmp_path: Path, push: str = "async", routing: str = "class") -> In
 
 @pytest.mark.timeout(300)
 def test_the_same_nodes_run_in_process_on_a_virtual_clock(tmp_path: Path) -> None:
-    from rollart.nodes.trainer_steps import as_record
+    from rollart.nodes.trainer_rollout_only import as_record
 
     done = inprocess(tmp_path)
     assert {type(node).__name__ for node in done.nodes.values()} == {
@@ -129,7 +129,7 @@ def test_disaggregated_routing_prefills_on_compute_and_decodes_on_bandwidth(tmp_
     the prompt's KV cache instead of prefilling it."""
     from rollart.generation.sim import SimEngine
     from rollart.nodes import GeneratorNode
-    from rollart.nodes.trainer_steps import as_record
+    from rollart.nodes.trainer_rollout_only import as_record
 
     done = inprocess(tmp_path, routing="disaggregated")
     trajectories = [as_record(t) for b in done.batches for g in b.groups for t in g.trajectories]

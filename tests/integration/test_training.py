@@ -175,7 +175,8 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     from rollart.models.loading import load_model_and_tokenizer
     from rollart.protocol import Identity, SessionConfig
     from rollart.protocol.messages import Generate, Generated
-    from rollart.weights import WeightPublisher
+    from rollart.weights.config import WeightsSpec
+    from rollart.weights.publisher import WeightPublisher
 
     # trainer and env-0: this test's publisher and client, named in the topology (not started)
     nodes = {"gen-0": "generator", "trainer": "trainer", "env-0": "env-host"}
@@ -185,7 +186,7 @@ async def test_weights_pushed_during_a_long_request_swap_in_without_pausing_it(
     port = cluster.ports["gen-0"][0]
     cfg = SessionConfig()
     client = node_client(port, "gen-0")
-    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, cfg, transport="tcp")
+    publisher = WeightPublisher(Identity("trainer", "trainer"), SECRET, cfg, WeightsSpec(transport="tcp"))
     publisher.add_target("gen-0", "127.0.0.1", port)
     model, tokenizer = await asyncio.to_thread(load_model_and_tokenizer, tiny_model)
     prompt = tokenizer("copy this: abbabaabab\n")["input_ids"]

@@ -24,9 +24,11 @@ import pytest
 import torch
 
 from rollart.protocol import CONTROL, Identity, Session, SessionConfig, SessionServer
-from rollart.weights import Transport, WeightPublisher, WeightReceiver, plan_buckets, ucx_unavailable
-from rollart.weights.buckets import byte_view, checksum
-from rollart.weights.publisher import Fanout
+from rollart.weights.buckets import byte_view, checksum, plan_buckets
+from rollart.weights.config import Fanout, Transport, WeightsSpec
+from rollart.weights.publisher import WeightPublisher
+from rollart.weights.receiver import WeightReceiver
+from rollart.weights.ucx import ucx_unavailable
 from tests.support import free_ports
 
 pytestmark = pytest.mark.integration
@@ -224,9 +226,8 @@ def publisher_for(
     fanout: Fanout = "star",
     delta: bool = False,
 ) -> WeightPublisher:
-    publisher = WeightPublisher(
-        TRAINER, secret, CFG, bucket_bytes=BUCKET_BYTES, transport=transport, fanout=fanout, delta=delta
-    )
+    settings = WeightsSpec(bucket_mb=BUCKET_BYTES / (1 << 20), transport=transport, fanout=fanout, delta=delta)
+    publisher = WeightPublisher(TRAINER, secret, CFG, settings)
     for name in names:
         port, ucx_port = receivers.ports_of(name)
         publisher.add_target(name, HOST, port, ucx_port=ucx_port if transport == "ucx" else None)

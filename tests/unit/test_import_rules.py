@@ -43,14 +43,16 @@ RULES: dict[str, set[str]] = {
     "envexec": {"envs", "tasks", "workers"},
     # LoRA settings and PEFT's adapter format: shared by training and generation, it imports neither
     "lora": set(),
-    # training engines are driven by their node: no nodes, no protocol, no rollout, no generation
-    "training": {"algorithms", "models", "lora"},
+    # training engines are driven by their node: no nodes, no protocol, no rollout, no generation (`weights`: the
+    # weight settings `run.trainer` holds, the bucket size an export cuts by)
+    "training": {"algorithms", "models", "lora", "weights"},
     # generation engines likewise, and generation never imports training (`sim`: the simulated engine's model)
     "generation": {"models", "lora", "sim", "cpus"},
     # the weight path: the wire and the bulk transfer
     "weights": {"protocol"},
-    # experiment trackers (TensorBoard, W&B, MLflow) fed the metrics lines, into the run folder
-    "tracking": {"rundir"},
+    # the training steps' records (metrics, timeline, utilization: of trajectories and peers' status, protocol
+    # messages) and the experiment trackers (TensorBoard, W&B, MLflow) fed the metrics lines, into the run folder
+    "tracking": {"rundir", "protocol"},
     # trajectory coroutines, routing, buffers: other nodes only through protocol sessions, never an engine
     "rollout": {"protocol", "envs", "envexec", "rewards", "algorithms"},
     # agent programs' episodes: the OpenAI-compatible endpoint and its token record, over rollout's turn pieces
@@ -124,8 +126,8 @@ ROWS: dict[str, int] = {
     **dict.fromkeys(
         ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "lora", "__init__"], 0
     ),
-    **dict.fromkeys(["training", "tasks", "rewards", "weights", "tracking"], 1),
-    **dict.fromkeys(["envexec", "sim", "plugins"], 2),
+    **dict.fromkeys(["tasks", "rewards", "weights", "tracking"], 1),
+    **dict.fromkeys(["training", "envexec", "sim", "plugins"], 2),
     **dict.fromkeys(["rollout", "generation"], 3),
     **dict.fromkeys(["topology", "tiny", "agents"], 4),
     "nodes": 5,

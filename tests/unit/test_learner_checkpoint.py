@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,18 +33,9 @@ class BackgroundWrites:
 
 
 def learner(run_dir: RunDir, engine: BackgroundWrites) -> Learner:
-    none: Any = None  # what checkpoints never touch: the weight publisher, the engine builder
-    built = Learner(
-        TrainerSpec(keep_checkpoints=3),
-        run_dir=run_dir,
-        publisher=none,
-        build_engine=none,
-        generators=[],
-        clients={},
-        peer_status={},
-        tasks=[],
-        seed=0,
-    )
+    none: Any = None  # what checkpoints never touch: the engine builder
+    targets: Any = SimpleNamespace(publisher=None)  # nor the weight publisher and its targets
+    built = Learner(TrainerSpec(keep_checkpoints=3), run_dir=run_dir, targets=targets, build_engine=none)
     built.engine = engine  # type: ignore[assignment]
     return built
 
@@ -52,13 +44,13 @@ async def test_a_checkpoint_whose_write_fails_never_becomes_latest(tmp_path: Pat
     run_dir, engine = RunDir(tmp_path), BackgroundWrites()
     trainer = learner(run_dir, engine)
     dispenser = {"next_seed": 0}
-    await trainer.checkpoint(step=2, version=2, dispenser=dispenser)
+    await trainer.checkpoint(step=2, version=2, elapsed_s=0.0, dispenser=dispenser)
     engine.writes[0].set_result(None)
     await trainer.saved()
     assert run_dir.latest_checkpoint() == run_dir.checkpoint(2)
 
     with capture_logs() as logs:
-        await trainer.checkpoint(step=4, version=4, dispenser=dispenser)
+        await trainer.checkpoint(step=4, version=4, elapsed_s=0.0, dispenser=dispenser)
         assert run_dir.latest_checkpoint() == run_dir.checkpoint(2)  # staged, not yet written
         engine.writes[1].set_exception(RollartError("rank 1 (pid 7) exited with code -9"))
         with pytest.raises(RollartError, match="rank 1"):

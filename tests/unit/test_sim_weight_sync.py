@@ -112,7 +112,7 @@ def test_relay_plan_is_checked_where_the_config_is_loaded() -> None:
 
 
 def test_relay_reaches_the_simulated_trainer_step_which_times_a_node_by_its_last_replica(tmp_path: Path) -> None:
-    from rollart.nodes.trainer_steps import SimulatedStep
+    from rollart.nodes.trainer_rollout_only import SimulatedStep
     from rollart.rundir import RunDir
 
     generators = {

@@ -46,7 +46,7 @@ def test_tls_admin_beyond_loopback_needs_https() -> None:
 
 def test_tls_refuses_ucx_weights() -> None:
     with pytest.raises(ConfigError, match="UCX does not encrypt"):
-        parse_topology(topology("  tls: {dir: certs}\n  trainer: {weight_transport: ucx}"))
+        parse_topology(topology("  tls: {dir: certs}\n  trainer: {weights: {transport: ucx}}"))
 
 
 def test_tls_node_files_missing_is_a_clear_error(tmp_path: Path) -> None:

@@ -197,6 +197,12 @@ def test_secret_file_empty_or_absent(tmp_path: pathlib.Path) -> None:
             id="renamed-key",
         ),
         pytest.param(
+            "run:\n  trainer: {weight_transport: tcp}\nnodes: []\n",
+            "run.trainer: unknown key 'weight_transport'; it is called 'weights.transport' now "
+            "(run.trainer.weights.transport)",
+            id="moved-key",
+        ),
+        pytest.param(
             "nods: []\n",
             "unknown key 'nods'; did you mean 'nodes'?",
             id="unknown-top-level-key",

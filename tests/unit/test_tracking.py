@@ -22,13 +22,12 @@ from google.protobuf.message import DecodeError
 from structlog.testing import capture_logs
 
 from rollart.errors import ConfigError
-from rollart.nodes.learner import Learner
 from rollart.protocol.messages import GroupDone, Trajectory
 from rollart.rundir import RunDir, read_jsonl
 from rollart.topology import load_topology, parse_topology
 from rollart.tracking import MlflowSpec, Tracker, TrackingSpec, WandbSpec, step_scalars
+from rollart.tracking.records import StepRecords
 from rollart.tracking.sinks import TensorBoardSink
-from rollart.training.spec import TrainerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -371,17 +370,7 @@ def test_tensorboard_wandb_and_mlflow_config_errors_name_their_yaml_path(trackin
     assert str(caught.value) == f"t.yaml: {expected}"
 
 
-# -- the learner feeds its metrics lines to the tracker ---------------------------------------------
-
-
-class NoPushes:
-    """What `Learner.record` asks of the weight publisher, in a run that pushed nothing."""
-
-    link_bytes = 0
-    link_whole_bytes = 0
-
-    def stats(self) -> dict[str, Any]:
-        return {}
+# -- the step records feed their metrics lines to the tracker -------------------------------------------
 
 
 def group(step: int) -> GroupDone:
@@ -411,26 +400,13 @@ def group(step: int) -> GroupDone:
     return GroupDone(str(step), [trajectory(i) for i in range(4)])
 
 
-async def test_the_learner_writes_metrics_jsonl_as_before_and_the_same_numbers_to_tensorboard(tmp_path: Path) -> None:
+def test_the_step_records_write_metrics_jsonl_as_before_and_the_same_numbers_to_tensorboard(tmp_path: Path) -> None:
     run = RunDir(tmp_path / "run")
-    none: Any = None  # what recording never touches: the engine builder
-    publisher: Any = NoPushes()
-    learner = Learner(
-        TrainerSpec(),
-        run_dir=run,
-        publisher=publisher,
-        build_engine=none,
-        generators=[],
-        clients={},
-        peer_status={},
-        tasks=[],
-        seed=0,
-        tracking=TrackingSpec(),
-    )
+    records = StepRecords(run, peer_status={}, tracking=TrackingSpec())
     for step in (1, 2):
         batch = [group(step)] if step == 1 else [msgspec.structs.replace(group(step), cut=1)]  # one short group
-        learner.record(step, step, batch, {"loss": 0.5 / step}, incarnation=0)
-    await learner.close()
+        records.step(step, step, batch, {"loss": 0.5 / step}, weights={"stall_s": 0.0}, incarnation=0)
+    records.close()
     lines = read_jsonl(run.metrics)
     assert [line["step"] for line in lines] == [1, 2]
     assert "groups_cut" not in lines[0] and lines[1]["groups_cut"] == 1

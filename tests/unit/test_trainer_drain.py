@@ -31,16 +31,26 @@ class Learner:
     def publish(self, version: int) -> None:
         pass
 
-    def record(self, step: int, version: int, batch: list[Any], stats: dict[str, float], **_: Any) -> dict[str, float]:
-        return {"reward_mean": 0.0, "success_rate": 0.0}
+    def push_record(self) -> dict[str, float]:
+        return {}
 
-    async def checkpoint(self, *, step: int, version: int, dispenser: dict[str, Any]) -> None:
+    async def checkpoint(self, *, step: int, version: int, elapsed_s: float, dispenser: dict[str, Any]) -> None:
         self.checkpoints.append({"step": step, **dispenser})
 
     async def saved(self) -> None:
         pass
 
-    async def close_trackers(self) -> None:
+
+class Records:
+    """What a step writes of itself, and nothing."""
+
+    def step(self, step: int, version: int, batch: list[Any], stats: dict[str, float], **_: Any) -> dict[str, float]:
+        return {"reward_mean": 0.0, "success_rate": 0.0}
+
+    def elapsed_s(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
         pass
 
 
@@ -83,7 +93,7 @@ def batch(seed: int) -> list[Any]:
 
 def train_step(learner: Learner, core: Core) -> TrainStep:
     rollout = SimpleNamespace(schedule="async", steps=None)
-    return TrainStep(core, learner, rollout)  # type: ignore[arg-type]
+    return TrainStep(core, learner, Records(), rollout)  # type: ignore[arg-type]
 
 
 async def test_a_drain_during_a_step_checkpoints_that_step() -> None:

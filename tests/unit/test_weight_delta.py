@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rollart.protocol import Identity, MemoryConnection, MemoryNetwork
-from rollart.weights import WeightReceiver
 from rollart.weights.buckets import byte_view, unpack_bucket
 from rollart.weights.delta import decode, encode, stride_of
+from rollart.weights.receiver import WeightReceiver
 from rollart.weights.snapshot import Snapshot, SnapshotStore
 from rollart.weights.wire import WEIGHTS, DeltaBaseMissing, Holding, Push, VersionAck, WeightFormatError
 

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from rollart.protocol import Identity, MemoryConnection, MemoryNetwork
 from rollart.protocol.config import SessionConfig
 from rollart.protocol.errors import ConnectionClosed, ProtocolError
-from rollart.weights import WeightPublisher, WeightReceiver
 from rollart.weights.buckets import (
     ALIGN,
     DTYPES,
@@ -30,8 +29,10 @@ from rollart.weights.buckets import (
     split_tied,
     unpack_bucket,
 )
+from rollart.weights.config import WeightsSpec
 from rollart.weights.pool import BufferPool
-from rollart.weights.publisher import _cancel_all
+from rollart.weights.publisher import WeightPublisher, _cancel_all
+from rollart.weights.receiver import WeightReceiver
 from rollart.weights.snapshot import SnapshotStore
 from rollart.weights.wire import (
     WEIGHTS,
@@ -535,12 +536,12 @@ def test_floating_point_tensors_travel_in_the_wire_dtype_and_others_as_they_are(
 
 
 def test_a_push_deadline_grows_with_its_bytes_and_hops_unless_set() -> None:
-    publisher = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), bucket_bytes=64 << 20)
+    publisher = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), WeightsSpec(bucket_mb=64))
     one_gib = publisher.deadline_s(1 << 30)
     assert one_gib > publisher.deadline_s(100 << 20) > 30.0
     assert publisher.deadline_s(1 << 30, hops=4) > one_gib  # three more buckets' worth down a chain
     assert one_gib == pytest.approx(30.0 + 4 * (1 << 30) / (100 * 1024**2))  # at the assumed 100 MiB/s
-    fixed = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), push_timeout_s=7.0)
+    fixed = WeightPublisher(Identity("t", "trainer"), b"s", SessionConfig(), WeightsSpec(push_timeout_s=7.0))
     assert fixed.deadline_s(1 << 40, hops=9) == 7.0
 
 

@@ -48,7 +48,7 @@ class RankGroupEngine:
 
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         parts: list[dict[str, torch.Tensor]] = []
-        sent = self.ranks.call("export", self.spec.bucket_mb << 20, dtype, on_part=parts.append)
+        sent = self.ranks.call("export", self.spec.weights.bucket_bytes, dtype, on_part=parts.append)
         if len(parts) != sent:  # never publish part of a version
             raise RankDied(f"export: rank 0 sent {sent} parts of the weights and {len(parts)} arrived")
         return {name: tensor for part in parts for name, tensor in part.items()}
