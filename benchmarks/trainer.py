@@ -53,10 +53,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from machine import describe  # noqa: E402 - benchmarks/machine.py
 
 from rollart.algorithms.grpo import PackedBatch, pack_batch  # noqa: E402
+from rollart.testkit.batches import Seq  # noqa: E402
 from rollart.tiny.model import MARKER_FILE, TinySizes, build_tiny_model  # noqa: E402
 from rollart.training.registry import build_training_engine  # noqa: E402
 from rollart.training.spec import TrainerSpec  # noqa: E402
-from tests.batches import Seq  # noqa: E402
 
 VOCAB = 151_936
 SIZES = TinySizes(

@@ -38,7 +38,8 @@ from rollart.errors import ConfigError
 from rollart.generation.registry import OwnVenv
 from rollart.generation.registry import backend as generation_backend
 from rollart.rundir import RunDir
-from rollart.topology import Role, Topology, load_topology
+from rollart.topology import Topology, load_topology
+from rollart.topology.roles import Role
 
 EXIT_CONFIG = 2
 IN_VENV_ENV = "ROLLART_IN_BACKEND_VENV"

@@ -26,7 +26,8 @@ import structlog
 from rollart.cpus import check_from_env, pin_from_env
 from rollart.errors import ConfigError
 from rollart.generation.registry import backend as generation_backend
-from rollart.topology import NodeSpec, Role, Topology, load_topology
+from rollart.topology import NodeSpec, Topology, load_topology
+from rollart.topology.roles import Role
 from rollart.workers.spawn import die_with_parent
 
 EXIT_CONFIG = 2

@@ -8,6 +8,9 @@ Reads `metrics.jsonl` (required: one line per training step, optionally preceded
 `utilization.jsonl` (generator busy samples). Writes `reward_success.png`, `step_time.png`,
 `utilization.png`, `timeline.png` and `report.md`. A truncated last line (a killed run) is skipped; lines of an
 unknown kind and missing optional keys are tolerated.
+
+One piece: every plot and the summary are drawn from the same `RunData`, in the order `build_report`
+writes them; read top to bottom it is the report.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ log(1 / len(token_ids)): what the sampler did. A response is `max_tokens` long, 
 `length_min_frac < 1`, a length drawn uniformly between that fraction of `max_tokens` and all of
 it (ending with `eos_id`, finish "stop"), from the request's seed when it has one. Weights are
 not used: `load_weights` only changes the version later tokens report.
+
+One piece: admission, the prefix cache, the KV links and the decode runs act on the same queues, replicas
+and timeline in each scheduling step.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ if TYPE_CHECKING:
 PREFIX_BLOCK = 16
 """Tokens per prefix-cache block (vLLM's default block size on GPU)."""
 STICKY_SLACK = 2
-"""Prefix cache: requests more than the least loaded replica's that a replica may hold and still queue a request
-whose prefix it caches (or a tenth of that replica's load, if more), as `rollart.rollout.proxy.STICKY_SLACK`."""
+"""Prefix cache: requests more than the least loaded replica's that a replica may hold and still queue a request whose
+prefix it caches (or a tenth of that replica's load, if more), as `rollart.rollout.routing.by_class.STICKY_SLACK`."""
 
 
 @dataclass(eq=False)

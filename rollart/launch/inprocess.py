@@ -45,7 +45,8 @@ from rollart.nodes import DAEMONS, GeneratorNode, NodeDaemon, RewardGatewayNode,
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import GroupDone
 from rollart.rewards.stats import PoolStats
-from rollart.topology import Role, Topology
+from rollart.topology import Topology
+from rollart.topology.roles import Role
 
 
 @dataclass

@@ -14,6 +14,9 @@ this run and passes them to the nodes in their environment; the admin token is a
 
 This module only supervises; what the run shows on the terminal is drawn by `Terminal`
 (rollart/launch/terminal.py), fed the nodes' states.
+
+One piece: the `Launcher` starts, watches, restarts and drains the same node processes from one loop,
+and each of those steps reads the state the others leave.
 """
 
 from __future__ import annotations

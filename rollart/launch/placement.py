@@ -24,7 +24,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 from rollart.cpus import ENV, cpu_list
-from rollart.topology import NodeSpec, Role, Topology
+from rollart.topology import NodeSpec, Topology
+from rollart.topology.roles import Role
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,8 @@ from rollart.launch.slurm_hosts import group_env, node_address, resolve_hosts, w
 from rollart.launch.terminal import describe_exit
 from rollart.node import read_config_error
 from rollart.rundir import RunDir
-from rollart.topology import NodeSpec, Role, Topology, load_topology
+from rollart.topology import NodeSpec, Topology, load_topology
+from rollart.topology.roles import Role
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 ROLE_ORDER = (Role.TRAINER, Role.GENERATOR, Role.ENV_HOST, Role.REWARD_GATEWAY)

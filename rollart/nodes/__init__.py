@@ -9,7 +9,8 @@ from rollart.nodes.generator import GeneratorNode
 from rollart.nodes.reward_gateway import RewardGatewayNode
 from rollart.nodes.trainer import TrainerNode
 from rollart.nodes.trainer_member import TrainerMemberNode
-from rollart.topology import NodeSpec, Role
+from rollart.topology import NodeSpec
+from rollart.topology.roles import Role
 
 DAEMONS: dict[Role, type[NodeDaemon]] = {
     Role.TRAINER: TrainerNode,

@@ -38,7 +38,8 @@ from rollart.protocol import (
 from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.memory import MemoryNetwork
 from rollart.protocol.messages import APP, Echo, NodeStatus, Notice, StatusRequest
-from rollart.topology import REWARD_SERVICE, NodeSpec, Role, Topology
+from rollart.topology import NodeSpec, Topology
+from rollart.topology.roles import REWARD_SERVICE, Role
 
 log = structlog.get_logger("rollart.node")
 

@@ -57,7 +57,7 @@ from rollart.rollout.routing.base import GeneratorRef, TaskProfiler
 from rollart.rollout.staleness import StalenessBound
 from rollart.rollout.trajectory import TrajectoryJob, run_trajectory
 from rollart.rollout.turns import EpisodeContext
-from rollart.topology import REWARD_SERVICE, Role
+from rollart.topology.roles import REWARD_SERVICE, Role
 from rollart.workers.limits import WorkerLimits, child_environ
 
 log = structlog.get_logger("rollart.env_host")

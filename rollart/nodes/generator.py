@@ -37,7 +37,8 @@ from rollart.nodes.base import NodeDaemon
 from rollart.protocol import Connection, Identity, Session
 from rollart.protocol.errors import ProtocolError, RemoteError
 from rollart.protocol.messages import Generate, Generated, SimWeights, WeightsHere, WeightsWhere
-from rollart.topology import Role, RunSpec
+from rollart.topology import RunSpec
+from rollart.topology.roles import Role
 from rollart.weights.receiver import WeightReceiver
 from rollart.weights.ucx import ucx_unavailable
 

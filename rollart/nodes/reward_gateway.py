@@ -27,7 +27,7 @@ from rollart.protocol.errors import RemoteError
 from rollart.protocol.messages import Score, Scored
 from rollart.rewards import RewardError, RewardPool, ScoreInput, registered_rewards
 from rollart.sim.reward import SimRewardPool
-from rollart.topology import Role
+from rollart.topology.roles import Role
 from rollart.workers.limits import child_environ
 from rollart.workers.sandbox import worker_launch
 

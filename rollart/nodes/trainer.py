@@ -36,7 +36,7 @@ from rollart.rollout.evaluation import Evaluator
 from rollart.rollout.staleness import StalenessBound
 from rollart.rollout.versions import PolicyVersions
 from rollart.rundir import RunDir
-from rollart.topology import Role
+from rollart.topology.roles import Role
 from rollart.tracking.records import StepRecords
 from rollart.training.registry import build_training_engine
 from rollart.weights.generators import GeneratorAddress, GeneratorTargets

@@ -29,7 +29,7 @@ import structlog
 
 from rollart.errors import RollartError
 from rollart.nodes.base import NodeDaemon
-from rollart.topology import Role
+from rollart.topology.roles import Role
 from rollart.training.registry import backend as training_backend
 
 if TYPE_CHECKING:

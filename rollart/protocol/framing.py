@@ -11,6 +11,9 @@ and message frames are parsed out of one reusable receive buffer. Writes of smal
 the same loop iteration are coalesced into one `write` call per 16 KiB.
 
 `Connection` is the interface sessions use; `memory.py` implements it without sockets.
+
+One piece: `TcpConnection`'s reading of frames and its writing, coalesced and zero-copy for bulk, share one
+buffered protocol and one transport.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ retirement is a `call_later` timer per idle worker. `close()` removes all of the
     async with RewardPool(min_workers=0, max_workers=4) as pool:
         out = await pool.score("exact-answer", ScoreInput(task="math", prompt=p, response=r, answer="42"),
                                timeout=30.0)
+
+One piece: the queue, the fair share between jobs, the scaling and every worker's life are one state
+machine on the event loop; each decision reads what the others just changed.
 """
 
 from __future__ import annotations

@@ -247,12 +247,11 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
     class the task's profile prefers always, least loaded within it, others only when it is down; or
     `finish-time`, where the turn is predicted to finish first (its task's measured service time there,
     plus that generator's backlog) within its preferred class, which it leaves only when that class
-    queues or is saturated while another has room. Measured in the paper's simulated shape
-    (benchmarks/results/paper/fig11a-rollout-finish-time.md): finish-time rescues an undersized class
-    (the paper's mix, 0.67x -> 0.98x of H800 only) but costs the best-sized mix throughput (1.27x ->
-    1.21x), so it is not the default yet. `disaggregated`: every turn is prefilled on a compute generator
-    and decoded on a bandwidth one, its KV cache handed over (vLLM's disaggregated prefill across GPU
-    kinds), each half routed as `class` routes a turn; simulated engines only (generator.backend: sim)."""
+    queues or is saturated while another has room (it rescues an undersized class but costs the
+    best-sized mix throughput, so it is not the default: docs/topology.md has the measurements);
+    `disaggregated`: every turn is prefilled on a compute generator and decoded on a bandwidth one, its KV
+    cache handed over (vLLM's disaggregated prefill across GPU kinds), each half routed as `class` routes a
+    turn; on a backend that hands KV cache on (`GenerationBackend.kv_handoff`)."""
     profile_ratio: float = 16.0
     """A task whose prompt tokens per generated token exceed this is prefill-heavy. A decode step is
     bandwidth-bound and costs about what prefilling 10-20 tokens does, hence the default."""

@@ -11,31 +11,28 @@ Admission (AReaL's rule, in groups): new work starts only while
     in flight + buffered < (alpha + 1) * batch_groups,
 so the trainer never has more than alpha batches of work beyond the one it is waiting for, and
 staleness is bounded mostly by not starting work rather than by discarding it. While the trainer
-trains on a batch it has taken (`training`), the next batch is taken a version later, so work
-started now can fill one batch fewer before it goes stale: the limit is then alpha batches (none at
-alpha 0). Counting (alpha + 1) batches there too let a batch's worth of groups start that could
-only be dropped (the paper's simulated shape at alpha 1: 169 groups dropped stale in 6 batches of
-64); the trainer also drops and aborts, when it takes a batch, the work that the version this
-batch makes will leave too old (`PolicyVersions.foresee`), so its room is not held either.
+trains on a batch it has taken (`training`), the next batch is taken a version later, so work started now can fill one
+batch fewer before it goes stale: the limit is then alpha batches (none at alpha 0). Counting (alpha + 1) batches there
+too let a batch's worth of groups start that could only be dropped (docs/training.md, "Schedules", has what that cost);
+the trainer also drops and aborts, when it takes a batch, the work that the version this batch makes will leave too old
+(`PolicyVersions.foresee`), so its room is not held either.
 
 With `lookahead: adaptive` the alpha in that rule is `ahead`, which `pace` moves as batches are taken: one up (to
 alpha at most) whenever the trainer had to wait for a batch, one down (to 0) after `SHED_AFTER`
 batches in a row that were complete already. A trainer that finds its batches ready is the
 slower side: with alpha batches ahead the buffer holds alpha + 1 complete batches when the trainer
 asks, each generated before the last alpha versions came out, so every trajectory of a one-turn
-task would be alpha versions old when trained (measured: 2.0 at alpha 2, and still 2.0 with 1
-batch ahead); with none ahead the next batch is generated while the trainer trains on this one,
-one version old. One batch at a time, and down only after several ready in a row: a batch can be
-complete when asked for in a run that rollout paces too (groups finish in bursts), and shedding
-work ahead on every such batch left the trainer of the paper's simulated shape waiting (fig. 13,
-alpha 1: 74 -> 112 simulated s a step). The staleness bound itself stays alpha: a long episode
-started while rollout was the slower side is still kept.
+task would be alpha versions old when trained; with none ahead the next batch is generated while
+the trainer trains on this one, one version old. One batch at a time, and down only after several
+ready in a row: a batch can be complete when asked for in a run that rollout paces too (groups
+finish in bursts), and shedding work ahead on every such batch left the trainer waiting. The
+staleness bound itself stays alpha: a long episode started while rollout was the slower side is
+still kept.
 
 An adaptive run starts with one batch ahead (`START_AHEAD`), not alpha: at the start nothing is in
 flight, and alpha + 1 batches started at once share the generators, so the first batch, which the
-trainer waits for, comes as late as all of them (the paper's simulated shape at alpha 2: a first step
-of 88-93 s against a 38 s training step, the steps after it 36-49 s). From one ahead, the first wait
-of the trainer adds the next (measured, same shape, 10 batches: 47.3 -> 40.7 s a step).
+trainer waits for, comes as late as all of them. From one ahead, the first wait of the trainer adds
+the next. What each of these choices measured is in docs/training.md, "Schedules".
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
   written as YAML, instead of YAML assembled with f-strings;
 - `proxy.PartitionProxy`: a TCP forwarder that cuts the network between roles;
 - `push.push_once`: one weight push over loopback, publisher to receiver, in one process;
+- `batches`: packed training batches, a fixed synthetic one and random ones of any shape;
 - `harness.ChaosRun`: fault injection into a real training run, and `outcome`'s checks that
   nothing was lost or trained twice.
 

@@ -27,6 +27,9 @@ every node was healthy when the trainer finished; every fault recovered.
 The scenario, the outcome and the checks are rollart/testkit/outcome.py's. Used by tests/chaos/
 (test_chaos.py, test_rank_kill.py), tests/slow/test_chaos_vllm.py, benchmarks/chaos.py (the table)
 and benchmarks/soak.py.
+
+One piece: `ChaosRun` is one run's life (topology, start, injections, the drain, the checks), each
+step using what the one before left.
 """
 
 from __future__ import annotations

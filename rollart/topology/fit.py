@@ -18,8 +18,9 @@ from pathlib import Path
 from rollart.generation.registry import backend as generation_backend
 from rollart.models.presets import preset
 from rollart.models.shapes import ModelShape, ShapeError, read_shape
-from rollart.topology import NodeSpec, Role, Topology
+from rollart.topology import NodeSpec, Topology
 from rollart.topology.gpus import canonical_kind, gpu_memory_gib, plan_gpus
+from rollart.topology.roles import Role
 from rollart.topology.sizing import (
     CPU_KV_CACHE,
     GIB,

@@ -33,6 +33,9 @@ versions would have taken.
 A push's deadline scales with its bytes: `push_timeout_s` when set, else 30 s plus four times the
 transfer time at the slowest rate measured so far (at first, an assumed 100 MiB/s). `stats()` says,
 per target, what it holds and how far the push in flight has got.
+
+One piece: one loop plans every round of pushes from the targets' state, which each push, ack and
+failure changes.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ tensors view: no copy, but they are not reused while kept) and says so (`Holding
 (`rollart.weights.delta`); a delta bucket is decoded into a buffer of its own. A delta against
 bytes it does not keep ends the connection like a bad bucket, and the publisher, told again what
 it keeps, sends whole versions.
+
+One piece: the receiver's connections, buckets in flight, delta bases and the version handed to the
+engine are one state, changed by TCP and UCX alike.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ import torch
 
 from rollart.algorithms.grpo import PackedBatch
 from rollart.models.loading import load_model_and_tokenizer
+from rollart.testkit.batches import grouped_batch
 from rollart.tiny.model import build_tiny_model
 from rollart.training.logprobs import PolicyLogprobs, shared_heads, shared_reads
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
-from tests.batches import grouped_batch
 
 pytestmark = [
     pytest.mark.integration,

@@ -17,9 +17,9 @@ import torch
 
 from rollart.cli import main
 from rollart.rundir import RunDir
+from rollart.testkit.batches import random_batch
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
-from tests.batches import random_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 

@@ -22,6 +22,7 @@ import torch
 
 from rollart.algorithms.config import GRPOConfig
 from rollart.errors import RollartError
+from rollart.testkit.batches import grouped_batch, random_batch, repeated_batch
 from rollart.training.fsdp.engine import FSDPTrainer
 from rollart.training.logprobs import PolicyLogprobs
 from rollart.training.ranks.group import RankDied
@@ -29,7 +30,6 @@ from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
 from rollart.training.step import micro_batch_rows, split_rows
 from rollart.training.torch.engine import TorchTrainer
-from tests.batches import grouped_batch, random_batch, repeated_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 

@@ -22,11 +22,11 @@ from rollart.errors import RollartError
 from rollart.lora.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rollart.lora.spec import LoraSpec
 from rollart.models.loading import load_model_and_tokenizer
+from rollart.testkit.batches import grouped_batch, random_batch
 from rollart.training.export import export_checkpoint
 from rollart.training.fsdp.engine import FSDPTrainer
 from rollart.training.spec import TrainerSpec
 from rollart.training.torch.engine import TorchTrainer
-from tests.batches import grouped_batch, random_batch
 from tests.integration import test_fsdp
 from tests.integration.test_fsdp import relative
 

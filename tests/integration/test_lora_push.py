@@ -61,10 +61,10 @@ async def test_lora_the_trainers_adapters_pushed_decode_as_the_trainers_exported
     engine's greedy output equals that of the merged model `rollart export` writes from the trainer's checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    from rollart.testkit.batches import random_batch
     from rollart.training.export import export_checkpoint
     from rollart.training.spec import TrainerSpec
     from rollart.training.torch.engine import TorchTrainer
-    from tests.batches import random_batch
 
     model_dir = build_engine_test_model(tmp_path / "model")
     spec = TrainerSpec(device="cpu", lr=5e-2, micro_batch_size=4, threads=1, lora=SPEC)

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
+from rollart.testkit.batches import random_batch, synthetic_batch
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
-from tests.batches import random_batch, synthetic_batch
 
 pytestmark = [
     pytest.mark.integration,

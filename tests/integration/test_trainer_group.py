@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from rollart.rundir import RunDir, read_jsonl
+from rollart.testkit.batches import random_batch
 from rollart.testkit.topology import TopologyBuilder
 from rollart.topology import load_topology
 from rollart.training.fsdp.engine import FSDPTrainer
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
-from tests.batches import random_batch
 from tests.integration.cluster import HARDWARE, NODES, Cluster, make_cluster, training_yaml
 from tests.support import ROOT, healthy, http, node_env, start_node, wait_for, write_topology
 

@@ -21,7 +21,7 @@ from rollart.algorithms.grpo import (
     token_logprobs,
 )
 from rollart.algorithms.selection import groups_with_signal
-from tests.batches import Seq
+from rollart.testkit.batches import Seq
 
 
 def row_batch(*, mask: list[float], behaviour: list[float], advantages: list[float]) -> PackedBatch:

@@ -31,6 +31,7 @@ DEFERRED_CYCLES: dict[tuple[str, str], str] = {
         "rollart.envexec.process_runner",
         "rollart.envexec.pool",
     ): "a worker env's runner submits to the pool that made it",
+    ("rollart.topology.checks", "rollart.topology"): "the topology's checks take the Topology they check",
     ("rollart.topology.exposure", "rollart.topology"): "the topology's checks take the Topology they check",
     ("rollart.topology.gpus", "rollart.topology"): "the topology's checks take the Topology they check",
     ("rollart.topology.trainers", "rollart.topology"): "the topology's checks take the Topology they check",

@@ -28,11 +28,11 @@ from rollart.lora.adapters import (
 )
 from rollart.lora.spec import LoraSpec
 from rollart.models.loading import load_model_and_tokenizer
+from rollart.testkit.batches import random_batch, synthetic_batch
 from rollart.training.export import export_checkpoint
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
 from rollart.training.torch.engine import TorchTrainer
-from tests.batches import random_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -352,12 +352,12 @@ def test_megatron_convert_step_matches_the_torch_backend(
     import json
     import types
 
+    from rollart.testkit.batches import synthetic_batch
     from rollart.training.megatron.rank import HFWeights
     from rollart.training.megatron.step import MegatronStep
     from rollart.training.spec import TrainerSpec
     from rollart.training.step import World
     from rollart.training.torch.engine import TorchTrainer
-    from tests.batches import synthetic_batch
 
     with quiet():
         from megatron.core.pipeline_parallel import schedules

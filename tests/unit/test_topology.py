@@ -14,16 +14,8 @@ import yaml
 
 from rollart.errors import ConfigError
 from rollart.protocol.config import SessionConfig
-from rollart.topology import (
-    NodeSpec,
-    Resources,
-    RestartPolicy,
-    Role,
-    RunSpec,
-    Topology,
-    load_topology,
-    parse_topology,
-)
+from rollart.topology import NodeSpec, Resources, RestartPolicy, RunSpec, Topology, load_topology, parse_topology
+from rollart.topology.roles import Role
 
 LOCAL_YAML = pathlib.Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 

@@ -29,6 +29,7 @@ from rollart.models.loading import load_model_and_tokenizer
 from rollart.rollout.config import TaskSpec
 from rollart.rollout.render import ChatRenderer
 from rollart.tasks.grid import parse_letter
+from rollart.testkit.batches import grouped_batch, repeated_batch, synthetic_batch
 from rollart.tiny.model import MARKER_FILE, build_tiny_model, build_tokenizer
 from rollart.tiny.warmup import format_warmup, random_episode, random_policy_baseline
 from rollart.topology import parse_topology
@@ -38,7 +39,6 @@ from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
 from rollart.training.step import read_groups
 from rollart.training.torch.engine import TorchTrainer
-from tests.batches import grouped_batch, repeated_batch, synthetic_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

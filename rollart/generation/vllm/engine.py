@@ -37,6 +37,9 @@ This module is the engine's life cycle, request streams and swap sequence; what 
 `rollart.generation.vllm.args`, the checking and sending of new weights `rollart.generation.vllm.weights`, their
 loading inside vLLM's worker `rollart.generation.vllm.worker`, and the checks it shares with the transformers engine
 `rollart.generation.checks`.
+
+One piece: `VLLMEngine` is one object around vLLM's engine, and its requests, weight loads, LoRA
+adapters and KV handoff act on the same engine and versions; what could stand alone is in the modules above.
 """
 
 from __future__ import annotations

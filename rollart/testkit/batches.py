@@ -1,4 +1,4 @@
-"""Packed batches the training tests share: a fixed synthetic one, and random ones of any shape."""
+"""Packed batches the training tests and benchmarks share: a fixed synthetic one, and random ones of any shape."""
 
 from __future__ import annotations
 
