@@ -15,9 +15,9 @@ a `GenerationResult`. Log-probs are those of the sampled tokens under the distri
 that distribution (no top-k, min-p or penalties; the model's generation config contributes only its EOS ids).
 
 New weights reach the running engine without a restart, without pausing it, and without a file: the engine offers
-their bytes on a loopback port (`vllm_weights.WeightOffer`), and three engine-core calls are sent back to back: a
+their bytes on a loopback port (`weights.WeightOffer`), and three engine-core calls are sent back to back: a
 `collective_rpc` that has vLLM's worker read them and reload the model in place with the model's own weight
-loader (`vllm_worker.StreamedWeights`, mixed into the worker with `worker_extension_cls`), `set_weight_version`,
+loader (`worker.StreamedWeights`, mixed into the worker with `worker_extension_cls`), `set_weight_version`,
 `reset_prefix_cache`. The engine core runs queued calls between two steps, so every step is labelled with the
 version of the weights that ran it, and each token's version comes from those labels (vLLM's `weight_versions`
 spans); a vLLM without them falls back to the version current when the token arrived. Two pitfalls are handled:
@@ -31,7 +31,7 @@ starts and keeps it to its end, so every token carries that adapter's version (`
 
 One piece, past the 400 lines of docs/architecture.md: one class whose life cycle, requests and two ways of taking
 a new version share the same state (the flights in progress, the weights lock, closing); the parts that need none
-of it are beside it (`vllm_args`, `vllm_weights`, `vllm_worker`, `vllm_lora`).
+of it are beside it (`args`, `weights`, `worker`, `lora`, `kv_connector` in this folder).
 
 This module is the engine's life cycle, request streams and swap sequence; what it asks of vLLM and reads back is
 `rollart.generation.vllm.args`, the checking and sending of new weights `rollart.generation.vllm.weights`, their

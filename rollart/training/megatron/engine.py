@@ -8,7 +8,7 @@ un-fused, `rollart.training.megatron.convert`). The group's ranks are tensor_par
 pipeline_parallel x data parallel, data parallel being what is left of `RankLayout.world_size`.
 
 Checkpoints are Hugging Face model folders (any split can start from one) plus each model-parallel
-shard's optimizer state, which only the same split restores (`megatron_rank`).
+shard's optimizer state, which only the same split restores (`rollart.training.megatron.rank`).
 
 Megatron-Core 0.16's forward needs CUDA (RoPE, its RNG tracker, the default masks), so building the
 engine without GPUs raises a ConfigError; its weight conversion is tested on CPU

@@ -129,7 +129,7 @@ class MegatronRank(CommandLoop):
             bf16=bf16,
             variable_seq_lengths=True,  # micro-batches differ in rows and width; stages send shapes first
             moe_token_dispatcher_type="alltoall",  # no experts; the default one refuses variable lengths
-            calculate_per_token_loss=True,  # megatron_step: sum over replicas, divide by loss tokens
+            calculate_per_token_loss=True,  # step.py: sum over replicas, divide by loss tokens
             perform_initialization=False,  # the checkpoint's weights replace whatever it would draw
         )
         layers = get_gpt_layer_local_spec(qk_layernorm=self.arch.qk_norm, normalization="RMSNorm")
