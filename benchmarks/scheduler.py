@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from machine import describe  # noqa: E402 - benchmarks/machine.py
+from scheduling import SCHEDULING_FILES  # noqa: E402 - benchmarks/scheduling.py
 
 from rollart.launch.inprocess import GC_THRESHOLD  # noqa: E402
 from rollart.protocol import State  # noqa: E402
@@ -67,15 +68,6 @@ from rollart.rollout.proxy import LLMProxy  # noqa: E402
 from rollart.rollout.routing.base import GeneratorRef, TaskProfiler  # noqa: E402
 from rollart.rollout.staleness import StalenessBound  # noqa: E402
 
-SCHEDULER = (
-    "rollart/rollout/dispenser.py",
-    "rollart/rollout/proxy.py",
-    "rollart/rollout/routing/base.py",
-    "rollart/rollout/routing/by_class.py",
-    "rollart/rollout/routing/by_finish_time.py",
-    "rollart/rollout/routing/spill.py",
-    "rollart/rollout/buffer.py",
-)
 REPLICAS_PER_NODE = 64
 GROUP, TURNS, BATCHES = 8, 4, 4
 
@@ -212,7 +204,7 @@ def measure(factor: int, routing: Routing) -> dict[str, Any]:
         gc.set_threshold(*thresholds)
     cpu = time.process_time() - began_cpu
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # pstats keeps this dict
-    scheduler = sum(row[2] for (path, _, _), row in stats.items() if path.endswith(SCHEDULER))
+    scheduler = sum(row[2] for (path, _, _), row in stats.items() if path.endswith(SCHEDULING_FILES))
     return {
         "factor": factor,
         "generator_nodes": 2 * math.ceil(factor / REPLICAS_PER_NODE),

@@ -30,21 +30,16 @@ import cProfile
 import math
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from simrun import ROOT, paper_run_spec, run, save_plot, tiny_tokenizer_model, train_step_s, write_report
 
-SCHEDULING = (
-    "rollart/rollout/dispenser.py",
-    "rollart/rollout/proxy.py",
-    "rollart/rollout/routing/base.py",
-    "rollart/rollout/routing/by_class.py",
-    "rollart/rollout/routing/by_finish_time.py",
-    "rollart/rollout/routing/spill.py",
-    "rollart/rollout/buffer.py",
-)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from scheduling import SCHEDULING_FILES  # benchmarks/scheduling.py
+
 REPLICAS_PER_NODE = 64
 SESSION = {"heartbeat_interval_s": 30.0, "heartbeat_deadline_s": 300.0}
 """Thousands of sessions: heartbeats every 30 simulated seconds instead of every second."""
@@ -133,7 +128,7 @@ def curve_point(model: Path, factor: int, steps: int, *, profile: bool = True) -
     profiler.disable()
     if profile:
         stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # pstats keeps this dict
-        scheduling = sum(row[2] for (path, _, _), row in stats.items() if path.endswith(SCHEDULING))  # tottime
+        scheduling = sum(row[2] for (path, _, _), row in stats.items() if path.endswith(SCHEDULING_FILES))  # tottime
         total = sum(row[2] for row in stats.values())
     else:
         scheduling, total = math.nan, result.cpu_s or math.nan
