@@ -51,10 +51,12 @@ class StepRecords:
         self._recent: dict[str, collections.deque[tuple[float, float]]] = {}
         self._busy: dict[str, tuple[float, float]] = {}
 
-    def start(self, *, step: int = 0, elapsed_s: float = 0.0) -> None:
+    def start(self, *, step: int = 0, elapsed_s: float | None = None) -> None:
         """The run starts at `step` (0: from scratch; after a checkpoint, the step after it), `elapsed_s` into
-        it: what an earlier life logged after that is gone from the trackers."""
-        self.epoch_start = time.time() - elapsed_s
+        it (None: when these records were made, as the trainer started): what an earlier life logged after that
+        is gone from the trackers."""
+        if elapsed_s is not None:
+            self.epoch_start = time.time() - elapsed_s
         if self.tracker is not None:
             self.tracker.starts_at(step)
 
