@@ -131,14 +131,18 @@ def _which(capability: str) -> str:
 
 # -- the backends -------------------------------------------------------------------------------
 
+VLLM_VENV = OwnVenv(
+    module="vllm", folder=".venv-vllm", setup="bin/setup-vllm", override_env="ROLLART_VLLM_VENV", doc="docs/vllm.md"
+)
+
 
 def _vllm(spec: GeneratorSpec, site: EngineSite) -> list[GenerationEngine]:
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is None:
+    if importlib.util.find_spec(VLLM_VENV.module) is None:
         raise ConfigError(
-            "run.generator.backend: vllm is not installed in this environment; run bin/setup-vllm and start "
-            "the nodes with .venv-vllm/bin/python (docs/vllm.md), or use backend: hf"
+            f"run.generator.backend: {VLLM_VENV.module} is not installed in this environment; run {VLLM_VENV.setup} "
+            f"and start the nodes with {VLLM_VENV.folder}/bin/python ({VLLM_VENV.doc}), or use backend: hf"
         )
     from rollart import cpus
     from rollart.generation.vllm.engine import VLLMEngine
@@ -188,13 +192,7 @@ GENERATION_BACKENDS: dict[str, GenerationBackend] = {
         kv_store=True,
         takes_visible_gpus=True,
         pins_after_start=True,
-        venv=OwnVenv(
-            module="vllm",
-            folder=".venv-vllm",
-            setup="bin/setup-vllm",
-            override_env="ROLLART_VLLM_VENV",
-            doc="docs/vllm.md",
-        ),
+        venv=VLLM_VENV,
     ),
     "hf": GenerationBackend(_hf),
     "sim": GenerationBackend(_sim, simulated=True, kv_handoff=True),
