@@ -9,8 +9,9 @@ Run from the repository root with the vLLM environment (each size starts an engi
 Per size a model is built into a temp folder (`rollart.tiny.model.build_tiny_model`), an engine starts on it
 (fp32, eager), and each round hands it the model's state dict plus seeded noise as the next version, the way a
 `WeightReceiver` does: HF names, the tied `lm_head.weight` included as the same tensor as the embeddings. A round
-is the whole `load_weights` call (checks, transfer, vLLM's reload, relabel, prefix-cache reset); where the engine
-logs its split (the streamed route does), the median of the worker's receive and of vLLM's reload is given too.
+is the whole `load_weights` call (checks, staging, vLLM's reload, relabel, prefix-cache reset); where the engine
+logs its split (the staged route does), the median of the staging (copy into shared memory while the engine keeps
+decoding) and of the workers' swap (vLLM's reload: the only part that pauses decoding) is given too.
 One warm-up round, then `--rounds`; the table gives the median, the fastest and the slowest. The script uses the
 engine's public API only, so the same command measures any version of the engine: with PYTHONPATH at a checkout
 of another commit it measures that commit's engine.
@@ -67,7 +68,7 @@ async def measure(name: str, sizes: TinySizes, rounds: int, folder: Path) -> dic
                 started = time.perf_counter()
                 await engine.load_weights(version, weights)
                 seconds.append(time.perf_counter() - started)
-            parts += [e for e in logs if e["event"] == "vllm weights loaded" and "receive_s" in e][-1:]
+            parts += [e for e in logs if e["event"] == "vllm weights loaded" and "staged_s" in e][-1:]
     finally:
         await engine.close()
     timed, split = seconds[1:], parts[1:]  # the first is the warm-up
@@ -77,9 +78,9 @@ async def measure(name: str, sizes: TinySizes, rounds: int, folder: Path) -> dic
         "median_ms": 1000 * statistics.median(timed),
         "min_ms": 1000 * min(timed),
         "max_ms": 1000 * max(timed),
-        # The engine's own split, where it logs one: the worker's receive and vLLM's reload.
-        "receive_ms": f"{1000 * statistics.median(e['receive_s'] for e in split):.0f}" if split else "-",
-        "reload_ms": f"{1000 * statistics.median(e['reload_s'] for e in split):.0f}" if split else "-",
+        # The engine's own split, where it logs one: staging, and the workers' swap (vLLM's reload).
+        "staged_ms": f"{1000 * statistics.median(e['staged_s'] for e in split):.0f}" if split else "-",
+        "swap_ms": f"{1000 * statistics.median(e['worker_swap_s'] for e in split):.0f}" if split else "-",
         "rounds": [round(1000 * s, 1) for s in timed],
     }
 
@@ -98,13 +99,13 @@ def report(rows: list[dict[str, object]], argv: list[str]) -> str:
         "",
         f"Command: `PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_load_weights.py {shlex.join(argv)}`",
         "",
-        "| size | fp32 MB | median ms | min ms | max ms | of which receive / reload ms | rounds (ms) |",
+        "| size | fp32 MB | median ms | min ms | max ms | of which staging / swap ms | rounds (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['size']} | {row['MB']:.1f} | {row['median_ms']:.1f} | {row['min_ms']:.1f} | {row['max_ms']:.1f} "
-            f"| {row['receive_ms']} / {row['reload_ms']} | {', '.join(str(r) for r in row['rounds'])} |"  # type: ignore[attr-defined]
+            f"| {row['staged_ms']} / {row['swap_ms']} | {', '.join(str(r) for r in row['rounds'])} |"  # type: ignore[attr-defined]
         )
     return "\n".join(lines) + "\n"
 

@@ -83,3 +83,20 @@ def check_from_env() -> tuple[int, ...] | None:
     cores = pin_from_env()
     os.sched_setaffinity(0, before)
     return cores
+
+
+def per_worker(cores: tuple[int, ...], workers: int) -> list[tuple[int, ...]]:
+    """`cores` split into `workers` contiguous shares, as even as they go (a tensor-parallel engine's workers on
+    CPU, one share each). With fewer cores than workers, the workers take turns over them: each share is one core,
+    and some cores are shared, which runs but decodes several times slower than a core each."""
+    if workers < 1 or not cores:
+        raise ValueError(f"{len(cores)} cores for {workers} workers")
+    if len(cores) < workers:
+        return [(cores[i % len(cores)],) for i in range(workers)]
+    base, extra = divmod(len(cores), workers)
+    shares, start = [], 0
+    for i in range(workers):
+        end = start + base + (i < extra)
+        shares.append(cores[start:end])
+        start = end
+    return shares

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -166,15 +167,55 @@ def say_config_error(exc: BaseException) -> None:
     print(f"{CONFIG_ERROR_MARK}{exc}", file=sys.stderr, flush=True)
 
 
-def read_config_error(log: Path, offset: int = 0) -> str | None:
-    """The configuration errors a node wrote to its log after `offset` (where the log ended when the
-    process started: an earlier run's errors are not this one's), "; "-joined; None if there are none."""
+def _log_tail(log: Path, offset: int) -> str | None:
+    """The last `LOG_TAIL_BYTES` of a node's log after `offset` (where the log ended when the process started: an
+    earlier run's lines are not this one's); None when it cannot be read."""
     try:
         with log.open("rb") as file:
             size = file.seek(0, os.SEEK_END)
             file.seek(max(offset, size - LOG_TAIL_BYTES))
-            tail = file.read().decode(errors="replace")
+            return file.read().decode(errors="replace")
     except OSError:
+        return None
+
+
+_CHAINED = ("During handling", "The above exception")
+"""Lines between two chained tracebacks."""
+
+
+def read_last_error(log: Path, offset: int = 0) -> str | None:
+    """The error that ended a node, from its log after `offset`: the causes its `node.failed` lines name,
+    "; "-joined, or else the last line of the last Python traceback (a process that died before its logging was
+    set up, or a library's own process); None if neither is there."""
+    tail = _log_tail(log, offset)
+    if tail is None:
+        return None
+    failed: list[str] = []
+    traceback_end: str | None = None
+    in_traceback = False
+    for line in tail.splitlines():
+        if line.startswith("{"):
+            in_traceback = False
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            error = str(record.get("error") or "")  # a line that starts with "{" is an object
+            if record.get("event") == "node.failed" and error and error not in failed:
+                failed.append(error)
+        elif line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and line.strip() and not line.startswith((" ", "\t", *_CHAINED)):
+            traceback_end = line.strip()  # the exception's line ends the traceback
+            in_traceback = False
+    return "; ".join(failed) or traceback_end
+
+
+def read_config_error(log: Path, offset: int = 0) -> str | None:
+    """The configuration errors a node wrote to its log after `offset` (where the log ended when the
+    process started: an earlier run's errors are not this one's), "; "-joined; None if there are none."""
+    tail = _log_tail(log, offset)
+    if tail is None:
         return None
     messages: list[list[str]] = []
     open_message = False

@@ -90,6 +90,10 @@ class GenerationBackend:
     the engine is up (`rollart.cpus.pin_tree`), rather than pinning itself before."""
     venv: OwnVenv | None = None
     """The environment its library lives in; None: the node's own."""
+    shared_weights: bool = False
+    """Its engine's workers are processes of their own that map a pushed version from shared memory: the
+    receiver places buckets there (`WeightReceiver(shared=True)`), so a version reaches every worker of every
+    engine on the host with no copy in between (`rollart.shm`)."""
 
     @property
     def pushed_weights(self) -> bool:
@@ -193,6 +197,7 @@ GENERATION_BACKENDS: dict[str, GenerationBackend] = {
         takes_visible_gpus=True,
         pins_after_start=True,
         venv=VLLM_VENV,
+        shared_weights=True,
     ),
     "hf": GenerationBackend(_hf),
     "sim": GenerationBackend(_sim, simulated=True, kv_handoff=True),

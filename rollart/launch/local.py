@@ -39,7 +39,7 @@ import aiohttp
 from rollart.errors import ConfigError
 from rollart.launch.gpus import place_gpus
 from rollart.launch.placement import plan_cpus
-from rollart.launch.terminal import Terminal, describe_exit
+from rollart.launch.terminal import Terminal, describe_end, describe_exit
 from rollart.node import LAUNCHER_PID_ENV, read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, RestartPolicy, Topology
@@ -309,7 +309,7 @@ class Launcher:
             if self._stop.is_set():
                 node.state = "stopped" if code == 0 else f"stopped ({describe_exit(code)})"
                 return
-            what = f"node {node.spec.name} {describe_exit(code)} (log: {node.log_path})"
+            what = describe_end(node.spec.name, code, node.log_path, node.log_offset)
             if code == 0:
                 node.state = "exited"
                 self.say(f"{what}: it drained on request and is not restarted")

@@ -69,7 +69,8 @@ def plan_cpus(topology: Topology, available: Sequence[int]) -> CpuSplit:
             return CpuSplit({}, cores, picked=True, oversubscribed=False)
         rollout = topology.run.rollout
         trains = rollout is not None and rollout.mode == "train"
-        given = _halves(topology.nodes, len(cores), trains=trains)
+        gen = topology.run.generator
+        given = _halves(topology.nodes, len(cores), trains=trains, workers=gen.engines * gen.tensor_parallel_size)
     shares, cursor = {}, 0.0
     for name, cpus in given:
         first, last = math.floor(cursor + 1e-9), math.ceil(cursor + cpus - 1e-9) - 1
@@ -78,11 +79,17 @@ def plan_cpus(topology: Topology, available: Sequence[int]) -> CpuSplit:
     return CpuSplit(shares, cores, picked=picked, oversubscribed=cursor > len(cores) + 1e-9)
 
 
-def _halves(nodes: Sequence[NodeSpec], count: int, *, trains: bool) -> list[tuple[str, float]]:
+def _halves(nodes: Sequence[NodeSpec], count: int, *, trains: bool, workers: int = 1) -> list[tuple[str, float]]:
     """Half of `count` cores for the trainer nodes, half for the generators, evenly within each half;
     all of them for the generators when the run does not train (rollout-only: the trainer only
-    dispenses work and gathers groups, and floats), and for the trainers when there is no generator."""
+    dispenses work and gathers groups, and floats), and for the trainers when there is no generator.
+    A generator gets at least a core for each of its engines' `workers` (tensor-parallel workers on
+    CPU share a core at a third of the speed), as far as the machine has them: its share then
+    overlaps the next node's."""
     trainers = [node.name for node in nodes if node.role is Role.TRAINER] if trains else []
     generators = [node.name for node in nodes if node.role is Role.GENERATOR]
     half = count / 2 if trainers and generators else count
-    return [(name, half / len(trainers)) for name in trainers] + [(name, half / len(generators)) for name in generators]
+    each = half / len(generators) if generators else 0.0
+    if workers > 1:  # a one-worker engine works on whatever share the even split gives it
+        each = max(each, min(workers, count))
+    return [(name, half / len(trainers)) for name in trainers] + [(name, each) for name in generators]

@@ -44,7 +44,7 @@ from typing import TextIO
 from rollart.errors import ConfigError
 from rollart.launch.local import after_failure
 from rollart.launch.slurm_hosts import group_env, node_address, resolve_hosts, write_resolved
-from rollart.launch.terminal import describe_exit
+from rollart.launch.terminal import describe_end
 from rollart.node import read_config_error
 from rollart.rundir import RunDir
 from rollart.topology import NodeSpec, Topology, load_topology
@@ -270,7 +270,7 @@ class Supervisor:
             step.proc = await asyncio.create_subprocess_exec(*self.command(step), stdin=subprocess.DEVNULL)
             code = await step.proc.wait()
             # srun exits 128 + N when its task was killed by signal N.
-            what = f"node {name} {describe_exit(128 - code if code > 128 else code)} (log: {log})"
+            what = describe_end(name, 128 - code if code > 128 else code, log, offset)
             if self._stop.is_set():
                 self.say(f"{what} while stopping")
                 return

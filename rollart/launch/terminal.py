@@ -13,9 +13,11 @@ import contextlib
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rollart import step_times
+from rollart.node import EXIT_CONFIG, read_last_error
 
 if TYPE_CHECKING:
     from rollart.launch.local import NodeProcess
@@ -29,6 +31,13 @@ def describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+def describe_end(name: str, code: int, log: Path, offset: int = 0) -> str:
+    """One line for a node process that ended: how, the error that ended it when it failed (the last one its
+    log shows after `offset`: `rollart.node.read_last_error`), and where its log is."""
+    error = read_last_error(log, offset) if code not in (0, EXIT_CONFIG) else None
+    return f"node {name} {describe_exit(code)}" + (f": {error}" if error else "") + f" (log: {log})"
 
 
 class Terminal:

@@ -28,7 +28,7 @@ import structlog
 
 from rollart import cpus
 from rollart.errors import ConfigError
-from rollart.generation.engine import RecentBusy, SamplingParams
+from rollart.generation.engine import EngineClosed, RecentBusy, SamplingParams
 from rollart.generation.engine_set import EngineSet, slices
 from rollart.generation.registry import EngineSite, EngineSlot
 from rollart.generation.registry import backend as generation_backend
@@ -124,8 +124,14 @@ class GeneratorNode(NodeDaemon):
         self._engine_started: float | None = None
         self.recent_busy = RecentBusy()
         """On the loop's clock (simulated time in the in-process simulations), as the routers time calls."""
+        self._engine_failed = asyncio.Event()
+        """Set when the engine can serve no more (`_engine_error` says why): the node then ends (`_serve_engine`)."""
+        self._engine_error: EngineClosed | None = None
         self.receiver = WeightReceiver(
-            self._load_weights, dtype=self._weights_dtype(), keep_base=self.topology.run.trainer.weights.delta
+            self._load_weights,
+            dtype=self._weights_dtype(),
+            keep_base=self.topology.run.trainer.weights.delta,
+            shared=self.backend.shared_weights,
         )
         self.receiver.relay_as(self.identity, self.secret, self.cfg, self.tls)  # relay chains pass through generators
         self.ucx_port = 0
@@ -160,10 +166,17 @@ class GeneratorNode(NodeDaemon):
         await self.ready.wait()
         assert self.engine is not None
         lora = self.topology.run.trainer.lora
-        if lora is not None:
-            await self.engine.load_adapter(version, weights, lora)  # the push holds the adapters only
-        else:
-            await self.engine.load_weights(version, weights)
+        try:
+            if lora is not None:
+                await self.engine.load_adapter(version, weights, lora)  # the push holds the adapters only
+            else:
+                await self.engine.load_weights(version, weights)
+        except EngineClosed as error:
+            # An engine that can serve no more (a swap that failed half-way leaves its workers on two versions):
+            # the node ends, and its launcher restarts it on the newest weights.
+            self._engine_error = self._engine_error or error
+            self._engine_failed.set()
+            raise
         log.info("generator.weights", version=version, lora=lora is not None)
 
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
@@ -214,7 +227,9 @@ class GeneratorNode(NodeDaemon):
             start_s=self.engine_start_s,
         )
         try:
-            await asyncio.Event().wait()
+            await self._engine_failed.wait()
+            assert self._engine_error is not None
+            raise self._engine_error
         finally:
             await engine.close()
 

@@ -52,12 +52,14 @@ async def push_once(
     holding: int = 0,
     dtype: torch.dtype | None = None,
     owned: bool = False,
+    shared: bool = False,
     timeout: float = 60.0,
 ) -> Pushed:
-    """Publish `weights` as `version` (in `dtype`, None: as they are) to a receiver holding `holding`, and wait
-    for its acknowledgement, which comes after `apply` returned. TimeoutError names the publisher's last error."""
+    """Publish `weights` as `version` (in `dtype`, None: as they are) to a receiver holding `holding` (receiving
+    into shared memory when `shared`, as a vLLM generator's does), and wait for its acknowledgement, which comes
+    after `apply` returned. TimeoutError names the publisher's last error."""
     (port,) = free_ports(1)
-    receiver = WeightReceiver(apply, version=holding, dtype=dtype)
+    receiver = WeightReceiver(apply, version=holding, dtype=dtype, shared=shared)
     server = SessionServer(
         local=GENERATOR, secret=SECRET, channel=CONTROL, handler=_NoMessages(), cfg=CFG, on_bulk=receiver.on_bulk
     )

@@ -10,6 +10,10 @@ How that is known without private torch APIs: each time a buffer is handed out i
 new numpy array, and every tensor `unpack_bucket` makes from it holds that array (tensor ->
 `torch.frombuffer`'s memoryview -> array). The pool keeps the torch buffer and a weak reference to
 the array: when the reference is dead, no tensor, memoryview or connection holds the buffer.
+
+A pool for an engine whose workers are other processes (`shared=True`) takes its buffers from shared memory
+(`rollart.shm`): a version's tensors then already lie where every worker can map them, and the engine hands them
+addresses, not bytes.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ from typing import Any
 
 import torch
 
+from rollart.shm import Segment
 from rollart.weights.buckets import new_buffer
 
 
 class BufferPool:
     """Buffers for incoming buckets (`bulk_sink`); at most about `cap_bytes` of idle ones kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared: bool = False) -> None:
+        self._shared = shared
         self._entries: list[tuple[torch.Tensor, weakref.ref[Any]]] = []
+        self._segments: dict[int, Segment] = {}
+        """A shared buffer's segment by the buffer's address: kept open while the pool keeps the buffer."""
         self.cap_bytes: int | None = None
         """Idle buffers beyond this many bytes (in use ones counted) are let go; None: no limit yet."""
         self.allocated = 0
@@ -36,7 +44,7 @@ class BufferPool:
         """A writable buffer of exactly `nbytes`: an idle one of that size, or a new one."""
         buffer = next((b for b, handed in self._entries if handed() is None and b.numel() == nbytes), None)
         if buffer is None:
-            buffer = new_buffer(nbytes)
+            buffer = self._new(nbytes)
             self.allocated += 1
         else:
             self.reused += 1
@@ -47,6 +55,13 @@ class BufferPool:
         self._trim()
         return array.data.cast("B")
 
+    def _new(self, nbytes: int) -> torch.Tensor:
+        if not self._shared:
+            return new_buffer(nbytes)
+        segment = Segment(nbytes, name="rollart-weights")
+        self._segments[segment.address] = segment
+        return segment.buffer
+
     def _trim(self) -> None:
         if self.cap_bytes is None:
             return
@@ -55,6 +70,8 @@ class BufferPool:
         for entry in self._entries:
             if total > self.cap_bytes and entry[1]() is None:
                 total -= entry[0].numel()
+                if (segment := self._segments.pop(entry[0].data_ptr(), None)) is not None:
+                    segment.close()
             else:
                 kept.append(entry)
         self._entries = kept

@@ -189,8 +189,16 @@ class WeightReceiver:
     """Assembles pushed versions and applies each whole one, newest only, one at a time."""
 
     def __init__(
-        self, apply: ApplyWeights, *, version: int = 0, dtype: torch.dtype | None = None, keep_base: bool = False
+        self,
+        apply: ApplyWeights,
+        *,
+        version: int = 0,
+        dtype: torch.dtype | None = None,
+        keep_base: bool = False,
+        shared: bool = False,
     ) -> None:
+        """`shared`: buckets land in shared memory (`rollart.shm`), for an engine whose worker processes map a
+        version where it lies (`GenerationBackend.shared_weights`)."""
         self._apply = apply
         self._dtype = dtype
         self._keep_base = keep_base
@@ -200,7 +208,7 @@ class WeightReceiver:
         self._apply_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._stats = ReceiverStats(version)
-        self._pool = BufferPool()
+        self._pool = BufferPool(shared=shared)
         self._tg: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self._stopping = asyncio.Event()

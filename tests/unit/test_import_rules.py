@@ -47,9 +47,9 @@ RULES: dict[str, set[str]] = {
     # weight settings `run.trainer` holds, the bucket size an export cuts by)
     "training": {"algorithms", "models", "lora", "weights"},
     # generation engines likewise, and generation never imports training (`sim`: the simulated engine's model)
-    "generation": {"models", "lora", "sim", "cpus"},
+    "generation": {"models", "lora", "sim", "cpus", "shm"},
     # the weight path: the wire and the bulk transfer
-    "weights": {"protocol"},
+    "weights": {"protocol", "shm"},
     # the training steps' records (metrics, timeline, utilization: of trajectories and peers' status, protocol
     # messages) and the experiment trackers (TensorBoard, W&B, MLflow) fed the metrics lines, into the run folder
     "tracking": {"rundir", "protocol"},
@@ -79,6 +79,8 @@ RULES: dict[str, set[str]] = {
     "rundir": set(),
     "step_times": set(),
     "cpus": set(),
+    # shared memory that other processes map: weights staged once per host
+    "shm": set(),
     "node": {"nodes", "topology", "plugins", "cpus", "workers", "generation"},
     "report": {"rundir", "topology", "step_times"},
     # starting runs: the top, beside the CLI
@@ -124,7 +126,20 @@ RULES: dict[str, set[str]] = {
 ROWS: dict[str, int] = {
     **dict.fromkeys(["errors", "clock", "logs"], -1),
     **dict.fromkeys(
-        ["protocol", "algorithms", "models", "envs", "workers", "rundir", "step_times", "cpus", "lora", "__init__"], 0
+        [
+            "protocol",
+            "algorithms",
+            "models",
+            "envs",
+            "workers",
+            "rundir",
+            "step_times",
+            "cpus",
+            "shm",
+            "lora",
+            "__init__",
+        ],
+        0,
     ),
     **dict.fromkeys(["tasks", "rewards", "weights", "tracking"], 1),
     **dict.fromkeys(["training", "envexec", "sim", "plugins"], 2),

@@ -22,8 +22,10 @@ nodes:
 """
 
 
-def topology(trainer: str = "", gen_a: str = "", gen_b: str = "", *, mode: str = "train") -> object:
-    run = f"run:\n  rollout: {{mode: {mode}, tasks: [{{name: t, env: frozen-lake}}]}}\n"
+def topology(
+    trainer: str = "", gen_a: str = "", gen_b: str = "", *, mode: str = "train", generator: str = "{}"
+) -> object:
+    run = f"run:\n  generator: {generator}\n  rollout: {{mode: {mode}, tasks: [{{name: t, env: frozen-lake}}]}}\n"
     return parse_topology(run + NODES % (trainer, gen_a, gen_b))
 
 
@@ -41,6 +43,15 @@ def test_no_cpus_given_splits_the_machine_half_to_the_trainer_half_to_the_genera
     assert rollout_only.cores == {"gen-a": (0,), "gen-b": (1,)}
     one = plan_cpus(topology(), [3])
     assert one.cores == {} and one.describe([]) == "cpus: 1 core(s), no node pinned"
+
+
+def test_a_generator_gets_a_core_for_each_tensor_parallel_worker_where_the_machine_has_them() -> None:
+    two = plan_cpus(topology(generator="{backend: vllm, tensor_parallel_size: 2}"), [0, 1])
+    assert two.cores == {"trainer": (0,), "gen-a": (0, 1), "gen-b": (0, 1)}  # overlapping the trainer's, and said
+    assert two.oversubscribed
+    eight = plan_cpus(topology(generator="{backend: vllm, tensor_parallel_size: 2}"), range(8))
+    assert eight.cores == {"trainer": (0, 1, 2, 3), "gen-a": (4, 5), "gen-b": (6, 7)}  # the even split is enough
+    assert not eight.oversubscribed
 
 
 def test_given_cpus_are_laid_out_core_after_core_and_wrap_when_the_machine_is_short() -> None:

@@ -37,11 +37,13 @@ This module is the engine's event-loop side (queue, scheduler, weight staging); 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import structlog
 import torch
 from transformers import GenerationConfig
 
@@ -61,6 +63,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rollart.lora.spec import LoraSpec
+
+log = structlog.get_logger("rollart.generation.hf")
 
 
 class HFEngine:
@@ -323,8 +327,10 @@ class HFEngine:
             if self._pending_weights is not None:
                 version, weights = self._pending_weights
                 self._pending_weights = None
+                swap_started = time.perf_counter()
                 await loop.run_in_executor(self._executor, self._apply_weights, weights)
                 self._version = version
+                log.info("hf weights swapped", version=version, swap_s=round(time.perf_counter() - swap_started, 4))
                 continue  # newer weights may have been staged meanwhile
             if self._waiting:
                 await self._run_batch(loop, self._take_batch())

@@ -14,10 +14,12 @@ a `GenerationResult`. Log-probs are those of the sampled tokens under the distri
 `logprobs_mode="processed_logprobs"` makes vLLM report them after temperature and top-p, and nothing else shapes
 that distribution (no top-k, min-p or penalties; the model's generation config contributes only its EOS ids).
 
-New weights reach the running engine without a restart, without pausing it, and without a file: the engine offers
-their bytes on a loopback port (`weights.WeightOffer`), and three engine-core calls are sent back to back: a
-`collective_rpc` that has vLLM's worker read them and reload the model in place with the model's own weight
-loader (`worker.StreamedWeights`, mixed into the worker with `worker_extension_cls`), `set_weight_version`,
+New weights reach the running engine without a restart and without a file, and decoding pauses only for the swap:
+the version is checked and staged in shared memory while the engine decodes (`weights.stage`: one copy per host,
+none when it arrived in the receiver's shared buffers), every worker maps it (`worker.STAGE_METHOD`; under tensor
+parallelism each worker takes its own shard when it loads), and then three engine-core calls are sent back to
+back: the swap, which reloads every worker's model in place with the model's own weight loader
+(`worker.StagedWeights`, mixed into the workers with `worker_extension_cls`), `set_weight_version`,
 `reset_prefix_cache`. The engine core runs queued calls between two steps, so every step is labelled with the
 version of the weights that ran it, and each token's version comes from those labels (vLLM's `weight_versions`
 spans); a vLLM without them falls back to the version current when the token arrived. Two pitfalls are handled:
@@ -70,13 +72,14 @@ from rollart.generation.vllm.args import (
 )
 from rollart.generation.vllm.lora import MAX_CPU_LORAS, MAX_LORAS, AdapterVersions, vllm_lora_rank
 from rollart.generation.vllm.weights import (
+    StagedVersion,
     VLLMWeightsFailed,
-    WeightOffer,
     checked_tensors,
     checkpoint_shapes,
+    stage,
     tied_aliases,
 )
-from rollart.generation.vllm.worker import LOAD_METHOD
+from rollart.generation.vllm.worker import DROP_METHOD, STAGE_METHOD, SWAP_METHOD, failures
 
 if TYPE_CHECKING:
     import torch
@@ -163,6 +166,10 @@ class VLLMEngine:
         self._aliases: dict[str, str] = {}
         """Tied names (lm_head to the embeddings): optional in an update, loaded from the embeddings' bytes."""
         self._weights_lock = asyncio.Lock()
+        self.copied_bytes = 0
+        """Bytes the last version's staging copied (0: every tensor already lay in shared memory)."""
+        self._broken = ""
+        """Why the engine serves no more (a worker failed in the middle of a swap); empty while it serves."""
         self._closed = asyncio.Event()
         self._flights: dict[str, _Flight] = {}
         self._drained = asyncio.Event()
@@ -245,6 +252,8 @@ class VLLMEngine:
             raise EngineClosed("the engine is not running (start() not called, or closed)")
         if self._engine.errored:
             raise EngineClosed(f"vLLM's engine died: {self._engine.dead_error!r}")
+        if self._broken:
+            raise EngineClosed(f"vLLM engine: {self._broken}")
         return self._engine
 
     @property
@@ -370,11 +379,17 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights
 
     async def load_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load `weights` (HF names, as `state_dict()` gives, any float dtype) into the running engine as `version`.
+        """Load `weights` (HF names, as `state_dict()` gives, any float dtype) into the running engine as `version`,
+        on every one of its workers or on none.
 
-        Requests in flight keep going: the steps after the swap run the new weights and their tokens say so.
-        With tied embeddings `lm_head.weight` may be left out. The tensors are read during the call only: vLLM's
-        worker copies their bytes, and no reference is kept once it returns."""
+        The engine keeps decoding while the version is checked and staged, and while every worker maps it; it
+        pauses only for the swap, between two steps. Requests in flight keep going: the steps after the swap run
+        the new weights and their tokens say so. With tied embeddings `lm_head.weight` may be left out. The tensors
+        are read during the call only, and no reference is kept once it returns.
+
+        `VLLMWeightsFailed` when a worker could not stage the version: every worker still runs the old one, under
+        its label. When a worker fails during the swap itself, the workers may hold parts of two versions: the
+        engine then serves nothing more (`EngineClosed`, also raised here), and its node exits to be restarted."""
         if self._lora is not None:
             raise InvalidRequest("this engine serves LoRA adapters (load_adapter): its base weights never change")
         async with self._weights_lock:
@@ -382,43 +397,64 @@ class VLLMEngine:
             check_newer(version, self._version)
             started = time.monotonic()
             tensors = await asyncio.to_thread(checked_tensors, version, weights, self._checkpoint_shapes, self._aliases)
-            with WeightOffer(tensors, self._aliases, timeout_s=_WEIGHTS_TIMEOUT_S) as offer:
-                # Owned here: awaited below, or cancelled when the worker never connects (its call failed first).
-                sending = asyncio.create_task(offer.send(), name=f"vllm-weights-v{version}")
-                try:
-                    # Sent back to back, in this order (gather starts its awaitables in order and each sends before
-                    # it waits): the engine core runs all three between two steps, so no step runs the new weights
-                    # under the old label.
-                    calls = asyncio.gather(
-                        engine.collective_rpc(LOAD_METHOD, args=(offer.ticket.to_rpc(),)),
-                        engine.update_weight_version(str(version)),
-                        engine.reset_prefix_cache(),
-                        return_exceptions=True,
-                    )
-                    outcomes: tuple[Any, ...] = await self._unless_closed(calls, f"loading version {version}")
-                finally:
-                    sending.cancel()  # a no-op when the worker read everything
-                    (sent,) = await asyncio.gather(sending, return_exceptions=True)
-            loaded, labelled, reset = outcomes
-            if isinstance(loaded, BaseException):
-                # The new label went on after the failed load: put the old one back.
-                await engine.update_weight_version(str(self._version))
-                detail = f" (sending: {sent!r})" if isinstance(sent, Exception) else ""
-                raise VLLMWeightsFailed(f"vLLM's worker did not load version {version}: {loaded}{detail}") from loaded
+            staged = await asyncio.to_thread(stage, version, tensors, self._aliases)
+            try:
+                staged_s = time.monotonic() - started
+                mapped = await self._stage_on_workers(engine, staged)
+                swap_started = time.monotonic()
+                mapped_s = swap_started - started - staged_s
+                # Sent back to back, in this order (gather starts its awaitables in order and each sends before it
+                # waits): the engine core runs all three between two steps, so no step runs the new weights under
+                # the old label.
+                calls = asyncio.gather(
+                    engine.collective_rpc(SWAP_METHOD, args=(version,)),
+                    engine.update_weight_version(str(version)),
+                    engine.reset_prefix_cache(),
+                    return_exceptions=True,
+                )
+                swapped, labelled, reset = await self._unless_closed(calls, f"swapping in version {version}")
+            finally:
+                staged.close()
+            if isinstance(swapped, BaseException) or failures(swapped):
+                why = repr(swapped) if isinstance(swapped, BaseException) else "; ".join(failures(swapped))
+                self._broken = f"swapping in version {version} failed ({why})"
+                log.error("vllm weights mixed", version=version, error=why)
+                raise EngineClosed(f"vLLM engine: {self._broken}; its workers may hold parts of two versions")
             for outcome in (labelled, reset):
                 if isinstance(outcome, BaseException):
                     raise outcome
             self._version = version
-            report = loaded[0] if isinstance(loaded, list) and loaded else {}
+            self.copied_bytes = staged.copied_bytes
+            reports = swapped if isinstance(swapped, list) else []
             log.info(
                 "vllm weights loaded",
                 version=version,
                 tensors=len(tensors),
+                workers=len(reports),
+                copied_mb=round(staged.copied_bytes / 2**20, 1),
                 seconds=round(time.monotonic() - started, 3),
-                receive_s=round(float(report.get("receive_s", 0.0)), 3),
-                reload_s=round(float(report.get("reload_s", 0.0)), 3),
+                staged_s=round(staged_s, 3),
+                mapped_s=round(mapped_s, 3),
+                worker_stage_s=max((round(float(r.get("stage_s", 0.0)), 4) for r in mapped), default=0.0),
+                swap_s=round(time.monotonic() - swap_started, 3),
+                worker_swap_s=max((round(float(r.get("swap_s", 0.0)), 4) for r in reports), default=0.0),
                 prefix_cache_reset=bool(reset),
             )
+
+    async def _stage_on_workers(self, engine: Any, staged: StagedVersion) -> list[dict[str, Any]]:
+        """Every worker maps `staged`, or none keeps it: `VLLMWeightsFailed` (the model untouched) otherwise; the
+        workers' answers."""
+        version = staged.ticket.version
+        mapping = asyncio.ensure_future(engine.collective_rpc(STAGE_METHOD, args=(staged.ticket.to_rpc(),)))
+        answers = await self._unless_closed(mapping, f"staging version {version}")
+        if failed := failures(answers):
+            dropping = asyncio.ensure_future(engine.collective_rpc(DROP_METHOD))
+            await self._unless_closed(dropping, f"dropping version {version}")
+            raise VLLMWeightsFailed(
+                f"vLLM's workers did not stage version {version} (the model still runs version {self._version}): "
+                + "; ".join(failed)
+            )
+        return list(answers)
 
     async def load_adapter(self, version: int, adapters: Mapping[str, torch.Tensor], spec: LoraSpec) -> None:
         """Serve LoRA `adapters` (PEFT's names) as `version` to every request started from now on; requests in

@@ -1,48 +1,41 @@
-"""New weights for a running vLLM engine: checked against the checkpoint it loaded, then streamed to its worker.
+"""New weights for a running vLLM engine: checked against the checkpoint it loaded, then staged in shared memory
+for every one of its workers.
 
-vLLM runs the model in a worker process behind its engine-core process (on CPU too, with a single worker), and a
-`collective_rpc`'s arguments take two hops to get there: msgpack from this process to the engine core, decoded
-there without types, then pickle from the engine core to the worker. A torch tensor does not survive the first hop
-(its bytes travel as a frame of their own, which the untyped decoder drops: it arrives as [dtype, shape, frame
-index]) and a memoryview not the second (pickle refuses it). `bytes` survive both, but are copied four times on
-the way, and at 64-256 MB took two to three times as long as a socket (docs/vllm.md). So only a ticket goes
-through `collective_rpc`:
-`WeightOffer` listens on a loopback port for the one connection that presents the ticket's token, and writes every
-tensor's bytes to it from where they lie (no copy here for a contiguous CPU tensor, such as a view into a
-`WeightReceiver` buffer); the worker (`rollart.generation.vllm.worker`) reads them into tensors of its own and reloads
-the model in place. No file is involved: no staging folder, no shared-memory segment.
+vLLM runs the model in worker processes behind its engine-core process (one per GPU under tensor parallelism; on
+CPU too), and a `collective_rpc`'s arguments take two hops to get there: msgpack from this process to the engine
+core, decoded there without types, then pickle from the engine core to each worker. A torch tensor does not
+survive the first hop and a memoryview not the second; `bytes` survive both but are copied four times on the way,
+once per worker. So only a ticket goes through `collective_rpc`, and the bytes stay where they are: a version is
+staged in shared memory (`rollart.shm`), one copy per host that every worker of every engine maps (`stage`). A
+tensor that already lies in shared memory, as a view into a receive buffer of a `WeightReceiver(shared=True)`
+does, is named where it lies, with no copy at all; any other is copied once into a segment of the engine's. The
+worker (`rollart.generation.vllm.worker`) maps the segments and reloads the model in place.
 
 The check is `rollart.generation.checks.check_weights` against the names and shapes of the model folder's
 checkpoint. With tied embeddings vLLM keeps its own lm_head unless `lm_head.weight` is loaded (on CPU the head is
-packed apart from the embeddings), so the worker loads the embeddings' tensor under that name too; the bytes travel
-once, whether or not the update carried `lm_head.weight`.
+packed apart from the embeddings), so the worker loads the embeddings' tensor under that name too; the bytes are
+staged once, whether or not the update carried `lm_head.weight`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import secrets
-import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
-
-import structlog
 
 from rollart.errors import RollartError
 from rollart.generation.checks import check_weights
-from rollart.generation.vllm.worker import WeightTicket, byte_view
+from rollart.generation.vllm.worker import WeightTicket
+from rollart.shm import Segment, locate
 
 if TYPE_CHECKING:
     import torch
 
-log = structlog.get_logger("rollart.generation.vllm")
-
 _TIED_NAME = "lm_head.weight"
 _EMBED_NAME = "model.embed_tokens.weight"
-_TOKEN_BYTES = 32
+_ALIGN = 64
+"""Each copied tensor starts at a multiple of this many bytes (any dtype's alignment)."""
 
 
 class VLLMWeightsFailed(RollartError):
@@ -92,64 +85,62 @@ def _contiguous_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()  # the tensor itself when it already is
 
 
-class WeightOffer:
-    """One version's tensors, offered on a loopback port to the one connection that presents `ticket`'s token.
+@dataclass
+class StagedVersion:
+    """A version laid out where vLLM's workers can map it: the ticket for them, and the segments this engine made
+    (kept open until every worker has mapped them)."""
 
-    Use it as a context manager (it closes the port); `send()` serves the worker."""
+    ticket: WeightTicket
+    held: list[Segment]
+    """Every segment the ticket names: held, so that none closes before the workers have mapped it."""
+    made: list[Segment]
+    copied_bytes: int
+    """Bytes that did not lie in shared memory already and were copied into a segment of this engine's."""
 
-    def __init__(
-        self, tensors: list[tuple[str, torch.Tensor]], aliases: Mapping[str, str], *, timeout_s: float
-    ) -> None:
-        self._tensors = tensors
-        token = secrets.token_bytes(_TOKEN_BYTES)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.setblocking(False)
-        host, port = self._listener.getsockname()[:2]
-        self.ticket = WeightTicket(
-            host=host,
-            port=port,
-            token=token,
-            tensors=[(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors],
-            aliases=dict(aliases),
-            timeout_s=timeout_s,
-        )
-        """What the worker needs: pass `ticket.to_rpc()` to its load method."""
-        self.refused = 0
-        """Connections that did not present the token (closed, and the offer kept waiting)."""
-
-    def __enter__(self) -> WeightOffer:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        self._listener.close()
-
-    async def send(self) -> None:
-        """Accept until a connection presents the token, then write every tensor's bytes to it, in ticket order."""
-        loop = asyncio.get_running_loop()
-        while True:
-            conn, peer = await loop.sock_accept(self._listener)
-            with conn:
-                try:
-                    async with asyncio.timeout(self.ticket.timeout_s):
-                        token = await _recv_exactly(loop, conn, _TOKEN_BYTES)
-                except (TimeoutError, ConnectionError) as error:
-                    token, reason = b"", repr(error)
-                else:
-                    reason = "wrong token"
-                if not hmac.compare_digest(token, self.ticket.token):
-                    self.refused += 1
-                    log.warning("vllm weights: refused a connection to the weight port", peer=peer, reason=reason)
-                    continue
-                for _, tensor in self._tensors:
-                    await loop.sock_sendall(conn, byte_view(tensor))
-                return
+    def close(self) -> None:
+        for segment in self.made:
+            segment.close()
 
 
-async def _recv_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = await loop.sock_recv(conn, n - len(data))
-        if not chunk:
-            raise ConnectionError("closed before sending the token")
-        data += chunk
-    return data
+def stage(version: int, tensors: list[tuple[str, torch.Tensor]], aliases: Mapping[str, str]) -> StagedVersion:
+    """The ticket for `tensors` (contiguous CPU tensors): a tensor that lies in a live shared-memory segment (a
+    view into a receive buffer of `WeightReceiver(shared=True)`) is named where it lies; the others are copied,
+    once, into one new segment. Blocking: run it in a thread (the engine keeps decoding meanwhile)."""
+    import numpy as np
+
+    placed: list[tuple[Segment, int] | None] = [locate(tensor) for _, tensor in tensors]
+    missing = [i for i, where in enumerate(placed) if where is None]
+    made: list[Segment] = []
+    copied = 0
+    if missing:
+        offsets, end = {}, 0
+        for i in missing:
+            end = -(-end // _ALIGN) * _ALIGN
+            offsets[i] = end
+            end += tensors[i][1].nbytes
+        segment = Segment(end, name="rollart-staged-weights")
+        made.append(segment)
+        out = segment.buffer.numpy()
+        for i, offset in offsets.items():
+            raw = tensors[i][1].reshape(-1).view(torch_uint8()).numpy()
+            np.copyto(out[offset : offset + raw.size], raw)  # one thread at memory speed (weights.buckets says why)
+            placed[i] = (segment, offset)
+            copied += raw.size
+    held: list[Segment] = []
+    entries = []
+    for (name, tensor), where in zip(tensors, placed, strict=True):
+        assert where is not None
+        segment, offset = where
+        if segment not in held:
+            held.append(segment)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        entries.append((name, dtype, tuple(tensor.shape), held.index(segment), offset))
+    segments = [(segment.path, segment.nbytes) for segment in held]
+    ticket = WeightTicket(version=version, segments=segments, tensors=entries, aliases=dict(aliases))
+    return StagedVersion(ticket, held, made, copied)
+
+
+def torch_uint8() -> torch.dtype:
+    import torch
+
+    return torch.uint8

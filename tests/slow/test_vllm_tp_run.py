@@ -1,0 +1,71 @@
+"""A run of `configs/gpu-node.yaml`'s shape on CPU, every node a real process: an FSDP2 trainer (2 ranks here, 4
+GPUs there), two vLLM generators each running one engine of two tensor-parallel workers, an env-host and a reward
+gateway, on the lake and repeat tasks. It trains 10 steps, and every version a generator loads reaches both of its
+workers: each load is logged once by the engine, naming the two workers that swapped it in, and no engine ever
+held two versions at once.
+
+Needs vLLM: `bin/setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/slow/test_vllm_tp_run.py` (CI does). Two
+engines of two workers each share this machine's cores with the trainer's ranks, so the run is slow (minutes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollart.rundir import RunDir
+from tests.integration.test_rollout import run_to_completion
+from tests.support import ROOT, write_topology
+
+pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+STEPS = 10
+
+
+@pytest.mark.timeout(1500)
+def test_tp_push_a_gpu_node_shaped_run_trains_10_steps_with_every_version_on_every_worker(tmp_path: Path) -> None:
+    from rollart.tiny.model import ensure_tiny_model
+
+    shape = yaml.safe_load((ROOT / "configs/gpu-node.yaml").read_text())
+    gen = shape["run"]["generator"]
+    assert (gen["backend"], gen["tensor_parallel_size"], shape["run"]["trainer"]["backend"]) == ("vllm", 2, "fsdp2")
+    model = ensure_tiny_model(tmp_path / "tiny", seed=0)
+    run = f"""  model: {{path: {model}}}
+  generator: {{backend: vllm, engines: 1, tensor_parallel_size: 2, max_num_seqs: 16}}
+  reward_pool: {{min_workers: 1, max_workers: 2}}
+  trainer: {{backend: fsdp2, ranks: 2, lr: 0.001, checkpoint_every: 0}}
+  rollout:
+    mode: train
+    schedule: async
+    steps: {STEPS}
+    batch_groups: 2
+    group_size: 4
+    redundancy: 1
+    alpha: 1
+    groups_per_env_host: 4
+    tasks:
+      - {{name: lake, env: frozen-lake, context: last, system_prompt: "", max_tokens_per_turn: 1, weight: 5,
+          env_kwargs: {{layout: SFFF/FHFH/FFFH/HFFG, actions: letters, compact: true, max_turns: 6}}}}
+      - {{name: repeat, env: copy-reverse, max_tokens_per_turn: 12, weight: 2,
+          env_kwargs: {{mode: repeat, min_len: 12, max_len: 12, alphabet: UDLR, boxed: false}}}}
+"""
+    nodes = {"trainer": "trainer", "gen-0": "generator", "gen-1": "generator", "env-0": "env-host"}
+    nodes["reward"] = "reward-gateway"
+    topology, _ = write_topology(tmp_path, nodes, extra_run=run, hardware={"gen-0": "compute", "gen-1": "compute"})
+    run_to_completion(topology, timeout=1400)
+
+    run_dir = RunDir(tmp_path / "run")
+    steps = [json.loads(line) for line in run_dir.metrics.read_text().splitlines()]
+    assert [s["step"] for s in steps if "step" in s][-1] == STEPS
+    for name in ("gen-0", "gen-1"):
+        events = [json.loads(line) for line in run_dir.node_log(name).read_text().splitlines() if line.startswith("{")]
+        loads = [e for e in events if e.get("event") == "vllm weights loaded"]
+        assert loads, f"{name} loaded no version"
+        assert {e["workers"] for e in loads} == {2}, name  # every load: both workers swapped it in
+        assert [e["version"] for e in loads] == sorted({e["version"] for e in loads}), name
+        assert loads[-1]["version"] >= STEPS - 1, name  # it kept up to (at most one behind) the last step
+        assert not [e for e in events if e.get("event") in ("vllm weights mixed", "node.failed")], name
