@@ -85,18 +85,19 @@ def locate(tensor: torch.Tensor) -> tuple[Segment, int] | None:
     return None
 
 
-def attach(path: str, nbytes: int) -> mmap.mmap:
-    """Map another process's segment (`Segment.path`) read-only; `ConnectionError` when that process (or the
-    segment) is gone or smaller than `nbytes`. A private mapping: pages are shared until written, and this process
-    never writes them."""
+def attach(path: str, nbytes: int, *, writable: bool = False) -> mmap.mmap:
+    """Map another process's segment (`Segment.path`); `ConnectionError` when that process (or the segment) is
+    gone or smaller than `nbytes`. Read-only by default, as a private mapping: pages are shared until written, and
+    this process never writes them. `writable`: a shared mapping whose writes the segment's owner sees (a training
+    rank exporting weights into the trainer node's buffers)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError as error:
         raise ConnectionError(f"cannot open the shared weights at {path}: {error.strerror}") from None
     try:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ConnectionError(f"the shared weights at {path} hold {size} bytes; expected {nbytes}")
-        return mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_COPY)
+        return mmap.mmap(fd, max(nbytes, 1), access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
     finally:
         os.close(fd)  # the mapping keeps the memory

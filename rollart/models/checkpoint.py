@@ -67,3 +67,15 @@ def generation_eos_ids(model_dir: str | Path) -> list[int]:
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in values):
         raise ConfigError(f"{path}: eos_token_id: expected an integer or a list of integers; got {ids!r}")
     return sorted(set(values))
+
+
+def checkpoint_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model folder's safetensors files (headers only); empty if there are none."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                shapes[name] = tuple(checkpoint.get_slice(name).get_shape())
+    return shapes

@@ -14,6 +14,7 @@ targets, and a function that builds the engine; the step's records are `rollart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import random
 import shutil
@@ -31,6 +32,8 @@ from rollart.protocol.messages import GroupDone
 from rollart.rundir import RunDir
 
 if TYPE_CHECKING:
+    import torch
+
     from rollart.training.engine import TrainingEngine
     from rollart.training.spec import TrainerSpec
     from rollart.weights.generators import GeneratorTargets
@@ -61,7 +64,11 @@ class Learner:
         self.engine_info: dict[str, Any] = {}
         """The engine's `describe()`, once it is built (in `/status`: its rank processes' pids)."""
         self.stall_s: list[float] = []
-        """Per step: the seconds the trainer waited for the export and the snapshot (and for the packer)."""
+        """Per version published: the seconds the trainer waited for its export (`publish`)."""
+        self._publishing: asyncio.Task[None] | None = None
+        """The last version's push being started (its export awaited, then handed to the publisher)."""
+        self._exported_at: asyncio.Future[float] | None = None
+        """When the last export was out (`time.perf_counter()`), for the next step's wait behind it."""
         self._links_counted = (0, 0)  # the publisher's (link_bytes, link_whole_bytes) at the last record
         self._saving: asyncio.Task[None] | None = None
 
@@ -114,6 +121,9 @@ class Learner:
         rewards = [[t.reward for t in group.trajectories] for group in batch]
         chosen = select_groups(rewards, anchors=cfg.anchor_groups if cfg.anchor_coef > 0 else 0)
 
+        if self._publishing is not None and self._publishing.done():
+            self._publishing.result()  # a push that could not start (a rank died in the export) fails the step
+
         def step() -> dict[str, Any]:
             # The last version's packer may still read the weights: the optimizer must not change them yet.
             if self.stall_s:
@@ -133,20 +143,50 @@ class Learner:
             packed = pack_batch(trajectories, [a for i in chosen.trained for a in advantages[i]], pad_id=engine.pad_id)
             return counts | engine.train_step(packed, version=version)
 
-        return await asyncio.to_thread(step)
+        sent = time.perf_counter()
+        stats = await asyncio.to_thread(step)
+        if self._exported_at is not None:  # the step ran after the export: what it waited for it is the push's
+            exported_at, self._exported_at = await self._exported_at, None
+            self.stall_s[-1] += max(0.0, exported_at - sent)
+        return stats
 
-    def publish(self, version: int) -> float:
-        """Export the weights (from the ranks, with FSDP2) and start the push; returns the seconds the
-        trainer waited for both (its stall; the next step adds any wait for the packer to finish)."""
+    async def publish(self, version: int) -> None:
+        """Order the export of the weights before the next step and start the push once they are out.
+
+        What holds the trainer is only what keeps a version whole: sending the export to the ranks (fsdp2,
+        megatron: they gather and write the weights into shared memory while the node goes on; the next step
+        runs after it) or the cast (torch). The push starts in the background once the weights are out, after
+        the push before it. The trainer's stall for this version (`stall_s`) is that, plus what the next step
+        waits for the export and for the packer, counted when that step runs."""
         assert self.engine is not None
+        engine = self.engine
         self.targets.follow()
         started = time.perf_counter()
-        dtype = self.targets.wire_dtype()  # the generators' dtype: cast in the export
-        weights = self.engine.export_weights(dtype)
-        owned = self.engine.exports_copies(dtype)
-        stall = time.perf_counter() - started + self.publisher.publish(version, weights, owned=owned)
-        self.stall_s.append(stall)
-        return stall
+        dtype = self.targets.wire_dtype()  # the generators' dtype: cast in the export, on the trainer's device
+        exporting = await asyncio.to_thread(engine.begin_export, dtype)
+        self.stall_s.append(time.perf_counter() - started)
+        self._exported_at = asyncio.ensure_future(_done_at(exporting))
+        before = self._publishing
+        self._publishing = asyncio.create_task(
+            self._push(version, exporting, engine.exports_copies(dtype), before), name=f"publish-v{version}"
+        )
+
+    async def _push(
+        self,
+        version: int,
+        exporting: Future[dict[str, torch.Tensor]],
+        owned: bool,
+        before: asyncio.Task[None] | None,
+    ) -> None:
+        if before is not None:
+            await before  # versions go out in order
+        weights = await asyncio.wrap_future(exporting)
+        await asyncio.to_thread(self.publisher.publish, version, weights, owned=owned)
+
+    async def published(self) -> None:
+        """Wait until the last version's push has started; raises what stopped it (a rank that died)."""
+        if self._publishing is not None:
+            await self._publishing
 
     def push_record(self) -> dict[str, float]:
         """The weight push's numbers for the step's metrics line: the trainer's stall, the last push to each
@@ -241,3 +281,10 @@ def _say_if_failed(path: Path, saving: asyncio.Task[None]) -> None:
     waits for it any more (the node failing for the same reason); `latest` still names the one before."""
     if not saving.cancelled() and (error := saving.exception()) is not None:
         log.error("learner.checkpoint_failed", path=str(path), error=f"{type(error).__name__}: {error}")
+
+
+async def _done_at(exporting: Future[Any]) -> float:
+    """When `exporting` completed (`time.perf_counter()`), whether or not it failed (`published` says why)."""
+    with contextlib.suppress(Exception):
+        await asyncio.wrap_future(exporting)
+    return time.perf_counter()

@@ -138,7 +138,7 @@ class TrainStep:
         versions = self.core.versions
         versions.jump_above(held)
         if versions.version > 0:
-            self.learner.publish(versions.version)
+            await self.learner.publish(versions.version)
             await versions.announce()
 
     async def step(self, batch: list[GroupDone]) -> None:
@@ -157,8 +157,8 @@ class TrainStep:
             core.untrained = []
             await core.versions.advance()
             version = core.versions.version
-            # The snapshot copy is the trainer's only wait; off the event loop, which keeps serving.
-            await asyncio.to_thread(learner.publish, version)
+            # Ordering the export before the next step is the trainer's only wait; the push starts in the background.
+            await learner.publish(version)
         if sync:
             try:
                 await learner.publisher.wait_delivered(version, timeout=SYNC_PUSH_TIMEOUT_S)

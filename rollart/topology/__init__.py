@@ -71,6 +71,9 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     """Whether another node may be given the same GPUs; two nodes share one only when both say so."""
     memory_gb: float | None = None
     """Memory limit in GiB; None: no limit."""
+    network_gbps: float | None = None
+    """The bandwidth of the node's link to other hosts in Gb/s, which `rollart check` estimates weight pushes
+    with; None: not given (10 Gb/s assumed, and said)."""
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

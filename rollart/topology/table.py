@@ -17,6 +17,7 @@ from __future__ import annotations
 from rollart.topology import Topology
 from rollart.topology.fit import NodeSize, size_topology
 from rollart.topology.gpus import GIB, id_list
+from rollart.topology.weight_path import weight_path_report
 
 COLUMNS = ("node", "role", "host", "gpus", "per", "weights", "grads+opt", "activ.", "kv cache", "need", "holds", "fit")
 
@@ -37,6 +38,8 @@ def check_report(topology: Topology) -> tuple[list[str], list[str]]:
         lines.append("")
         name_width = max(len(name) for name, _ in notes)
         lines += [f"{name.ljust(name_width)}  {note}" for name, note in notes]
+    if path := weight_path_report(topology, sizing.shape):
+        lines += ["", *path]
     problems = [f"{topology.source}: {path}: {problem}" for path, problem in sizing.problems]
     return lines, problems
 

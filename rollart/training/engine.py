@@ -35,6 +35,11 @@ class TrainingEngine(Protocol):
         """The current weights by Hugging Face name, cast to `dtype` (None: as trained). The tensors
         may alias the live parameters: copy them before the next `train_step`."""
 
+    def begin_export(self, dtype: torch.dtype | None = None) -> Future[dict[str, torch.Tensor]]:
+        """`export_weights` without waiting for it: returns once the export is ordered before anything that
+        changes the weights (the next `train_step`, `load`), so the future's tensors are these weights, never a
+        mix of two steps. An engine whose ranks export in the background (fsdp2, megatron) returns at once."""
+
     def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
         """Whether `export_weights(dtype)` gives tensors nothing else holds (a cast, a gather), which
         the weight push may then send from their own memory instead of copying them first."""

@@ -3,8 +3,8 @@
 Two ranks must train exactly like one device (the loss over the global token count, gradients
 summed over ranks, the global norm clipped); checkpoints written by 2 ranks load onto 1 and back
 onto 2 with identical weights and optimizer state; token-budget micro-batches and chunked
-log-probs change no gradient; a killed rank fails the group at once, and so does an answer
-whose parts died with rank 0.
+log-probs change no gradient; a killed rank fails the group at once; an export is ordered before the
+next step without waiting for it, and fails with rank 0.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from rollart.algorithms.config import GRPOConfig
 from rollart.errors import RollartError
+from rollart.shm import locate
 from rollart.testkit.batches import grouped_batch, random_batch, repeated_batch
 from rollart.training.fsdp.engine import FSDPTrainer
 from rollart.training.logprobs import PolicyLogprobs
@@ -142,45 +142,35 @@ def test_a_killed_rank_fails_the_group_at_once_and_close_does_not_wait(tiny_mode
     assert not (tmp_path / "never").exists()
 
 
-def test_an_export_whose_parts_die_with_rank_0_fails_and_returns_nothing(tiny_model: Path) -> None:
-    """Tensors cross the pipe as shared memory whose handle is fetched from the sender: rank 0 killed
-    after sending all its parts and its answer takes the unread parts with it. The reader must fail the
-    call as soon as it cannot read a part. It once skipped it: where the answer was read before rank 0's
-    exit was seen, the call returned the parts read so far and an empty version was published (CI)."""
+def test_export_async_is_the_version_before_the_next_step_and_lies_in_shared_memory(tiny_model: Path) -> None:
+    """`begin_export` returns at once; the step sent after it runs after the ranks wrote the version, so the
+    exported tensors are the weights before that step, not a mix of two (the step changes every weight)."""
     engine = fsdp(tiny_model, 2)
-    group = engine.ranks
-    first_part, go_on = threading.Event(), threading.Event()
-    route = group._route
-
-    def held_route(call: int, kind: str, payload: Any) -> None:
-        route(call, kind, payload)
-        if kind == "part" and not first_part.is_set():
-            first_part.set()
-            go_on.wait(30)  # the reader stops here; rank 0 sends the rest into the pipe meanwhile
-
-    group._route = held_route  # type: ignore[method-assign]
-    parts: list[dict[str, torch.Tensor]] = []
-    outcome: list[BaseException | int] = []
-
-    def export() -> None:
-        try:
-            outcome.append(group.call("export", 1, None, on_part=parts.append))  # one tensor per part
-        except BaseException as e:
-            outcome.append(e)
-
-    caller = threading.Thread(target=export)
     try:
-        caller.start()
-        assert first_part.wait(30)
-        time.sleep(2.0)  # rank 0 gathers and sends the tiny model's parts and its answer in far less
+        engine.train_step(random_batch(0, rows=4), version=1)
+        before = engine.ranks.call("full_state")["model"]
+        exporting = engine.begin_export(torch.bfloat16)
+        engine.train_step(random_batch(1, rows=4), version=2)  # sent behind the export
+        exported = exporting.result(timeout=60)
+        after = engine.ranks.call("full_state")["model"]
+        for name, tensor in exported.items():
+            assert tensor.dtype == torch.bfloat16 and locate(tensor) is not None, name  # shared memory, as cast
+            source = before[f"lm.{name}"] if f"lm.{name}" in before else before[name]
+            assert torch.equal(tensor, source.to(torch.bfloat16)), name
+        changed = [n for n in exported if not torch.equal(exported[n].float(), after.get(f"lm.{n}", after.get(n)))]
+        assert len(changed) > len(exported) // 2  # the step after it did change the weights
+    finally:
+        engine.close()
+
+
+def test_export_async_fails_when_rank_0_dies_and_publishes_nothing(tiny_model: Path) -> None:
+    engine = fsdp(tiny_model, 2)
+    try:
         os.kill(engine.describe()["pids"][0], signal.SIGKILL)
         engine.ranks.processes[0].join(10)
-        go_on.set()
-        caller.join(30)
-        assert len(outcome) == 1 and isinstance(outcome[0], RankDied), (outcome, len(parts))
-        assert "a message from rank 0 was lost" in str(outcome[0]), outcome
+        with pytest.raises(RankDied):
+            engine.begin_export().result(timeout=60)
     finally:
-        go_on.set()
         engine.close()
 
 

@@ -45,7 +45,7 @@ RULES: dict[str, set[str]] = {
     "lora": set(),
     # training engines are driven by their node: no nodes, no protocol, no rollout, no generation (`weights`: the
     # weight settings `run.trainer` holds, the bucket size an export cuts by)
-    "training": {"algorithms", "models", "lora", "weights"},
+    "training": {"algorithms", "models", "lora", "weights", "shm"},
     # generation engines likewise, and generation never imports training (`sim`: the simulated engine's model)
     "generation": {"models", "lora", "sim", "cpus", "shm"},
     # the weight path: the wire and the bulk transfer

@@ -215,6 +215,29 @@ def test_the_gpu_configs_pass_check_and_two_clusters_writes_an_sbatch_script(
     assert "# component 0: trainer (2 nodes of one trainer group)" in text and text.count("--gpus-per-task=8") == 2
 
 
+def test_check_shows_the_weight_path_its_bytes_route_memory_and_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(ROOT / "configs" / "gpu-node.yaml")]) == 0
+    out = capsys.readouterr().out
+    version = PRESETS["qwen3-8b"].weight_bytes("bfloat16")
+    assert f"weights: a version is {version / 1e9:.2f} GB (bfloat16, the generators' dtype)" in out
+    seconds = version * 8 / 16e9  # loopback TCP on one host
+    assert f"trainer -> gen-0  same host (127.0.0.1), 16 Gb/s (loopback TCP): ~{seconds:.1f} s" in out
+    assert "gen-0 -> gen-1    same host (127.0.0.1), 16 Gb/s (loopback TCP): pipelined behind the hop before" in out
+    assert f"each generator's host {2 * version / 1e9:.1f} GB of receive buffers" in out
+    # between hosts: the slower side's network_gbps, or an assumed 10 Gb/s that says so
+    topology = (ROOT / "configs" / "two-clusters.yaml").read_text()
+    assert main(["check", str(ROOT / "configs" / "two-clusters.yaml")]) == 0
+    assert "10 Gb/s assumed: set resources.network_gbps" in capsys.readouterr().out
+    faster = tmp_path / "fast.yaml"
+    faster.write_text(topology.replace("resources: {", "resources: {network_gbps: 400, "))
+    assert main(["check", str(faster)]) == 0
+    out = capsys.readouterr().out
+    assert "trainer -> gen-0  10.0.0.1 -> 10.1.0.1, 400 Gb/s: ~1.3 s" in out and "assumed" not in out
+
+
 @pytest.mark.parametrize("name", ["local.yaml", "local-fsdp2.yaml", "sim-paper.yaml"])
 def test_the_existing_configs_still_pass_check(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -28,7 +28,7 @@ class Learner:
         self.trained.append(batch[0].trajectories[0].seed)
         return {"train_s": 0.0, "loss": 0.0}
 
-    def publish(self, version: int) -> None:
+    async def publish(self, version: int) -> None:
         pass
 
     def push_record(self) -> dict[str, float]:

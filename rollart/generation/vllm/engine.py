@@ -75,11 +75,11 @@ from rollart.generation.vllm.weights import (
     StagedVersion,
     VLLMWeightsFailed,
     checked_tensors,
-    checkpoint_shapes,
     stage,
     tied_aliases,
 )
 from rollart.generation.vllm.worker import DROP_METHOD, STAGE_METHOD, SWAP_METHOD, failures
+from rollart.models.checkpoint import checkpoint_shapes
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollart.errors import RollartError
@@ -40,18 +39,6 @@ _ALIGN = 64
 
 class VLLMWeightsFailed(RollartError):
     """vLLM's worker did not load a version; the message says whether its weights are unchanged."""
-
-
-def checkpoint_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the model folder's safetensors files (headers only); empty if there are none."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as checkpoint:
-            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                shapes[name] = tuple(checkpoint.get_slice(name).get_shape())
-    return shapes
 
 
 def tied_aliases(tied: bool, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:

@@ -10,8 +10,10 @@ node is gone: a rank whose node died exits at once rather than wait in a collect
 
 Commands (a tuple: name, call id, arguments), and what rank 0 answers:
 - `train` (batch, version): the step's statistics, with every rank's model-state and peak bytes;
-- `export` (bucket bytes, dtype): the weights by Hugging Face name, each gathered whole with
-  `full_tensor()`, sent in buckets of about that many bytes (never the whole state dict at once);
+- `export_bytes` (dtype): how many bytes an export in that dtype needs;
+- `export` (target, dtype): the weights by Hugging Face name, each gathered whole with `full_tensor()` and
+  cast on the device, written by rank 0 straight into the node's shared-memory buffer
+  (`rollart.training.ranks.export`): the answer says where each one lies, and nothing else crosses the pipe;
 - `save` (folder): answered once the shards are staged in memory; the write goes on in the
   background (`torch.distributed.checkpoint.async_save` on a process group of its own) and a second
   answer under the same id says when the folder is complete (written to a staging name, renamed);
@@ -47,6 +49,7 @@ from rollart.training import memory
 from rollart.training.devices import compute_dtype, pick_device
 from rollart.training.layout import DCP_FOLDER, ENGINE_FILE
 from rollart.training.logprobs import PolicyLogprobs, policy_logprobs
+from rollart.training.ranks.export import ExportTarget, Placed, SharedExport, export_nbytes
 from rollart.training.ranks.process import CommandLoop, RankArgs, enter_group, leave_group
 from rollart.training.spec import TrainerSpec
 from rollart.training.step import StepRunner, World
@@ -165,32 +168,26 @@ class Rank(CommandLoop):
             out[f"state_bytes_r{r}"], out[f"peak_bytes_r{r}"] = (float(v) for v in held.tolist())
         return out
 
-    def do_export(self, call: int, bucket_bytes: int, dtype: torch.dtype | None) -> int:
-        """Send the weights in buckets (module docstring); returns how many were sent."""
-        bucket: dict[str, torch.Tensor] = {}
-        size = sent = 0
-        weights = self.lm.state_dict()
+    def _exported_state(self) -> dict[str, torch.Tensor]:
         if self.spec.lora is not None:
             from rollart.lora.adapters import adapter_state
 
-            weights = adapter_state(self.lm)
-        for name, tensor in weights.items():
-            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.rank != 0:
-                continue
-            whole = whole.detach().to("cpu", dtype=dtype or whole.dtype)
-            bucket[name] = whole
-            size += whole.numel() * whole.element_size()
-            if size >= bucket_bytes:
-                self._send_part(call, bucket)
-                bucket, size, sent = {}, 0, sent + 1
-        if bucket and self.rank == 0:
-            self._send_part(call, bucket)
-            sent += 1
-        return sent
+            return adapter_state(self.lm)
+        return self.lm.state_dict()
 
-    def _send_part(self, call: int, bucket: dict[str, torch.Tensor]) -> None:
-        self._reply(call, "part", bucket)
+    def do_export_bytes(self, call: int, dtype: torch.dtype | None) -> int:
+        """Bytes an export in `dtype` needs (from the weights' global shapes: nothing is gathered)."""
+        return export_nbytes(((tuple(t.shape), t.dtype) for t in self._exported_state().values()), dtype)
+
+    def do_export(self, call: int, target: ExportTarget, dtype: torch.dtype | None) -> list[Placed] | None:
+        """Gather each weight whole (every rank takes part), cast it on the device, and have rank 0 write it into
+        the node's shared buffer (module docstring); rank 0 answers where each one lies."""
+        sink = SharedExport(target, self.device) if self.rank == 0 else None
+        for name, tensor in self._exported_state().items():
+            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if sink is not None:
+                sink.write(name, whole.detach().to(dtype=dtype or whole.dtype))
+        return sink.finish() if sink is not None else None
 
     def do_full_state(self, call: int) -> dict[str, Any] | None:
         """The whole model and optimizer state by name on rank 0, on CPU (for tests and small models:

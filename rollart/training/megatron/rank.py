@@ -10,7 +10,8 @@ parallel is what is left), builds its `GPTModel` shard from the Hugging Face che
 over the replicas), and serves:
 
 - `train` (batch, version): the step (`rollart.training.megatron.step`) and its statistics;
-- `export` (bucket bytes, dtype): the weights by HF name, full tensors, in buckets; each parameter's
+- `export_bytes` (dtype), `export` (target, dtype): the weights by HF name, full tensors, written by rank 0
+  into the node's shared buffer (`rollart.training.ranks.export`); each parameter's
   tensor-parallel shards are gathered on its stage and sent to rank 0, which un-fuses them;
 - `save` (folder): a Hugging Face model folder (loadable as run.model.path with any tp/pp) plus
   each model-parallel shard's optimizer state (`megatron_optim/`, restored only by the same tp x pp);
@@ -35,10 +36,20 @@ import torch.distributed as dist
 
 from rollart.algorithms.grpo import PackedBatch
 from rollart.errors import RollartError
+from rollart.models.checkpoint import checkpoint_shapes
 from rollart.training.devices import compute_dtype
 from rollart.training.layout import ENGINE_FILE, MEGATRON_OPTIM_FOLDER
-from rollart.training.megatron.convert import OUTPUT, Parallel, Param, architecture, to_hf, to_megatron
+from rollart.training.megatron.convert import (
+    EMBEDDING,
+    OUTPUT,
+    Parallel,
+    Param,
+    architecture,
+    to_hf,
+    to_megatron,
+)
 from rollart.training.megatron.step import MegatronStep
+from rollart.training.ranks.export import ExportTarget, Placed, SharedExport, export_nbytes
 from rollart.training.ranks.process import CommandLoop, RankArgs, enter_group, leave_group
 from rollart.training.spec import TrainerSpec
 from rollart.training.step import World
@@ -231,19 +242,21 @@ class MegatronRank(CommandLoop):
         """The weights by HF name on rank 0, in HF order (every rank must run it through)."""
         return to_hf(self.arch, lambda param: self._gather(param, dtype))
 
-    def do_export(self, call: int, bucket_bytes: int, dtype: torch.dtype | None) -> int:
-        bucket: dict[str, torch.Tensor] = {}
-        size = sent = 0
+    def do_export_bytes(self, call: int, dtype: torch.dtype | None) -> int:
+        """Bytes an export in `dtype` needs, from the HF shapes of the architecture (nothing is gathered)."""
+        shapes = checkpoint_shapes(Path(self.model_path))  # the HF names and shapes the export gives
+        if self.arch.tied_embeddings:
+            shapes.setdefault(OUTPUT.hf[0], shapes[EMBEDDING.hf[0]])
+        return export_nbytes(((shape, self.dtype) for shape in shapes.values()), dtype)
+
+    def do_export(self, call: int, target: ExportTarget, dtype: torch.dtype | None) -> list[Placed] | None:
+        """The weights by HF name, written by rank 0 into the node's shared buffer as they are gathered
+        (`rollart.training.ranks.export`); rank 0 answers where each one lies."""
+        sink = SharedExport(target, self.device) if self.rank == 0 else None
         for name, tensor in self.weights(dtype):
-            bucket[name] = tensor
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                self._reply(call, "part", bucket)
-                bucket, size, sent = {}, 0, sent + 1
-        if bucket:
-            self._reply(call, "part", bucket)
-            sent += 1
-        return sent
+            if sink is not None:
+                sink.write(name, tensor)
+        return sink.finish() if sink is not None else None
 
     # -- checkpoints ------------------------------------------------------------------------------
 

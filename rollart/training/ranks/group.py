@@ -24,7 +24,6 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -121,7 +120,7 @@ class RankGroup:
                     except OSError as e:
                         # A message came but not what it holds: tensors travel as shared memory whose
                         # handle is fetched from the sender, and a rank 0 killed after sending cannot
-                        # give it. Its answer may still follow; a call must never return without a part.
+                        # give it. Its answer is lost: the group cannot go on.
                         self._fail(f"a message from rank 0 was lost ({type(e).__name__}: {e})")
                         continue
                     self._route(call, kind, payload)
@@ -171,11 +170,29 @@ class RankGroup:
 
     # -- calling rank 0 ---------------------------------------------------------------------------
 
-    def call(
-        self, name: str, *args: Any, on_part: Callable[[Any], None] | None = None, later: Future[None] | None = None
-    ) -> Any:
-        """Run command `name` on every rank and return rank 0's answer; `on_part` takes the parts of a
-        streamed answer, `later` completes with a second answer (a background write)."""
+    def call(self, name: str, *args: Any, later: Future[None] | None = None) -> Any:
+        """Run command `name` on every rank and return rank 0's answer; `later` completes with a second answer
+        (a background write)."""
+        call, answers = self._send(name, args, later)
+        return self._answer(name, call, answers)
+
+    def submit(self, name: str, *args: Any) -> Future[Any]:
+        """Send command `name` now and return the future of rank 0's answer. The ranks run commands in the order
+        they are sent, so one sent after this (the next `train`) runs after it, whoever waits for what."""
+        call, answers = self._send(name, args, None)
+        answered: Future[Any] = Future()
+        answered.set_running_or_notify_cancel()  # a waiter that gives up must not cancel it under the group
+
+        def wait() -> None:
+            try:
+                answered.set_result(self._answer(name, call, answers))
+            except BaseException as error:  # handed to whoever waits on the future
+                answered.set_exception(error)
+
+        threading.Thread(target=wait, name=f"rank-answer-{name}-{call}", daemon=True).start()
+        return answered
+
+    def _send(self, name: str, args: tuple[Any, ...], later: Future[None] | None) -> tuple[int, queue.Queue[Any]]:
         if self.commands is None:
             raise RollartError("only the primary trainer node's rank group takes commands")
         answers: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -186,13 +203,19 @@ class RankGroup:
             self._calls[call] = answers
             if later is not None:
                 self._later[call] = later
-            self.commands.send((name, call, *args))
+            try:
+                self.commands.send((name, call, *args))
+            except OSError as error:  # rank 0 is gone; its exit may not have been seen yet
+                self._calls.pop(call, None)
+                self._later.pop(call, None)
+                raise RankDied(f"{name}: rank 0's pipe is closed ({error})") from None
+        return call, answers
+
+    def _answer(self, name: str, call: int, answers: queue.Queue[Any]) -> Any:
         try:
             while True:
                 kind, payload = answers.get()
-                if kind == "part" and on_part is not None:
-                    on_part(payload)
-                elif kind == "result":
+                if kind == "result":
                     return payload
                 elif kind == "dead":
                     raise RankDied(f"{name} failed: {payload}")

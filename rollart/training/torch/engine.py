@@ -115,6 +115,12 @@ class TorchTrainer:
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         return {name: tensor.detach().to(dtype or tensor.dtype) for name, tensor in self._exported().items()}
 
+    def begin_export(self, dtype: torch.dtype | None = None) -> Future[dict[str, torch.Tensor]]:
+        exported: Future[dict[str, torch.Tensor]] = Future()
+        exported.set_running_or_notify_cancel()
+        exported.set_result(self.export_weights(dtype))  # one process: the export is done when it returns
+        return exported
+
     def exports_copies(self, dtype: torch.dtype | None = None) -> bool:
         return dtype is not None and all(tensor.dtype != dtype for tensor in self._exported().values())
 
