@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
-from rollart.algorithms.grpo import Seq, pack_batch
+from rollart.algorithms.grpo import pack_batch
 from rollart.models.qwen3_bpe import build_qwen3_bpe_model
 from rollart.protocol import Identity, SessionConfig
+from rollart.testkit.batches import Seq
 from rollart.training.registry import build_training_engine
 from rollart.training.spec import TrainerSpec
 from rollart.weights.config import WeightsSpec

@@ -11,8 +11,8 @@ node is gone: a rank whose node died exits at once rather than wait in a collect
 Commands (a tuple: name, call id, arguments), and what rank 0 answers:
 - `train` (batch, version): the step's statistics, with every rank's model-state and peak bytes;
 - `export_bytes` (dtype): how many bytes an export in that dtype needs;
-- `export` (target, dtype): the weights by Hugging Face name, each gathered whole with `full_tensor()` and
-  cast on the device, written by rank 0 straight into the node's shared-memory buffer
+- `export` (target, dtype): the weights by Hugging Face name, cast on the device and gathered whole a bucket
+  at a time (`rollart.training.fsdp.gather`), written by rank 0 straight into the node's shared-memory buffer
   (`rollart.training.ranks.export`): the answer says where each one lies, and nothing else crosses the pipe;
 - `save` (folder): answered once the shards are staged in memory; the write goes on in the
   background (`torch.distributed.checkpoint.async_save` on a process group of its own) and a second
@@ -47,6 +47,7 @@ from rollart.algorithms.grpo import PackedBatch
 from rollart.models.loading import load_model_and_tokenizer
 from rollart.training import memory
 from rollart.training.devices import compute_dtype, pick_device
+from rollart.training.fsdp.gather import whole_tensors
 from rollart.training.layout import DCP_FOLDER, ENGINE_FILE
 from rollart.training.logprobs import PolicyLogprobs, policy_logprobs
 from rollart.training.ranks.export import ExportTarget, Placed, SharedExport, export_nbytes
@@ -180,13 +181,17 @@ class Rank(CommandLoop):
         return export_nbytes(((tuple(t.shape), t.dtype) for t in self._exported_state().values()), dtype)
 
     def do_export(self, call: int, target: ExportTarget, dtype: torch.dtype | None) -> list[Placed] | None:
-        """Gather each weight whole (every rank takes part), cast it on the device, and have rank 0 write it into
-        the node's shared buffer (module docstring); rank 0 answers where each one lies."""
+        """Gather the weights whole, a bucket at a time, cast on the device (`rollart.training.fsdp.gather`), and
+        have rank 0 write each into the node's shared buffer (module docstring); rank 0 answers where each lies."""
         sink = SharedExport(target, self.device) if self.rank == 0 else None
-        for name, tensor in self._exported_state().items():
-            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if sink is not None:
-                sink.write(name, whole.detach().to(dtype=dtype or whole.dtype))
+        whole_tensors(
+            self._exported_state().items(),
+            sink.place if sink is not None else None,
+            dtype=dtype,
+            bucket_bytes=self.spec.weights.bucket_bytes,
+            rank=self.rank,
+            world=self.world.size,
+        )
         return sink.finish() if sink is not None else None
 
     def do_full_state(self, call: int) -> dict[str, Any] | None:

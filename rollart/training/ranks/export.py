@@ -106,16 +106,20 @@ class SharedExport:
         self._placed: list[Placed] = []
         self._cuda = device.type == "cuda"
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy `tensor` (on any device, in the dtype it travels in) to the next free place of the target."""
+    def place(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next free place of the target for a tensor of this shape and dtype, as a CPU tensor to copy into
+        (pinned on CUDA, so a copy from the device need not block)."""
         start = aligned(self._end)
-        end = start + tensor.numel() * tensor.element_size()
+        end = start + dtype.itemsize * _numel(shape)
         if end > self.target.nbytes:
             raise ValueError(f"export: {name} does not fit the {self.target.nbytes} bytes the node gave")
-        dest = self._region[start:end].view(tensor.dtype).view(tensor.shape)
-        dest.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        self._placed.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), start))
+        self._placed.append((name, str(dtype).removeprefix("torch."), tuple(shape), start))
         self._end = end
+        return self._region[start:end].view(dtype).view(shape)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy `tensor` (on any device, in the dtype it travels in) to the next free place of the target."""
+        self.place(name, tuple(tensor.shape), tensor.dtype).copy_(tensor.detach(), non_blocking=tensor.is_cuda)
 
     def finish(self) -> list[Placed]:
         """Every tensor's place, once every copy has landed."""
