@@ -211,6 +211,9 @@ def measure(spec: dict[str, Any], model: Path, parameters: int, args: argparse.N
         if len(weights) < 3:
             raise RuntimeError(f"export_weights gave {len(weights)} tensors")
         del weights
+        out |= export_stall(
+            engine, random_batch(args.warmup + args.steps, rows=args.rows, tokens=args.tokens, vocab=args.vocab)
+        )
     finally:
         engine.close()
     step_s = statistics.median(times)
@@ -221,6 +224,24 @@ def measure(spec: dict[str, Any], model: Path, parameters: int, args: argparse.N
     return out
 
 
+def export_stall(engine: Any, batch: PackedBatch) -> dict[str, Any]:
+    """A push's hold on the trainer as its learner counts it: the export (bf16, the generators' dtype) ordered
+    before one more step, the call itself and that step's wait behind it, over the step's own time."""
+    began = time.perf_counter()
+    exporting = engine.begin_export(torch.bfloat16)
+    held = time.perf_counter() - began
+    done_at: list[float] = []
+    exporting.add_done_callback(lambda _: done_at.append(time.perf_counter()))
+    sent = time.perf_counter()
+    engine.train_step(batch, version=1)
+    took = time.perf_counter() - sent
+    exporting.result()
+    while not done_at:  # the callback runs just after the result is set
+        time.sleep(0.001)
+    queued = max(0.0, done_at[0] - sent)
+    return {"export_stall_s": held + queued, "export_stall_frac": (held + queued) / (took - queued)}
+
+
 COLUMNS = [  # header, key in a row's numbers, format; "-" where a row has no such number
     ("step s", "step_s", "{:.2f}"),
     ("tokens/s", "tokens_per_s", "{:,.0f}"),
@@ -228,6 +249,7 @@ COLUMNS = [  # header, key in a row's numbers, format; "-" where a row has no su
     ("peak GiB", "peak_gib", "{:.1f}"),
     ("state GiB", "state_gib", "{:.1f}"),
     ("export s", "export_s", "{:.1f}"),
+    ("export stall / step", "export_stall_frac", "{:.3f}"),
     ("push GiB/s", "push_gib_s", "{:.2f}"),
     ("start s", "start_s", "{:.0f}"),
 ]

@@ -1,10 +1,18 @@
 """Weight-sync benchmark: pushes next to plain TCP, star vs relay fan-out to 1, 2 and 4 generators.
 
-Run from the repository root (a full run takes a few minutes on 2 cores):
+Run from the repository root (a full run takes 10-20 minutes on 2 cores):
 
     .venv/bin/python benchmarks/weight_sync.py            # writes benchmarks/results/weight_sync.md
     .venv/bin/python benchmarks/weight_sync.py --quick    # 100 MiB only, 2 rounds: a smoke run
     .venv/bin/python benchmarks/weight_sync.py --out /tmp/weight_sync.md
+    .venv/bin/python benchmarks/weight_sync.py --before /tmp/before   # and a checkout of another commit
+
+Then the two measurements of the trainer's and the generator's side of a push, each in a process of its own:
+the trainer's stall per push over its step (`benchmarks/export_stall.py`: fsdp2 with 2 ranks and the torch
+backend, the BPE test model) and the longest stop of decoding during a push over the swap alone
+(`benchmarks/decode_pause.py`, with `.venv-vllm`'s interpreter when it is there: vLLM and the transformers
+engine). `--before PATH` runs both again with PYTHONPATH at PATH (a `git worktree` of another commit), so the
+rows of the two commits come from one run.
 
 Two state dicts of fp32 tensors of 4 MiB: 100 MiB and 1 GiB, sent as they are (no wire dtype, so
 the bytes on the wire are the state's). Four receiver processes (spawn; uvloop), each a
@@ -66,6 +74,8 @@ _U64 = struct.Struct(">Q")
 MIB = 1024**2
 GIB = 1024**3
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "weight_sync.md"
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 
 def quiet_logs() -> None:
@@ -381,6 +391,62 @@ def start_receivers(count: int) -> tuple[list[Any], list[Pipe], list[dict[str, i
     return procs, pipes, ports
 
 
+def side_measurement(
+    script: str, python: str | Path, quick: bool, before: Path | None, extra: tuple[str, ...] = ()
+) -> list[tuple[str, dict[str, Any]]]:
+    """The rows `benchmarks/SCRIPT.py --json` writes, run with `python` at this checkout (and at `before`),
+    each labelled with its checkout."""
+    import json
+    import subprocess
+    import tempfile
+
+    rows: list[tuple[str, dict[str, Any]]] = []
+    trees = [("this commit", ROOT)] + ([(f"before ({before})", before.resolve())] if before is not None else [])
+    for label, tree in trees:
+        if script == "decode_pause" and tree != ROOT and not extra:
+            # Before `hf weights swapped` was logged the transformers engine's stop cannot be read: vLLM alone.
+            extra = ("--engines", "vllm")
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "rows.json"
+            short = ["--steps" if script == "export_stall" else "--rounds", "2"] if quick else []
+            command = [str(python), str(ROOT / "benchmarks" / f"{script}.py"), "--json", str(out), *short, *extra]
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            print(f"{script} at {label}: {shlex.join(command)}", file=sys.stderr, flush=True)
+            subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+            rows += [(label, row) for row in json.loads(out.read_text())]
+    return rows
+
+
+def stall_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| code | trainer | export API | step s | export s (until out) | stall per push s | stall / step "
+        "| stall per push, every step (ms) |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for label, r in rows:
+        lines.append(
+            f"| {label} | {r['backend']} | {r['api']} | {r['step_s']:.2f} | {r['export_s']:.3f} | {r['stall_s']:.3f} "
+            f"| {r['stall_frac']:.3f} | {', '.join(str(s) for s in r['stalls_ms'])} |"
+        )
+    return lines
+
+
+def pause_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = [
+        "| code | engine | push ms | longest token gap, no push ms | longest token gap during a push ms "
+        "| longest stop of decoding for a push, in the engine ms | swap alone ms | stop / swap alone "
+        "| stop per round ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, r in rows:
+        gap = "-" if r["gap_ms"] is None else f"{r['gap_ms']:.1f}"
+        lines.append(
+            f"| {label} | {r['engine']} | {r['push_ms']:.0f} | {r['quiet_ms']:.1f} | {gap} | {r['blocked_ms']:.1f} "
+            f"| {r['swap_ms']:.1f} | {r['pause_over_swap']:.2f} | {', '.join(str(b) for b in r['blocked_rounds_ms'])} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="100 MiB only, 2 rounds: a smoke run")
@@ -388,6 +454,9 @@ def main() -> None:
         "--rounds", type=int, default=5, help="measured rounds per configuration (default 5; 3 at 1 GiB)"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"report file (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--before", type=Path, default=None, help="also measure the stall and the decoding pause at this checkout"
+    )
     args = parser.parse_args()
     sizes = [100] if args.quick else [100, 1024]
     rounds = {100: 2, 1024: 2} if args.quick else {100: args.rounds, 1024: max(2, args.rounds - 2)}
@@ -404,6 +473,11 @@ def main() -> None:
             if proc.is_alive():
                 proc.kill()
     rows, summary = table(results)
+    stall = side_measurement("export_stall", sys.executable, args.quick, args.before)
+    if VLLM_PYTHON.exists():
+        pause = side_measurement("decode_pause", VLLM_PYTHON, args.quick, args.before)
+    else:  # no vLLM here: the transformers engine alone
+        pause = side_measurement("decode_pause", sys.executable, args.quick, args.before, ("--engines", "hf"))
     lines = [
         "# Weight-sync benchmark",
         "",
@@ -425,11 +499,32 @@ def main() -> None:
         "",
         *rows,
         "",
+        "## The trainer's stall per push (`benchmarks/export_stall.py`)",
+        "",
+        "How long a push holds the trainer as its learner counts it (the export call, the next step's wait behind"
+        " the export, the next optimizer step's wait for the packer), over the step's own time; the BPE test model"
+        " in fp32, exported in bf16; medians over the measured steps.",
+        "",
+        *stall_table(stall),
+        "",
+        "## Decoding during a push (`benchmarks/decode_pause.py`)",
+        "",
+        "The longest stop of decoding a push caused, timed in the engine, against the swap alone (the version's"
+        " copy into the engine's weights); the callers' token gaps beside it. The BPE test model in fp32, 4"
+        " clients decoding; its module docstring says what each column counts.",
+        "",
+        *pause_table(pause),
+        "",
     ]
-    if "push_over_raw_1024" in summary and "relay_egress_4gen_1024" in summary:
+    z = next(
+        (r["stall_frac"] for label, r in stall if label == "this commit" and r["backend"].startswith("fsdp2")), None
+    )
+    w = next((r["pause_over_swap"] for label, r in pause if label == "this commit" and r["engine"] == "vllm"), None)
+    if "push_over_raw_1024" in summary and "relay_egress_4gen_1024" in summary and z is not None and w is not None:
         lines.append(
             f"summary: push_over_raw_1gib={summary['push_over_raw_1024']:.2f}"
             f" relay_egress_4gen={summary['relay_egress_4gen_1024']:.2f}"
+            f" export_stall_frac={z:.3f} decode_pause_over_copy={w:.2f}"
         )
     report = "\n".join(lines) + "\n"
     print(report)

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,3 +65,16 @@ async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition never held")
         await asyncio.sleep(0.005)
+
+
+def with_weights(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The model of `model_dir` holding `weights` (a tied lm_head follows the embeddings): what an engine given
+    them must decode like."""
+    model, _ = load_model_and_tokenizer(model_dir)
+    model.load_state_dict(weights, strict=False)
+    return model
+
+
+async def generate_all(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> list[Any]:
+    """Every prompt as its own concurrent request (ids `tag0`, `tag1`, ...); the results in prompt order."""
+    return await asyncio.gather(*(engine.generate(f"{tag}{i}", p, params) for i, p in enumerate(prompts)))

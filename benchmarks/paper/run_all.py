@@ -28,6 +28,7 @@ EXPERIMENTS = {
     "fig11a": "fig11a_affinity.py",
     "fig11b": "fig11b_weight_sync.py",
     "fig11b-relay": "fig11b_relay.py",
+    "fig11b-transports": "fig11b_transports.py",
     "fig12a": "fig12a_env_handling.py",
     "fig12b": "fig12b_redundancy.py",
     "fig13": "fig13_alpha.py",

@@ -10,7 +10,6 @@ it), so the watch sees what vLLM's processes would put in the temp dir. The test
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +22,14 @@ import torch
 from rollart.generation.engine import GenerationResult, SamplingParams
 from rollart.generation.vllm.engine import VLLMEngine
 from rollart.models.loading import load_model_and_tokenizer
-from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
+from tests.engine_reference import (
+    PROMPTS,
+    build_engine_test_model,
+    generate_all,
+    hf_greedy,
+    noisy_weights,
+    with_weights,
+)
 from tests.filewatch import SHM, FileWatch, private_tmpdir
 from tests.slow.vllm_marks import vllm_engine_marks
 from tests.weight_push import push_over_tcp
@@ -74,14 +80,8 @@ async def engine(model_dir: Path, private_tmp: Path) -> AsyncIterator[VLLMEngine
     await engine.close()
 
 
-def with_weights(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model, _ = load_model_and_tokenizer(model_dir)
-    model.load_state_dict(weights, strict=False)  # tied: lm_head follows the embeddings
-    return model
-
-
 async def greedy(engine: VLLMEngine, prompts: list[list[int]], tag: str) -> list[GenerationResult]:
-    return await asyncio.gather(*(engine.generate(f"{tag}{i}", p, GREEDY) for i, p in enumerate(prompts)))
+    return await generate_all(engine, prompts, tag, GREEDY)
 
 
 async def test_no_file_during_push_into_the_vllm_engine(

@@ -5,14 +5,13 @@ A version pushed the way a run pushes it (publisher -> loopback TCP -> a receive
 without a copy and loaded by both workers: greedy output after the push equals the transformers model with the
 same weights, and equals a fresh two-worker engine started from those weights saved as a model folder, token for
 token, with log-probs to 1e-5. A version the workers cannot stage leaves both on the old weights, under the old
-label, and the engine decoding.
+label, and the engine decoding. Under LoRA, adapters pushed to a two-worker engine decode as PEFT's merged model.
 
 Needs vLLM: `bin/setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/slow/test_vllm_tp.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +25,16 @@ from rollart.generation.vllm import weights as vllm_weights
 from rollart.generation.vllm.engine import VLLMEngine
 from rollart.generation.vllm.weights import VLLMWeightsFailed
 from rollart.models.loading import load_model_and_tokenizer
-from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights
+from tests.engine_reference import (
+    PROMPTS,
+    build_engine_test_model,
+    encoded_prompts,
+    generate_all,
+    hf_greedy,
+    noisy_weights,
+    with_weights,
+)
+from tests.lora_reference import SPEC, peft_adapters
 from tests.slow.vllm_marks import vllm_engine_marks
 from tests.weight_push import push_over_tcp
 
@@ -37,8 +45,8 @@ pytestmark = vllm_engine_marks(600)
 torch.set_num_threads(1)  # the engine's processes need the cores
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-CORES = "0-1"
-"""Split one per worker ("0|1") by the engine."""
+TWO_WORKERS = {"tensor_parallel_size": 2, "cpu_threads_bind": "0-1"}
+"""An engine of two workers, the cores split one per worker ("0|1") by the engine."""
 
 
 @pytest.fixture(scope="module")
@@ -59,26 +67,19 @@ def reference(model_dir: Path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
-    _, tokenizer = load_model_and_tokenizer(model_dir)
-    return [tokenizer.encode(text) for text in PROMPTS[:3]]
+    return encoded_prompts(model_dir, PROMPTS[:3])
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(model_dir: Path) -> AsyncIterator[VLLMEngine]:
-    engine = VLLMEngine(model_dir, max_batch_size=8, tensor_parallel_size=2, cpu_threads_bind=CORES)
+    engine = VLLMEngine(model_dir, max_batch_size=8, **TWO_WORKERS)
     await engine.start()
     yield engine
     await engine.close()
 
 
 async def greedy(engine: VLLMEngine, prompts: list[list[int]], tag: str) -> list[GenerationResult]:
-    return await asyncio.gather(*(engine.generate(f"{tag}{i}", p, GREEDY) for i, p in enumerate(prompts)))
-
-
-def with_weights(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model, _ = load_model_and_tokenizer(model_dir)
-    model.load_state_dict(weights, strict=False)  # tied: lm_head follows the embeddings
-    return model
+    return await generate_all(engine, prompts, tag, GREEDY)
 
 
 async def test_tp_push_reaches_both_workers_without_a_copy(
@@ -131,7 +132,7 @@ async def test_tp_push_matches_a_fresh_two_worker_engine_started_from_the_same_w
     shutil.copytree(model_dir, on_disk)
     trained_model = with_weights(model_dir, {name: t.float() for name, t in trained.items()})
     trained_model.save_pretrained(on_disk)
-    fresh = VLLMEngine(on_disk, max_batch_size=8, tensor_parallel_size=2, cpu_threads_bind=CORES)
+    fresh = VLLMEngine(on_disk, max_batch_size=8, **TWO_WORKERS)
     await fresh.start()
     try:
         loaded = await greedy(fresh, prompts, "d")
@@ -141,3 +142,18 @@ async def test_tp_push_matches_a_fresh_two_worker_engine_started_from_the_same_w
         assert s.token_ids == d.token_ids == hf_greedy(trained_model, prompt, 16)
         assert s.logprobs == pytest.approx(d.logprobs, abs=1e-5)
         assert (s.versions, d.versions) == ([3] * 16, [0] * 16)
+
+
+async def test_tp_push_lora_adapters_reach_both_workers(model_dir: Path, prompts: list[list[int]]) -> None:
+    """Under LoRA a version is adapters, which vLLM serves natively: each worker of a tensor-parallel engine loads
+    its shard of them, and greedy output equals PEFT's merged model."""
+    adapters, merged = peft_adapters(model_dir, seed=1, scale=0.3)
+    engine = VLLMEngine(model_dir, max_batch_size=8, max_model_len=512, lora=SPEC, **TWO_WORKERS)
+    await engine.start()
+    try:
+        await engine.load_adapter(1, adapters, SPEC)
+        after = await greedy(engine, prompts, "lora")
+    finally:
+        await engine.close()
+    assert [r.token_ids for r in after] == [hf_greedy(merged, p, 16) for p in prompts]
+    assert all(r.versions == [1] * 16 for r in after)
