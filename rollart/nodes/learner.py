@@ -170,6 +170,7 @@ class Learner:
         self._publishing = asyncio.create_task(
             self._push(version, exporting, engine.exports_copies(dtype), before), name=f"publish-v{version}"
         )
+        self._publishing.add_done_callback(functools.partial(_say_if_push_failed, version))
 
     async def _push(
         self,
@@ -182,11 +183,6 @@ class Learner:
             await before  # versions go out in order
         weights = await asyncio.wrap_future(exporting)
         await asyncio.to_thread(self.publisher.publish, version, weights, owned=owned)
-
-    async def published(self) -> None:
-        """Wait until the last version's push has started; raises what stopped it (a rank that died)."""
-        if self._publishing is not None:
-            await self._publishing
 
     def push_record(self) -> dict[str, float]:
         """The weight push's numbers for the step's metrics line: the trainer's stall, the last push to each
@@ -268,7 +264,10 @@ class Learner:
             await asyncio.wrap_future(failed)
 
     async def close(self) -> None:
-        """Finish the checkpoint in flight and stop the engine (its rank processes)."""
+        """Finish the checkpoint in flight and stop the engine (its rank processes); a push not started yet is
+        let go (the publisher is closing too)."""
+        if self._publishing is not None and not self._publishing.done():
+            self._publishing.cancel()
         try:
             await self.saved()
         finally:
@@ -283,8 +282,15 @@ def _say_if_failed(path: Path, saving: asyncio.Task[None]) -> None:
         log.error("learner.checkpoint_failed", path=str(path), error=f"{type(error).__name__}: {error}")
 
 
+def _say_if_push_failed(version: int, publishing: asyncio.Task[None]) -> None:
+    """Log a version whose push could not start (its export failed: a rank died) when it happens; the next step
+    raises it too (`Learner.train`)."""
+    if not publishing.cancelled() and (error := publishing.exception()) is not None:
+        log.error("learner.publish_failed", version=version, error=f"{type(error).__name__}: {error}")
+
+
 async def _done_at(exporting: Future[Any]) -> float:
-    """When `exporting` completed (`time.perf_counter()`), whether or not it failed (`published` says why)."""
+    """When `exporting` completed (`time.perf_counter()`), whether or not it failed (the push says why)."""
     with contextlib.suppress(Exception):
         await asyncio.wrap_future(exporting)
     return time.perf_counter()

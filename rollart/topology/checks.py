@@ -115,7 +115,7 @@ def check(topology: Topology) -> list[tuple[str, str]]:
                     problems.append((f"{at}.{key}", f"port {port} on {host} is already used by {other_at}"))
                     break
             listening.append((host, port, f"{at}.{key}"))
-        problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb"), ("gpus",))
+        problems += _below_zero(f"{at}.resources", node.resources, ("cpus", "memory_gb", "network_gbps"), ("gpus",))
         if node.restart is not None:
             problems += _check_restart(f"{at}.restart", node.restart)
     problems += exposure.check_exposure(topology)
