@@ -4,7 +4,7 @@ The trainer's wall time from one step's line to the next is, in order: waiting f
 fill (`time_wait_s`), the train step (`time_recompute_s`: no-grad forwards for pi_prox;
 `time_forward_s`; `time_backward_s`: the loss and its backward; `time_optimizer_s`: clipping and
 the optimizer, each summed over the step's passes), the weight export that holds it (`stall_s`:
-the export, planning the push, waiting for the packer), and the rest (bookkeeping, metrics,
+ordering the export, the step's wait behind it, waiting for the packer), and the rest (bookkeeping, metrics,
 checkpoints: `other`). The push and the generators' apply run beside the next step
 (`time_push_s`, `time_apply_s`), as do the trajectories (per trajectory of the batch on average:
 `traj_gen_s`, `traj_env_s`, `traj_reward_s`, out of `traj_s`). The progress line

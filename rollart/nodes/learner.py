@@ -2,8 +2,9 @@
 checkpoint it.
 
 Per batch: group-relative advantages and one `train_step` in a worker thread (the node keeps serving
-env-hosts meanwhile), then a snapshot of the new weights handed to the `WeightPublisher` (the only wait: a
-copy), cast to the dtype the generators take (`GeneratorTargets`). Checkpoints go to `RunDir.checkpoint(step)`
+env-hosts meanwhile), then the export of the new weights ordered before the next step (`begin_export`, cast to
+the dtype the generators take: `GeneratorTargets`; the only wait), handed to the `WeightPublisher` in the
+background once it is out. Checkpoints go to `RunDir.checkpoint(step)`
 (the engine's state, and the trainer state: version, step, elapsed time, RNG and dispenser state); the
 `latest` pointer names the newest complete one, so a kill -9 mid-save leaves the previous one usable.
 
@@ -65,6 +66,9 @@ class Learner:
         """The engine's `describe()`, once it is built (in `/status`: its rank processes' pids)."""
         self.stall_s: list[float] = []
         """Per version published: the seconds the trainer waited for its export (`publish`)."""
+        self._step_stall_s = 0.0
+        """What the weight push held the trainer in the current step: the wait for the last version's packer and
+        export, and ordering this version's export (the step's metrics line: `stall_s`)."""
         self._publishing: asyncio.Task[None] | None = None
         """The last version's push being started (its export awaited, then handed to the publisher)."""
         self._exported_at: asyncio.Future[float] | None = None
@@ -123,11 +127,12 @@ class Learner:
 
         if self._publishing is not None and self._publishing.done():
             self._publishing.result()  # a push that could not start (a rank died in the export) fails the step
+        self._step_stall_s = 0.0
 
         def step() -> dict[str, Any]:
             # The last version's packer may still read the weights: the optimizer must not change them yet.
             if self.stall_s:
-                self.stall_s[-1] += self.publisher.wait_packed()
+                self._held(self.publisher.wait_packed())
 
             advantages = ragged_group_advantages(rewards, normalize_std=cfg.normalize_std, eps=cfg.adv_eps)
             counts = {
@@ -147,7 +152,7 @@ class Learner:
         stats = await asyncio.to_thread(step)
         if self._exported_at is not None:  # the step ran after the export: what it waited for it is the push's
             exported_at, self._exported_at = await self._exported_at, None
-            self.stall_s[-1] += max(0.0, exported_at - sent)
+            self._held(max(0.0, exported_at - sent))
         return stats
 
     async def publish(self, version: int) -> None:
@@ -164,7 +169,8 @@ class Learner:
         started = time.perf_counter()
         dtype = self.targets.wire_dtype()  # the generators' dtype: cast in the export, on the trainer's device
         exporting = await asyncio.to_thread(engine.begin_export, dtype)
-        self.stall_s.append(time.perf_counter() - started)
+        self.stall_s.append(0.0)
+        self._held(time.perf_counter() - started)
         self._exported_at = asyncio.ensure_future(_done_at(exporting))
         before = self._publishing
         self._publishing = asyncio.create_task(
@@ -184,13 +190,18 @@ class Learner:
         weights = await asyncio.wrap_future(exporting)
         await asyncio.to_thread(self.publisher.publish, version, weights, owned=owned)
 
+    def _held(self, seconds: float) -> None:
+        """Count `seconds` the push held the trainer: to the last version published, and to this step."""
+        self.stall_s[-1] += seconds
+        self._step_stall_s += seconds
+
     def push_record(self) -> dict[str, float]:
         """The weight push's numbers for the step's metrics line: the trainer's stall, the last push to each
         generator (the slowest), and what the links carried since the last call (and would have, whole)."""
         pushes = [s.last_push_s for s in self.publisher.stats().values() if s.pushes]
         links = (self.publisher.link_bytes, self.publisher.link_whole_bytes)
         record = {
-            "stall_s": self.stall_s[-1] if self.stall_s else 0.0,
+            "stall_s": self._step_stall_s,
             "time_push_s": round(max(pushes, default=0.0), 6),
             "weight_link_bytes": links[0] - self._links_counted[0],
             "weight_link_whole_bytes": links[1] - self._links_counted[1],
