@@ -174,10 +174,15 @@ class GeneratorNode(NodeDaemon):
         except EngineClosed as error:
             # An engine that can serve no more (a swap that failed half-way leaves its workers on two versions):
             # the node ends, and its launcher restarts it on the newest weights.
-            self._engine_error = self._engine_error or error
-            self._engine_failed.set()
+            self._engine_gone(error)
             raise
         log.info("generator.weights", version=version, lora=lora is not None)
+
+    def _engine_gone(self, error: EngineClosed) -> None:
+        """The engine serves no more (its process died, or a swap failed half-way): end the node (`_serve_engine`),
+        whose launcher restarts it, rather than answer every request with the error."""
+        self._engine_error = self._engine_error or error
+        self._engine_failed.set()
 
     async def on_bulk(self, conn: Connection, peer: Identity) -> None:
         # Weights come from the trainer, or from a generator relaying them down a chain; the session
@@ -274,6 +279,9 @@ class GeneratorNode(NodeDaemon):
             raise
         except ValueError as exc:
             raise RemoteError("bad-request", str(exc)) from exc
+        except EngineClosed as error:  # its engine died (vLLM's engine core): the node ends, to be restarted
+            self._engine_gone(error)
+            raise
         if result.finish_reason == "abort":
             self.aborted += 1
         self.served += 1
