@@ -41,12 +41,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> torch.nn.Module:
-    model, _ = load_model_and_tokenizer(model_dir)
-    return model
-
-
-@pytest.fixture(scope="module")
 def prompts(model_dir: Path) -> list[list[int]]:
     _, tokenizer = load_model_and_tokenizer(model_dir)
     return [tokenizer.encode(text) for text in [*PROMPTS, LONG_PROMPT]]

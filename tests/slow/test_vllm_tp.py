@@ -24,7 +24,6 @@ from rollart.generation.engine import GenerationResult, SamplingParams
 from rollart.generation.vllm import weights as vllm_weights
 from rollart.generation.vllm.engine import VLLMEngine
 from rollart.generation.vllm.weights import VLLMWeightsFailed
-from rollart.models.loading import load_model_and_tokenizer
 from tests.engine_reference import (
     PROMPTS,
     build_engine_test_model,
@@ -57,12 +56,6 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(folder: Path) -> Path:
     return build_engine_test_model(folder / "model")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> torch.nn.Module:
-    model, _ = load_model_and_tokenizer(model_dir)
-    return model
 
 
 @pytest.fixture(scope="module")
