@@ -200,8 +200,9 @@ class GeneratorNode(NodeDaemon):
             tg.create_task(self.receiver.serve())
             transport = run.trainer.weights.transport
             # A simulated engine gets no real weights (`SimWeights` stands for the push).
-            # UCX does not encrypt: with TLS, weights come over the session port's TLS.
-            plain = transport == "tcp" or self.tls is not None
+            # UCX does not encrypt: with TLS, weights come over the session port's TLS. A group push (nccl)
+            # comes over the session port and the group its push names.
+            plain = transport in ("tcp", "nccl") or self.tls is not None
             if not plain and self.backend.pushed_weights and ucx_unavailable() is None:
                 self.ucx_port = await self.receiver.listen_ucx(
                     local=self.identity, secret=self.secret, cfg=self.cfg, port=0

@@ -130,7 +130,9 @@ class TrainerNode(NodeDaemon):
         assert rollout is not None
         if rollout.mode == "train":
             spec = run.trainer
-            publisher = WeightPublisher(self.identity, self.secret, self.cfg, spec.weights, tls=self.tls)
+            publisher = WeightPublisher(
+                self.identity, self.secret, self.cfg, spec.weights, tls=self.tls, host=self.spec.host
+            )
             addresses = [
                 GeneratorAddress(peer.name, peer.host, peer.port, place=f"{peer.cluster}/{peer.host}")
                 for peer in self.topology.nodes_with_role(Role.GENERATOR)

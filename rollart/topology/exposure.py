@@ -36,8 +36,9 @@ def check_exposure(topology: Topology) -> list[tuple[str, str]]:
     """(YAML path, problem) for each socket beyond loopback that TLS does not protect."""
     run = topology.run
     problems: list[tuple[str, str]] = []
-    if run.tls is not None and run.trainer.weights.transport == "ucx":
-        problem = "UCX does not encrypt; with run.tls weights go over TLS on TCP (transport: auto or tcp)"
+    if run.tls is not None and (transport := run.trainer.weights.transport) in ("ucx", "nccl"):
+        what = {"ucx": "UCX", "nccl": "NCCL (or gloo)"}[transport]
+        problem = f"{what} does not encrypt; with run.tls weights go over TLS on TCP (transport: auto or tcp)"
         problems.append(("run.trainer.weights.transport", problem))
     if run.insecure:
         return problems

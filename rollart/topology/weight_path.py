@@ -8,8 +8,10 @@ every generator, the transport on each hop, the host memory a push needs, and an
 
 The estimate is the bytes over the slowest link of each hop: between two hosts the smaller `resources.network_gbps`
 of the two nodes (or an assumed 10 Gb/s, said so), on one host loopback TCP at `LOOPBACK_GBPS`; a relay chain
-forwards each bucket as it arrives, so a chain costs its slowest link plus a bucket per further hop, and a star
-costs the trainer's egress once per generator. It reads only the topology, so it runs anywhere.
+forwards each bucket as it arrives, so a chain costs its slowest link plus a bucket per further hop, a star
+costs the trainer's egress once per generator, and a group broadcast (`transport: nccl`) its slowest link once.
+Links between GPUs (NVLink, InfiniBand) are what `resources.network_gbps` says: on one host the estimate still
+uses loopback TCP's rate, which NCCL beats by far. It reads only the topology, so it runs anywhere.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def _transport(topology: Topology) -> str:
     wanted = topology.run.trainer.weights.transport
     if topology.run.tls is not None:
         return "tcp (TLS)"
+    if wanted == "nccl":
+        return "nccl (an NCCL group where CUDA is, gloo otherwise)"
     return "ucx where ucxx is installed, else tcp" if wanted == "auto" else wanted
 
 
@@ -73,12 +77,14 @@ def weight_path_report(topology: Topology, shape: ModelShape | None) -> list[str
     trainer = trainers[0]
     dtype = engine_dtype(topology, shape, on_gpu=any(g.resources.gpus > 0 for g in generators))
     nbytes = shape.weight_bytes(dtype)
+    grouped = spec.transport == "nccl" and topology.run.tls is None
+    fanout = "broadcast to every generator at once" if grouped else spec.fanout
     lines = [
         f"weights: a version is {nbytes / 1e9:.2f} GB ({dtype}, the generators' dtype); {_transport(topology)}, "
-        f"{spec.fanout}, buckets of {spec.bucket_mb:g} MiB" + (", deltas where smaller" if spec.delta else "")
+        f"{fanout}, buckets of {spec.bucket_mb:g} MiB" + (", deltas where smaller" if spec.delta else "")
     ]
     ordered = sorted(generators, key=lambda g: (g.cluster, g.host, g.name))
-    if spec.fanout == "relay":
+    if spec.fanout == "relay" and not grouped:
         hops = [Hop(a, b, *_link(a, b)) for a, b in zip([trainer, *ordered], ordered, strict=False)]
     else:
         hops = [Hop(trainer, g, *_link(trainer, g)) for g in ordered]
@@ -86,14 +92,16 @@ def weight_path_report(topology: Topology, shape: ModelShape | None) -> list[str
     for i, hop in enumerate(hops):
         seconds = nbytes * 8 / (hop.gbps * 1e9)
         rate = f"{hop.gbps:g} Gb/s" + (" assumed: set resources.network_gbps" if hop.assumed else "")
-        if hop.source.host == hop.target.host:
+        if hop.source.host == hop.target.host and not grouped:
             rate += " (loopback TCP)"
         timing = "pipelined behind the hop before" if spec.fanout == "relay" and i else f"~{seconds:.1f} s"
         pair = f"{hop.source.name} -> {hop.target.name}".ljust(width)
         lines.append(f"  {pair}  {hop.where}, {rate}: {timing}")
     slowest = min(hop.gbps for hop in hops)
     bucket = min(spec.bucket_bytes, nbytes)
-    if spec.fanout == "relay":
+    if grouped:  # one broadcast: every link carries a bucket once, at the pace of the slowest
+        total = nbytes * 8 / (slowest * 1e9)
+    elif spec.fanout == "relay":
         total = nbytes * 8 / (slowest * 1e9) + (len(hops) - 1) * bucket * 8 / (slowest * 1e9)
     else:
         total = len(hops) * nbytes * 8 / (slowest * 1e9)

@@ -46,6 +46,7 @@ import time
 from collections.abc import Mapping
 from typing import TypeVar
 
+import msgspec
 import structlog
 import torch
 
@@ -57,10 +58,20 @@ from rollart.protocol.errors import ProtocolError
 from rollart.protocol.framing import Connection, TcpConnection
 from rollart.protocol.tls import NodeTls
 from rollart.weights import ucx
+from rollart.weights.collective import Group, Groups
 from rollart.weights.config import Fanout, WeightsSpec
 from rollart.weights.snapshot import Snapshot, SnapshotStore
 from rollart.weights.targets import Target, TargetStats
-from rollart.weights.wire import WEIGHTS, Holding, RelayFailed, VersionAck, WeightMsg
+from rollart.weights.wire import (
+    WEIGHTS,
+    BucketManifest,
+    GroupTicket,
+    Holding,
+    RelayFailed,
+    VersionAck,
+    WeightMsg,
+    manifest_mac,
+)
 
 log = structlog.get_logger("rollart.weights.publisher")
 
@@ -83,13 +94,15 @@ class WeightPublisher:
         settings: WeightsSpec | None = None,
         *,
         tls: NodeTls | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         """`settings`: `run.trainer.weights` (None: its defaults). `tls`: connections to generators are TLS
-        (UCX, which does not encrypt, is then refused)."""
+        (UCX and NCCL, which do not encrypt, are then refused). `host`: where generators reach this process
+        (`transport: nccl` groups meet there)."""
         settings = settings or WeightsSpec()
         transport, bucket_bytes = settings.transport, settings.bucket_bytes
-        if tls is not None and transport == "ucx":
-            raise ValueError("weights: UCX does not encrypt; with TLS use transport 'tcp' or 'auto'")
+        if tls is not None and transport in ("ucx", "nccl"):
+            raise ValueError(f"weights: {transport} does not encrypt; with TLS use transport 'tcp' or 'auto'")
         if tls is not None:
             transport = "tcp"
         if transport == "ucx":
@@ -121,6 +134,8 @@ class WeightPublisher:
         self._ucx_held = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing_conns: set[asyncio.Future[None]] = set()
+        self.groups = Groups(host)
+        """`transport: nccl`: the groups pushes broadcast over."""
 
     # -- targets ----------------------------------------------------------------------------------
 
@@ -138,7 +153,7 @@ class WeightPublisher:
         floating-point weights in `dtype` (None: as published); `place` orders relay chains."""
         if name in self._targets:
             raise ValueError(f"target {name!r} is already added")
-        kind = "tcp"
+        kind = "nccl" if self.transport == "nccl" else "tcp"
         if self.transport == "ucx":
             if ucx_port is None:
                 raise ValueError(f"transport 'ucx' needs target {name!r}'s ucx_port")
@@ -148,7 +163,7 @@ class WeightPublisher:
             kind = "tcp" if reason else "ucx"
             if reason:
                 log.warning("weights.ucx_unavailable", target=name, reason=reason)
-        if kind == "tcp":
+        if kind != "ucx":
             ucx_port = None
         dtype_label = str(dtype).removeprefix("torch.") if dtype is not None else ""
         stats = TargetStats(name, kind, dtype_label)
@@ -181,8 +196,8 @@ class WeightPublisher:
         a gather), so over TCP they are sent from their own memory, no copy, once checksummed."""
         t0 = time.perf_counter()
         dtypes = tuple(dict.fromkeys(t.dtype for t in self._targets.values())) or (None,)
-        ucx_targets = any(t.stats.transport == "ucx" for t in self._targets.values())
-        self._store.put(version, state_dict, dtypes, owned=owned, contiguous=ucx_targets)
+        contiguous = any(t.stats.transport != "tcp" for t in self._targets.values())  # one buffer a bucket
+        self._store.put(version, state_dict, dtypes, owned=owned, contiguous=contiguous)
         self.last_stall_s = time.perf_counter() - t0
         if (loop := self._loop) is not None:
             loop.call_soon_threadsafe(self._wake.set)
@@ -232,6 +247,7 @@ class WeightPublisher:
                 self._hang_up(target)
             await self._all_closed()
             self._store.close()
+            self.groups.close()
             self._stopped.set()
 
     async def close(self) -> None:
@@ -263,19 +279,19 @@ class WeightPublisher:
             if snap is None or target.busy or target.retry_at > now:
                 continue
             if target.settled < snap.version:
-                delta = snap.base_version >= 0 and target.base == snap.base_version
+                delta = self.transport != "nccl" and snap.base_version >= 0 and target.base == snap.base_version
                 groups.setdefault((target.dtype, delta), []).append(target)
         for (dtype, delta), ready in groups.items():
             ready.sort(key=lambda t: (t.place, t.host, t.stats.name))
-            chains = [ready] if self.fanout == "relay" else [[t] for t in ready]
+            grouped = self.transport == "nccl"
+            chains = [ready] if self.fanout == "relay" or grouped else [[t] for t in ready]
             for chain in chains:
                 snap = self._store.take_latest(dtype)
                 assert snap is not None
                 for target in chain:
                     target.busy = True
-                task = self._tg.create_task(
-                    self._push_chain(chain, snap, delta=delta), name=f"weights->{chain[0].stats.name}"
-                )
+                push = self._push_group(chain, snap) if grouped else self._push_chain(chain, snap, delta=delta)
+                task = self._tg.create_task(push, name=f"weights->{chain[0].stats.name}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
 
@@ -354,7 +370,7 @@ class WeightPublisher:
             conn.send(WEIGHTS.encode(snap.push_header(tuple(t.hop() for t in chain[1:]), delta=delta)))
             for index, plan in enumerate(snap.plans):
                 manifest, parts = await snap.bucket(index, delta=delta)
-                conn.send(WEIGHTS.encode(manifest))
+                conn.send(WEIGHTS.encode(self._signed(manifest)))
                 await _send_payload(conn, parts)
                 nbytes = manifest.delta_nbytes or plan.nbytes
                 s.progress_bytes += plan.nbytes
@@ -380,6 +396,111 @@ class WeightPublisher:
         rate = (sent + (len(chain) - 1) * min(sent, self.bucket_bytes)) / (time.perf_counter() - t0)
         self._rate = rate if self._rate_measured is None else min(self._rate_measured, rate)
         self._rate_measured = self._rate
+
+    def _signed(self, manifest: BucketManifest) -> BucketManifest:
+        return msgspec.structs.replace(manifest, mac=manifest_mac(self._secret, manifest))
+
+    async def _push_group(self, members: list[Target], snap: Snapshot) -> None:
+        """Push `snap` to every member at once: one broadcast per bucket over their group (`transport: nccl`),
+        the push, the manifests and the acks over each one's connection."""
+        waiting = {t.stats.name: t for t in members}
+        group: Group | None = None
+        try:
+            for target in members:
+                if (watch := target.watch) is not None:
+                    target.watch = None
+                    watch.cancel()
+                    await asyncio.wait([watch])  # as in `_push_chain`
+            connected = await asyncio.gather(*(self._connected(t) for t in members), return_exceptions=True)
+            for target, outcome in zip(members, connected, strict=True):
+                if isinstance(outcome, BaseException):
+                    if not isinstance(outcome, OSError | TimeoutError | RollartError):
+                        raise outcome
+                    self._failed(target, outcome)
+                    self._hang_up(target)
+                    waiting.pop(target.stats.name)
+                elif snap.version <= target.settled:
+                    waiting.pop(target.stats.name)
+            if not waiting:
+                return
+            joined = list(waiting.values())
+            timeout_s = self.deadline_s(snap.nbytes)
+            group, tickets = self.groups.group_for(tuple(t.stats.name for t in joined), timeout_s=timeout_s)
+            await self._broadcast(joined, snap, group, tickets, waiting)
+        except (OSError, TimeoutError, RollartError) as exc:
+            await self._group_failed(list(waiting.values()), group, exc)
+            waiting.clear()  # the culprits are backing off; the others are planned again at once
+        finally:
+            for target in members:
+                target.busy = False
+                target.stats.in_flight = None
+                target.stats.via = ""
+            self._store.drop(snap)
+            for target in members:
+                if target.conn is not None and target.watch is None and not self._closing.is_set():
+                    target.watch = asyncio.ensure_future(self._watch_idle(target, target.conn))
+            self._wake.set()
+            await self._notify()
+
+    async def _connected(self, target: Target) -> None:
+        if target.conn is None or target.conn.closed:
+            await self._connect(target)
+
+    async def _broadcast(
+        self, joined: list[Target], snap: Snapshot, group: Group, tickets: list[GroupTicket], waiting: dict[str, Target]
+    ) -> None:
+        for target in joined:
+            target.stats.in_flight, target.stats.via = snap.version, "trainer"
+            target.stats.progress_bytes, target.stats.progress_of = 0, snap.nbytes
+        t0 = time.perf_counter()
+        async with asyncio.timeout(self.deadline_s(snap.nbytes)):
+            for target, ticket in zip(joined, tickets, strict=True):
+                assert target.conn is not None
+                target.conn.send(WEIGHTS.encode(msgspec.structs.replace(snap.push_header(), group=ticket)))
+            for index, plan in enumerate(snap.plans):
+                manifest, parts = await snap.bucket(index)
+                frame = WEIGHTS.encode(self._signed(manifest))
+                for target in joined:
+                    assert target.conn is not None
+                    target.conn.send(frame)
+                await group.broadcast(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
+                self.egress_bytes += plan.nbytes
+                self.link_bytes += plan.nbytes * len(joined)
+                self.link_whole_bytes += plan.nbytes * len(joined)
+                for target in joined:
+                    target.stats.progress_bytes += plan.nbytes
+                    target.stats.bytes_sent += plan.nbytes
+            acks = await asyncio.gather(*(_recv(t.conn, VersionAck) for t in joined if t.conn is not None))
+        seconds = time.perf_counter() - t0
+        for target, ack in zip(joined, acks, strict=True):
+            if ack.version != snap.version or ack.node:
+                got = f"ack for version {ack.version} from {target.stats.name}"
+                raise ProtocolError(f"weights: {got}; sent {snap.version}")
+            target.acked(ack, snap, seconds, relayed=False, delta=False)
+            waiting.pop(target.stats.name, None)
+        self._rate = min(self._rate_measured or float("inf"), snap.nbytes / seconds)
+        self._rate_measured = self._rate
+
+    async def _group_failed(self, members: list[Target], group: Group | None, exc: BaseException) -> None:
+        """A group push failed: whoever's connection ended is the cause and backs off (a member that died or
+        restarted); with none ended, all of them do. Every member hangs up and the group is not used again, so
+        the next round forms one of the members still there."""
+        conns = [t.conn for t in members if t.conn is not None and not t.conn.closed]
+        if conns and not any(t.conn is None or t.conn.closed for t in members):
+            # A member that died shows in its connection a moment after the broadcast to it failed.
+            ended = [asyncio.ensure_future(conn.wait_closed()) for conn in conns]
+            await asyncio.wait(ended, timeout=self.cfg.handshake_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in ended:
+                waiter.cancel()
+        culprits = [t for t in members if t.conn is None or t.conn.closed] or members
+        if group is not None:
+            self.groups.discard(group, f"{type(exc).__name__}: {exc}")
+        for target in members:
+            if target in culprits:
+                self._failed(target, exc)
+            else:
+                log.info("weights.replan", target=target.stats.name, version=target.stats.in_flight, why=str(exc))
+            self._hang_up(target)
 
     def _relay_failed(
         self, msg: RelayFailed, snap: Snapshot, members: dict[str, Target], waiting: dict[str, Target]

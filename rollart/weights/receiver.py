@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from rollart.protocol.tls import NodeTls
 from rollart.weights import delta as deltas
 from rollart.weights import ucx
 from rollart.weights.buckets import VersionAssembly, unpack_bucket
+from rollart.weights.collective import Group, GroupFailed
 from rollart.weights.pool import BufferPool
 from rollart.weights.relay import Relay
 from rollart.weights.wire import (
@@ -55,11 +57,14 @@ from rollart.weights.wire import (
     BucketManifest,
     ChecksumMismatch,
     DeltaBaseMissing,
+    GroupTicket,
     Holding,
     Hop,
+    ManifestForged,
     Push,
     VersionAck,
     WeightFormatError,
+    manifest_mac,
 )
 
 log = structlog.get_logger("rollart.weights.receiver")
@@ -217,6 +222,8 @@ class WeightReceiver:
         self._ucx_conns: set[ucx.UcxConnection] = set()
         self._ucx_held = False
         self._handshake_timeout_s = 0.0
+        self._group: Group | None = None
+        """The collective group the last push named (`transport: nccl`), kept while pushes name it."""
 
     @property
     def version(self) -> int:
@@ -268,6 +275,7 @@ class WeightReceiver:
         self, conn: Connection, peer: Identity, relays: dict[tuple[str, str, int, int], Relay]
     ) -> None:
         incoming: _Incoming | None = None
+        group: Group | None = None
         while True:
             msg = WEIGHTS.decode(await conn.recv())
             if isinstance(msg, Push):
@@ -282,11 +290,20 @@ class WeightReceiver:
                         relays[key] = Relay(hop, conn, self._dial)
                     relay = relays[key]
                     relay.begin(msgspec.structs.replace(msg, relay=msg.relay[1:]))
+                group = None
+                if msg.group is not None:
+                    if relay is not None:
+                        raise ProtocolError("weights: a push over a group is not relayed")
+                    group = self._joined(msg.group)
                 incoming = _Incoming(msg, relay, self._unpack)
                 continue
             if not isinstance(msg, BucketManifest):
                 raise ProtocolError(f"weights: expected a push or a bucket manifest; got {type(msg).__name__}")
-            payload = await conn.recv_bulk()
+            self._check_mac(msg, required=incoming is not None and incoming.push.group is not None)
+            if group is not None:  # the one this connection's push named, whatever pushes on others name
+                payload = await _by_group(group, msg, self._pool.take)
+            else:
+                payload = await conn.recv_bulk()
             self._stats.bytes_received += len(payload)
             self._stats.bytes_decoded += msg.nbytes
             if incoming is None or msg.version != incoming.push.version or incoming.done:
@@ -296,6 +313,31 @@ class WeightReceiver:
             if msg.index == msg.count - 1:
                 incoming.done = True
                 conn.send(WEIGHTS.encode(await self._take(incoming)))
+
+    def _joined(self, ticket: GroupTicket) -> Group:
+        """The group `ticket` names: the one kept, or a new one joined (the one kept is let go)."""
+        if self._group is not None and self._group.ticket.key == ticket.key and not self._group.broken:
+            return self._group
+        if self._group is not None:
+            self._group.close("the trainer named another group")
+            self._group = None
+        try:
+            self._group = Group.join(ticket)
+        except GroupFailed as exc:
+            raise ProtocolError(str(exc)) from exc
+        log.info("weights.group_joined", key=ticket.key[:8], rank=ticket.rank, size=ticket.size, backend=ticket.backend)
+        return self._group
+
+    def _check_mac(self, manifest: BucketManifest, *, required: bool) -> None:
+        """A manifest must carry the MAC the run's secret gives it, where this receiver knows the secret (it
+        relays as the node it is) and the manifest has one or needs one."""
+        if self._relay_as is None or not (manifest.mac or required):
+            return
+        if not hmac.compare_digest(manifest.mac, manifest_mac(self._relay_as[1], manifest)):
+            raise ManifestForged(
+                f"version {manifest.version} bucket {manifest.index}: its manifest's MAC is "
+                + ("wrong" if manifest.mac else "missing")
+            )
 
     async def _take(self, incoming: _Incoming) -> VersionAck:
         """Check a whole version and apply it, unless it is not newer; the ack to send back."""
@@ -427,13 +469,17 @@ class WeightReceiver:
             self._ucx_conns.discard(conn)
 
     async def close(self) -> None:
-        """End UCX connections and `serve()`, then stop listening. TCP connections end with their SessionServer.
+        """End UCX connections and `serve()`, then stop listening; leave the group (`transport: nccl`). TCP
+        connections end with their SessionServer.
 
         The listener goes last, and only to `ucx.RUNTIME`, which closes it once UCX's progress thread
         has stopped: closing it while endpoints accepted from it lived let a connection request run
         its callback on freed memory (ucx's module docstring). Until then a connection that arrives
         is dropped at once (`_stopping`)."""
         self._stopping.set()
+        if self._group is not None:
+            self._group.close("the receiver closed")
+            self._group = None
         for conn in list(self._ucx_conns):
             conn.close()
         if self._started.is_set():
@@ -445,6 +491,19 @@ class WeightReceiver:
         if self._ucx_held:
             self._ucx_held = False
             ucx.RUNTIME.release()
+
+
+async def _by_group(group: Group, manifest: BucketManifest, take: Callable[[int], memoryview]) -> memoryview:
+    """The payload `manifest` announces, received into a buffer from `take` by the broadcast it comes by; a failed
+    group ends the connection (the trainer forms a new one)."""
+    if manifest.delta_nbytes:
+        raise WeightFormatError("weights: a delta over a group (groups carry whole buckets)")
+    payload = take(manifest.nbytes)
+    try:
+        await group.broadcast(payload)
+    except GroupFailed as exc:
+        raise ConnectionClosed(f"weights group {group.ticket.key[:8]}: {exc}") from exc
+    return payload
 
 
 async def _handshakes_over(listener: Any, timeout: float) -> None:

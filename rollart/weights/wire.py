@@ -9,6 +9,10 @@ A push runs over a bulk connection (TCP: `rollart.protocol.bulk.open_bulk`; UCX:
     receiver -> sender      VersionAck(version, holding, error)   after the last bucket is applied
     receiver -> sender      VersionAck(..., node=N), RelayFailed  about the hops after it, passed back
 
+With `transport: nccl` the Push names a collective group (`Push.group`), every receiver of the push gets its own
+connection and manifests, and each payload comes to all of them at once by broadcast over the group instead of
+as a bulk frame (`rollart.weights.collective`); nothing is relayed.
+
 The sender is the trainer, or a generator relaying: it forwards each bucket to the first hop of
 `relay` as soon as it has the bucket, announcing the rest of the chain, and passes the acks of every
 hop behind it back up, so the trainer learns what each generator holds over its one connection.
@@ -17,6 +21,9 @@ Schema evolution as in `rollart.protocol.messages`: new fields get defaults and 
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import msgspec
 
@@ -57,6 +64,10 @@ class BucketManifest(msgspec.Struct, tag="bucket", **_WIRE):
     compressed with zstd (`rollart.weights.delta`); `nbytes` and `crc32c` are those of the decoded bytes."""
     delta_stride: int = 1
     """The element size the XOR was byte-shuffled by before compression (1: not shuffled)."""
+    mac: bytes = b""
+    """HMAC-SHA256 of everything above, keyed with the run's secret (`manifest_mac`): set by the trainer, checked by
+    every receiver that knows the secret (required when the payload comes by a group, outside the authenticated
+    connection); empty from a sender that predates it."""
 
 
 class Hop(msgspec.Struct, **_WIRE):
@@ -68,6 +79,22 @@ class Hop(msgspec.Struct, **_WIRE):
     """Its session port (TCP bulk connections)."""
     ucx_port: int = 0
     """Its UCX receiver's port; 0: TCP."""
+
+
+class GroupTicket(msgspec.Struct, **_WIRE):
+    """Where a push's collective group meets and the receiver's place in it (`rollart.weights.collective`)."""
+
+    key: str
+    """Random per group: its members' rendezvous prefix in the store."""
+    host: str
+    port: int
+    """The trainer's TCPStore."""
+    rank: int
+    size: int
+    backend: str
+    """nccl or gloo: every member uses the same."""
+    timeout_s: float
+    """How long joining or one broadcast may take before the group counts as broken."""
 
 
 class Push(msgspec.Struct, tag="push", **_WIRE):
@@ -86,6 +113,9 @@ class Push(msgspec.Struct, tag="push", **_WIRE):
     base: int = -1
     """Buckets sent as deltas (`BucketManifest.delta_nbytes`) are against this version's bytes, which
     every receiver of the push keeps (`Holding.base`); -1: every bucket is whole."""
+    group: GroupTicket | None = None
+    """Set: every payload of this push comes by broadcast over this group, not as a bulk frame after its
+    manifest (`transport: nccl`)."""
 
 
 class Holding(msgspec.Struct, tag="holding", **_WIRE):
@@ -123,12 +153,23 @@ WeightMsg = BucketManifest | Holding | VersionAck | Push | RelayFailed
 WEIGHTS: Channel[WeightMsg] = Channel("weights", WeightMsg)
 
 
+def manifest_mac(secret: bytes, manifest: BucketManifest) -> bytes:
+    """The keyed checksum of a bucket's manifest (its `mac` left out): with the manifest's CRC-32C of the payload,
+    what ties a bucket's bytes to the trainer that announced them."""
+    unsigned = msgspec.structs.replace(manifest, mac=b"")
+    return hmac.new(secret, WEIGHTS.encode(unsigned), hashlib.sha256).digest()
+
+
 class WeightFormatError(ProtocolError):
     """A bucket whose manifest does not fit its payload (dtype, shape, offset or size)."""
 
 
 class ChecksumMismatch(WeightFormatError):
     """A bucket's payload does not match the checksum its manifest announced."""
+
+
+class ManifestForged(WeightFormatError):
+    """A bucket's manifest does not carry the MAC the run's secret gives it (or carries none where one is needed)."""
 
 
 class DeltaBaseMissing(WeightFormatError):

@@ -46,6 +46,7 @@ def training_yaml(
     redundancy: int = 0,
     generate_timeout_s: float = 30,
     trainer: str = "",
+    transport: str = "tcp",
 ) -> str:
     """The `run:` keys of a small training run (appended by `write_topology`); `trainer` adds keys
     to `run.trainer` (`backend: fsdp2, ranks: 2`). Weights go star-wise, the trainer connected to
@@ -55,7 +56,7 @@ def training_yaml(
   generator: {{backend: hf}}
   reward_pool: {{min_workers: 0, max_workers: 1, idle_timeout_s: 30}}
   trainer: {{lr: 0.002, micro_batch_size: 16, checkpoint_every: {checkpoint_every}, threads: 1,
-             weights: {{transport: tcp, fanout: star}}{", " + trainer if trainer else ""}}}
+             weights: {{transport: {transport}, fanout: star}}{", " + trainer if trainer else ""}}}
   rollout:
     mode: train
     schedule: {schedule}

@@ -132,6 +132,28 @@ def test_async_training_runs_its_steps_and_pushes_every_version(
 
 
 @pytest.mark.timeout(240)
+def test_nccl_transport_training_run_broadcasts_every_version_to_both_generators(
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+) -> None:
+    """`transport: nccl` between node processes: a gloo group here, formed once, each version broadcast to both."""
+    steps = 3
+    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, transport="nccl"))
+    cluster.start()
+    cluster.wait_healthy()
+    done = trainer_done(cluster, timeout=180)
+    final = settle_generators(cluster, steps, timeout=10)
+    for name, engine in final.items():
+        assert steps - 1 <= engine["weights"]["version"] <= steps, (name, engine)
+        assert engine["version"] == engine["weights"]["version"], engine
+        pushed = done["training"]["weights"][name]
+        assert pushed["transport"] == "nccl" and pushed["failures"] == 0 and pushed["pushes"] >= 1, pushed
+        joined = cluster.events(name, "weights.group_joined")
+        assert joined and all(event["backend"] == "gloo" for event in joined), joined
+    assert len(cluster.events("trainer", "weights.group_formed")) == 1  # the same two generators throughout
+    assert cluster.stop() == dict.fromkeys(NODES, 0)
+
+
+@pytest.mark.timeout(240)
 def test_sync_baseline_trains_on_fresh_tokens_and_waits_for_every_push(
     tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
 ) -> None:

@@ -1,4 +1,5 @@
-"""Weight pushes over real loopback, to receivers in their own processes, over TCP and over UCX (ucxx):
+"""Weight pushes over real loopback, to receivers in their own processes, over TCP, over UCX (ucxx) and by
+broadcast over a collective group (`transport: nccl`, gloo here):
 a slow receiver skips to the newest version, one that is down gets the newest when it comes up,
 one that restarts gets the latest again, a publisher with the wrong secret is refused; relayed
 down a chain of four, every receiver ends with the same bytes and the trainer sends one copy, and
@@ -42,7 +43,10 @@ UCX_MISSING = ucx_unavailable()
 TRANSPORTS = [
     "tcp",
     pytest.param("ucx", marks=pytest.mark.skipif(UCX_MISSING is not None, reason=f"UCX transport: {UCX_MISSING}")),
+    "nccl",  # a gloo group here (no CUDA): the same code as NCCL's but for the backend
 ]
+RELAYED = TRANSPORTS[:2]
+"""The transports a relay chain runs over (a group push reaches every generator at once, relaying nothing)."""
 
 
 def weights(version: int, rows: int = 256) -> dict[str, torch.Tensor]:
@@ -335,7 +339,7 @@ CHAIN = ("gen-0", "gen-1", "gen-2", "gen-3")
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", RELAYED)
 async def test_a_relay_chain_of_4_ends_with_identical_checksums(transport: Transport, receivers: Receivers) -> None:
     procs = [await receivers.start(transport, name=name) for name in CHAIN]
     publisher = publisher_for(transport, receivers, names=CHAIN, fanout="relay")
@@ -403,3 +407,74 @@ async def test_delta_versions_relayed_down_a_chain_and_a_restarted_hop_gets_a_wh
     # The restarted hop refused the delta of version 4 (no base), got it whole, then version 5 as a delta.
     assert reports["gen-2"]["applied"] == [4, 5] and reports["gen-2"]["deltas"] == 1, reports["gen-2"]
     assert publisher.stats()["gen-2"].failures >= 1
+
+
+# -- collective groups (transport: nccl; gloo here) --------------------------------------------------
+
+GROUP = ("gen-0", "gen-1", "gen-2")
+
+
+@pytest.mark.timeout(90)
+async def test_nccl_transport_broadcasts_each_bucket_once_to_every_generator(receivers: Receivers) -> None:
+    procs = [await receivers.start("nccl", name=name) for name in GROUP]
+    publisher = publisher_for("nccl", receivers, names=GROUP)
+    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        for version in (1, 2, 3):
+            publisher.publish(version, weights(version), owned=version == 2)  # an export's own memory too
+            await publisher.wait_delivered(version, timeout=30)
+        await publisher.close()
+    for proc in procs:
+        report = await proc.stats()
+        assert report["applied"] == [1, 2, 3] and report["intact"]
+        assert report["crcs"][-1] == crc_of(weights(3))
+    state_bytes = sum(plan.nbytes for plan in plan_buckets(weights(3), BUCKET_BYTES))
+    assert publisher.egress_bytes == 3 * state_bytes  # one broadcast a bucket, whatever the number of generators
+    assert publisher.groups.formed == 1  # the same generators every time: one group
+    stats = publisher.stats()
+    assert {stats[name].transport for name in GROUP} == {"nccl"}
+    assert all(stats[name].pushes == 3 and stats[name].failures == 0 for name in GROUP)
+
+
+@pytest.mark.timeout(90)
+async def test_nccl_transport_a_generator_that_joins_later_gets_the_latest_in_a_new_group(receivers: Receivers) -> None:
+    procs = [await receivers.start("nccl", name=name) for name in GROUP[:2]]
+    publisher = publisher_for("nccl", receivers, names=GROUP[:2])
+    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        publisher.publish(1, weights(1))
+        await publisher.wait_delivered(1, timeout=30)
+        procs.append(await receivers.start("nccl", name=GROUP[2]))
+        publisher.add_target(GROUP[2], HOST, receivers.ports_of(GROUP[2])[0])
+        await publisher.wait_delivered(1, timeout=30)  # the newcomer gets the latest, alone
+        publisher.publish(2, weights(2))
+        await publisher.wait_delivered(2, timeout=30)  # then all three together
+        await publisher.close()
+    reports = [await proc.stats() for proc in procs]
+    assert [report["applied"] for report in reports] == [[1, 2], [1, 2], [1, 2]]
+    assert all(report["intact"] for report in reports)
+    assert publisher.groups.formed == 3  # the first two; the newcomer alone; all three
+
+
+@pytest.mark.timeout(120)
+async def test_nccl_transport_kill_9_of_a_generator_mid_push_and_the_others_converge(receivers: Receivers) -> None:
+    rows = 16384  # 64 MiB a version in 256 KiB buckets: long enough to kill a member in the middle of it
+    procs = {name: await receivers.start("nccl", name=name, rows=rows) for name in GROUP}
+    publisher = publisher_for("nccl", receivers, names=GROUP)
+    others = [name for name in GROUP if name != "gen-1"]
+    async with asyncio.timeout(100), asyncio.TaskGroup() as tg:
+        tg.create_task(publisher.run())
+        publisher.publish(1, weights(1, rows))
+        await until(lambda: publisher.stats()["gen-0"].progress_bytes > 0, timeout=20)
+        await procs["gen-1"].stop(kill=True)
+        await until(lambda: all(publisher.stats()[name].version >= 1 for name in others), timeout=60)
+        stats = publisher.stats()
+        assert stats["gen-1"].version < 1 and stats["gen-1"].failures >= 1
+        assert all(stats[name].failures == 0 for name in others)  # the dead one is the cause, not them
+        procs["gen-1"] = await receivers.start("nccl", name="gen-1", rows=rows)  # back: it gets the version too
+        await publisher.wait_delivered(1, timeout=60)
+        await publisher.close()
+    for proc in procs.values():
+        report = await proc.stats()
+        assert report["applied"] == [1] and report["intact"]
+        assert report["crcs"] == [crc_of(weights(1, rows))]

@@ -39,11 +39,13 @@ from rollart.weights.wire import (
     BucketManifest,
     ChecksumMismatch,
     Holding,
+    ManifestForged,
     MissingBucket,
     Push,
     TensorEntry,
     VersionAck,
     WeightFormatError,
+    manifest_mac,
 )
 from tests.strategies import (
     FUZZ_EXAMPLES,
@@ -360,6 +362,24 @@ async def test_receiver_drops_the_connection_on_a_corrupt_bucket(pushed: Pushed)
         await served[0]
     assert engine.applied == []
     assert receiver.stats().checksum_failures == 1
+
+
+async def test_a_manifest_without_the_mac_the_run_secret_gives_is_refused(pushed: Pushed) -> None:
+    conn, receiver, engine, served = pushed
+    receiver.relay_as(Identity("gen-0", "generator"), b"the run's secret", SessionConfig())  # it knows the secret
+
+    def signed(buckets: Buckets, secret: bytes) -> Buckets:
+        return [(msgspec.structs.replace(m, mac=manifest_mac(secret, m)), payload) for m, payload in buckets]
+
+    await send(conn, signed(version_of(1.0, 1), b"the run's secret"))
+    assert WEIGHTS.decode(await conn.recv()) == VersionAck(1, 1)
+    forged = signed(version_of(2.0, 2), b"the run's secret")
+    entry = msgspec.structs.replace(forged[0][0].tensors[0], name="lm_head.weight")  # a wrong name, the MAC kept
+    tampered = msgspec.structs.replace(forged[0][0], tensors=(entry, *forged[0][0].tensors[1:]))
+    await send(conn, [(tampered, forged[0][1]), *forged[1:]])
+    with pytest.raises(ManifestForged, match="MAC is wrong"):
+        await served[0]
+    assert [version for version, _ in engine.applied] == [1]
 
 
 # -- fuzzing: what a publisher sends -----------------------------------------------------------------
