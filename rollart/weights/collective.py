@@ -10,8 +10,9 @@ the acks still go over each generator's TCP connection, as on the TCP path (`rol
     group = Group.join(ticket)                            # a generator, told in a Push
     await group.broadcast(buffer)                         # receives into `buffer`
 
-The group is NCCL where the process has CUDA (buckets go through a device buffer: host -> device, broadcast,
-device -> host), gloo otherwise, which is how it runs on CPU and how it is tested here. Its members are the
+The group is NCCL where the trainer's process has CUDA (buckets go through a device buffer: host -> device,
+broadcast, device -> host; every member then needs a GPU of its own, NCCL taking no two ranks on one device), gloo
+otherwise, which is how it runs on CPU and how it is tested here. Its members are the
 trainer (rank 0) and the generators of one push, in the order of their names. A group is kept while the same
 generators take the pushes; a generator joining, restarting or dying makes a new one with a new key, as it
 makes a new TCP connection on that path. Forming one costs a rendezvous (milliseconds with gloo, about a second
@@ -54,7 +55,7 @@ class GroupFailed(RollartError):
 
 
 def group_backend() -> str:
-    """The backend this process's groups use: NCCL where CUDA is, gloo otherwise."""
+    """The backend the groups this process forms use: NCCL where CUDA is, gloo otherwise."""
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -74,9 +75,8 @@ class Group:
     @classmethod
     def join(cls, ticket: GroupTicket) -> Group:
         """Join the group a push named (`Push.group`); the rendezvous completes in the group's thread."""
-        if ticket.backend != group_backend():
-            usable = group_backend()
-            raise GroupFailed(f"weights group {ticket.key[:8]} is {ticket.backend}; this process can use {usable}")
+        if ticket.backend == "nccl" and not torch.cuda.is_available():
+            raise GroupFailed(f"weights group {ticket.key[:8]} is NCCL, and this process sees no CUDA device")
         return cls(ticket)
 
     def _join(self, store: Any) -> None:
