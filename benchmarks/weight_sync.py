@@ -1,4 +1,4 @@
-"""Weight-sync benchmark: pushes next to plain TCP, star vs relay fan-out to 1, 2 and 4 generators.
+"""Weight-sync benchmark: pushes next to plain TCP, star vs relay vs group broadcast to 1, 2 and 4 generators.
 
 Run from the repository root (a full run takes 10-20 minutes on 2 cores):
 
@@ -17,7 +17,8 @@ rows of the two commits come from one run.
 Two state dicts of fp32 tensors of 4 MiB: 100 MiB and 1 GiB, sent as they are (no wire dtype, so
 the bytes on the wire are the state's). Four receiver processes (spawn; uvloop), each a
 `WeightReceiver` behind a `SessionServer` (TCP) and a UCX listener, each able to relay. Per
-configuration (transport TCP or UCX; 1, 2 or 4 generators; star or relay) one `WeightPublisher`
+configuration (transport TCP or UCX; 1, 2 or 4 generators; star or relay; or transport nccl, which is a gloo
+group here, broadcasting each bucket to every generator at once) one `WeightPublisher`
 pushes a warm-up version and then N measured ones; after each measured push, raw TCP moves the
 same bytes (one blocking `sendall` to a thread doing `recv_into` one reused buffer in receiver
 0), so every ratio compares rounds taken next to each other. UCX is also compared with one raw
@@ -187,7 +188,7 @@ def child_main(pipe: Pipe, index: int) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    transport: str  # "TCP" or "UCX"
+    transport: str  # "TCP", "UCX" or "GROUP" (transport nccl: a gloo group here)
     generators: int
     fanout: Fanout
     owned: bool = True
@@ -196,6 +197,8 @@ class Config:
 
     @property
     def label(self) -> str:
+        if self.transport == "GROUP":
+            return f"WeightPublisher, transport nccl (a gloo group here), {self.generators} gen, broadcast"
         fanout = "" if self.generators == 1 else f", {self.fanout}"
         live = "" if self.owned else ", live weights (copied)"
         return f"WeightPublisher over {self.transport}, {self.generators} gen{fanout}{live}"
@@ -254,7 +257,7 @@ class Versions:
 async def measure_config(
     config: Config, ports: list[dict[str, int]], weights: dict[str, torch.Tensor], rounds: int, versions: Versions
 ) -> Row:
-    transport = "ucx" if config.transport == "UCX" else "tcp"
+    transport = {"TCP": "tcp", "UCX": "ucx", "GROUP": "nccl"}[config.transport]
     publisher = WeightPublisher(
         TRAINER, SECRET, SessionConfig(), WeightsSpec(transport=transport, fanout=config.fanout)
     )
@@ -296,6 +299,7 @@ def configs(have_ucx: bool) -> list[Config]:
             out.append(Config(transport, 1, "star", owned=False))
         for generators in (2, 4):
             out += [Config(transport, generators, "star"), Config(transport, generators, "relay")]
+    out += [Config("GROUP", generators, "star") for generators in (1, 2, 4)]
     return out
 
 
@@ -487,7 +491,9 @@ def main() -> None:
         f"- rounds per configuration after a warm-up push: {', '.join(f'{r} at {m} MiB' for m, r in rounds.items())};"
         " medians first, then every round",
         "- fp32 tensors of 4 MiB, pushed as they are (bytes on the wire = state bytes); 4 receiver processes on"
-        " this machine, every one relay-capable; relay = one chain trainer -> gen-0 -> gen-1 -> ...",
+        " this machine, every one relay-capable; relay = one chain trainer -> gen-0 -> gen-1 -> ...; transport nccl"
+        " = one gloo group of the trainer and the generators (no CUDA here), each bucket broadcast to all at once,"
+        " the manifests and acks over TCP",
         "- `publish(owned=True)` (every row but the one marked live): the tensors are an export made for the push"
         " (as a bf16 cast or an FSDP2 gather is), so over TCP they go from their own memory, checksummed, no copy;"
         " UCX needs one buffer per bucket, so its rows pack (copy) them; the live row copies too (the"
