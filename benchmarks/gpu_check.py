@@ -22,7 +22,8 @@ megatron row (skipped, with the reason, where that backend or `megatron.core` is
 CPU) are described in `benchmarks/gpu_check_rows.py`. Each row's line is written as soon as it is
 measured, so a run cut short still leaves the rows it finished; a row that fails says why and the
 next one runs. The rows, in order (`--only N`): fsdp2 fp32 master, torch, generation, weight push,
-megatron, fsdp2 pure bf16, fsdp2 with activation checkpointing.
+CUDA IPC (an 8B-shaped version between two processes, a few seconds), megatron, fsdp2 pure bf16, fsdp2 with
+activation checkpointing.
 
 Time, measured on an H200 (benchmarks/results/gpu/README.md): 15 s to build the model, 25-60 s per
 training row (fsdp2's rank process starts in 15-18 s), 25 s for generation, 15 s for the push; the
@@ -65,7 +66,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from gpu_check_rows import measure_generation, measure_push, megatron_unavailable  # benchmarks/gpu_check_rows.py
+from gpu_check_rows import (  # benchmarks/gpu_check_rows.py
+    measure_cuda_ipc,
+    measure_generation,
+    measure_push,
+    megatron_unavailable,
+)
 from machine import describe  # benchmarks/machine.py: this folder is on sys.path when run as a script
 
 from rollart.algorithms.grpo import PackedBatch
@@ -101,7 +107,7 @@ class Row:
     """TrainerSpec fields on top of the common ones (generate: none)."""
     micro_batch_scale: float = 1.0
     """micro_batch_tokens: this many times --micro-batch-tokens."""
-    kind: Literal["train", "generate", "push"] = "train"
+    kind: Literal["train", "generate", "push", "ipc"] = "train"
 
 
 ROWS = [
@@ -113,6 +119,7 @@ ROWS = [
         {"backend": "torch", "precision": "bf16"},
         kind="push",
     ),
+    Row("CUDA IPC: an 8B-shaped bf16 version shared by one process, copied on the device by another", {}, kind="ipc"),
     Row(  # without Transformer Engine, Megatron's attention is unfused: each layer keeps its [rows, heads,
         # T, T] scores for the backward pass, and at 16,384 tokens a micro-batch the whole did not fit
         # on 140 GiB (a CUDA out-of-memory error, the first GPU run)
@@ -178,6 +185,8 @@ def run_row(row: Row, model: Path, parameters: int, args: argparse.Namespace) ->
     spec |= row.spec | ({"threads": 1} if args.device == "cpu" else {})
     if row.kind == "generate":
         return measure_generation(model, args)
+    if row.kind == "ipc":
+        return measure_cuda_ipc(args)
     if row.kind == "push":
         batch = random_batch(0, rows=min(args.rows, 8), tokens=min(args.tokens, 256), vocab=args.vocab)
         return measure_push(model, TrainerSpec(**spec | {"lr": args.push_lr}), batch, args)
@@ -262,6 +271,11 @@ def notes(got: dict[str, Any]) -> str:
             f"{got['requests']} requests, {got['prompt_tokens']:,} prompt and {got['generated_tokens']:,} "
             f"generated tokens in {got['wall_s']:.2f} s, {got['batches']} batch(es)"
         )
+    if "ipc_match" in got:
+        return (
+            f"{got['push_bytes'] / 1e9:.1f} GB in {got['buckets']} buckets in {got['push_s']:.3f} s (the first open "
+            f"{got['first_open_s'] * 1e3:.1f} ms); bytes match: {str(got['ipc_match']).lower()}"
+        )
     if "greedy_match" in got:
         return (
             f"{got['push_bytes'] / (1 << 20):,.1f} MiB in {got['push_s']:.2f} s; "
@@ -324,6 +338,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--push-prompt", type=int, default=64, help="push: the longest prompt's tokens")
     parser.add_argument("--push-tokens", type=int, default=32, help="push: greedy tokens per prompt")
     parser.add_argument("--push-lr", type=float, default=1e-2, help="push: the step's learning rate")
+    parser.add_argument("--ipc-gb", type=float, default=16.4, help="CUDA IPC: GB shared (Qwen3-8B in bf16)")
+    parser.add_argument("--ipc-bucket-mb", type=float, default=64, help="CUDA IPC: MiB a bucket")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (MFU)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="start no row after this many seconds")
     parser.add_argument("--only", type=int, action="append", help="run only these rows (1-based; repeatable)")

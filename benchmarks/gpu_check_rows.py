@@ -21,6 +21,13 @@ transformers' `generate` in some tens of milliseconds per step, so the rows stay
   the same prompts alone with `generate`: "greedy match" is token-for-token equality (and every
   token made under the pushed version); "changed" says whether the push changed the engine's
   output at all, without which a match would prove little.
+- CUDA IPC: one process holds an 8B-shaped version in bf16 (`--ipc-gb`, 16.4 GB: Qwen3-8B's weights) on the GPU
+  and shares it bucket by bucket (`--ipc-bucket-mb` each: `rollart.weights.cuda_ipc.share`); another process of
+  the same GPU opens every bucket and copies it device to device into a buffer of its own. push GiB/s: the bytes
+  over the wall time from opening the first bucket to the last copy's end; the first open (mapping the
+  allocation) is timed apart. What the `cuda_ipc` transport will do between a trainer's and a generator's GPUs
+  (on one GPU here, so the copy reads and writes the same HBM; across GPUs NVLink or PCIe sets the rate); the
+  receiving engine's pause is not part of it (no engine takes a version this way yet). Skipped on CPU.
 - megatron: a training row like the others, `backend: megatron` with tensor and pipeline parallel 1,
   when this checkout registers that backend and `megatron.core` imports; otherwise, and always on
   CPU (Megatron-Core's forward needs CUDA), skipped with the reason (`megatron_unavailable`).
@@ -37,11 +44,13 @@ import argparse
 import asyncio
 import importlib
 import math
+import multiprocessing
 import time
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 
 from rollart.algorithms.grpo import PackedBatch
@@ -52,6 +61,7 @@ from rollart.testkit.push import push_once
 from rollart.training.memory import peak_bytes, reset_peak
 from rollart.training.registry import TRAINING_BACKENDS, build_training_engine
 from rollart.training.spec import TrainerSpec
+from rollart.weights.cuda_ipc import SharedCuda, open_shared, share
 from rollart.weights.receiver import ApplyWeights
 
 T = TypeVar("T")
@@ -235,3 +245,61 @@ def megatron_unavailable(device: str) -> str | None:
     except ImportError as exc:
         return f"megatron.core does not import ({exc})"
     return None
+
+
+def _ipc_owner(pipe: Any, nbytes: int, bucket: int) -> None:
+    """The sharing process: a version's bytes on the GPU, shared bucket by bucket; kept until the reader is done."""
+    version = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    version.random_(0, 256)
+    torch.cuda.synchronize()
+    handles = [share(version[at : at + bucket]) for at in range(0, nbytes, bucket)]
+    pipe.send([msgspec.msgpack.encode(h) for h in handles])
+    pipe.send(int(version[::4096].sum(dtype=torch.int64)))
+    pipe.recv()  # "done": only then may the buffer go
+
+
+def measure_cuda_ipc(args: argparse.Namespace) -> dict[str, Any]:
+    """Share a version from another process and copy it device to device; the row's numbers (module docstring)."""
+    if args.device != "cuda":
+        return {"skipped": "CUDA IPC needs a CUDA GPU"}
+    nbytes, bucket = int(args.ipc_gb * 1e9), int(args.ipc_bucket_mb * (1 << 20))
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    began = time.perf_counter()
+    owner = ctx.Process(target=_ipc_owner, args=(theirs, nbytes, bucket))
+    owner.start()
+    try:
+        if not ours.poll(300):
+            raise RuntimeError(f"the sharing process sent nothing (exit code {owner.exitcode})")
+        handles = [msgspec.msgpack.decode(raw, type=SharedCuda) for raw in ours.recv()]
+        sampled = ours.recv()
+        start_s = time.perf_counter() - began
+        staged = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        views = [open_shared(handles[0])]
+        first_open_s = time.perf_counter() - t0
+        views += [open_shared(h) for h in handles[1:]]
+        for h, view in zip(handles, views, strict=True):
+            at = h.offset - handles[0].offset
+            staged[at : at + h.nbytes].copy_(view, non_blocking=True)
+        torch.cuda.synchronize()
+        took = time.perf_counter() - t0
+        matched = int(staged[::4096].sum(dtype=torch.int64)) == sampled
+        del views
+        ours.send("done")
+    finally:
+        owner.join(60)
+        if owner.is_alive():
+            owner.kill()
+    if not matched:
+        raise RuntimeError("the copied bytes differ from the shared ones")
+    return {
+        "push_bytes": nbytes,
+        "push_s": took,
+        "push_gib_s": nbytes / took / (1 << 30),
+        "first_open_s": first_open_s,
+        "buckets": len(handles),
+        "start_s": start_s,
+        "ipc_match": matched,
+    }
