@@ -20,9 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = ROOT / "tools" / "gpu-wheels"
-ROWS = 7
-TRAINING_ROWS = [0, 1, 5, 6]
-GENERATE, PUSH, MEGATRON = 2, 3, 4
+ROWS = 8
+TRAINING_ROWS = [0, 1, 6, 7]
+GENERATE, PUSH, IPC, MEGATRON = 2, 3, 4, 5
 
 
 # slow: minutes of the default test run on 2 cores; CI runs it (bin/test --all)
@@ -61,6 +61,7 @@ def test_the_cpu_smoke_run_measures_every_row(tmp_path: Path) -> None:
     assert pushed["greedy_match"] is True and pushed["changed"] is True, pushed  # the step changed the output
     assert "greedy match: true" in rows[PUSH] and re.search(r"\| \d+\.\d\d \| \d+ \|", rows[PUSH]), rows[PUSH]
 
+    assert measured[IPC]["skipped"] == "CUDA IPC needs a CUDA GPU", measured[IPC]
     assert "CUDA" in measured[MEGATRON]["skipped"], measured[MEGATRON]
     assert "| skipped: " in rows[MEGATRON] and "- skipped: megatron" in done.stdout, rows[MEGATRON]
 
