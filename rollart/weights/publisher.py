@@ -449,20 +449,21 @@ class WeightPublisher:
     async def _broadcast(
         self, joined: list[Target], snap: Snapshot, group: Group, tickets: list[GroupTicket], waiting: dict[str, Target]
     ) -> None:
+        conns = [target.conn for target in joined]
         for target in joined:
             target.stats.in_flight, target.stats.via = snap.version, "trainer"
             target.stats.progress_bytes, target.stats.progress_of = 0, snap.nbytes
         t0 = time.perf_counter()
         async with asyncio.timeout(self.deadline_s(snap.nbytes)):
-            for target, ticket in zip(joined, tickets, strict=True):
-                assert target.conn is not None
-                target.conn.send(WEIGHTS.encode(msgspec.structs.replace(snap.push_header(), group=ticket)))
+            for conn, ticket in zip(conns, tickets, strict=True):
+                assert conn is not None
+                conn.send(WEIGHTS.encode(msgspec.structs.replace(snap.push_header(), group=ticket)))
             for index, plan in enumerate(snap.plans):
                 manifest, parts = await snap.bucket(index)
                 frame = WEIGHTS.encode(self._signed(manifest))
-                for target in joined:
-                    assert target.conn is not None
-                    target.conn.send(frame)
+                for conn in conns:
+                    assert conn is not None
+                    conn.send(frame)
                 await group.broadcast(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
                 self.egress_bytes += plan.nbytes
                 self.link_bytes += plan.nbytes * len(joined)
@@ -470,7 +471,7 @@ class WeightPublisher:
                 for target in joined:
                     target.stats.progress_bytes += plan.nbytes
                     target.stats.bytes_sent += plan.nbytes
-            acks = await asyncio.gather(*(_recv(t.conn, VersionAck) for t in joined if t.conn is not None))
+            acks = await asyncio.gather(*(_recv(conn, VersionAck) for conn in conns if conn is not None))
         seconds = time.perf_counter() - t0
         for target, ack in zip(joined, acks, strict=True):
             if ack.version != snap.version or ack.node:
