@@ -1,8 +1,10 @@
 """A run of `configs/gpu-node.yaml`'s shape on CPU, every node a real process: an FSDP2 trainer (2 ranks here, 4
 GPUs there), two vLLM generators (one on fewer than 4 cores: `GENERATORS`) each running one engine of two
 tensor-parallel workers, an env-host and a reward gateway, on the lake and repeat tasks. It trains 10 steps, and
-every version a generator loads reaches both of its workers: each load is logged once by the engine, naming the two workers that swapped it in, and no engine ever
-held two versions at once. A generator whose engine dies ends and is restarted; nothing else may fail.
+every version a generator loads reaches both of its workers (pushed over TCP, and by a group broadcast:
+`transport: nccl`, gloo here): each load is logged once by the engine, naming the two workers that swapped it in,
+and no engine ever held two versions at once. A generator whose engine dies ends and is restarted; nothing else may
+fail.
 
 Needs vLLM: `bin/setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/slow/test_vllm_tp_run.py` (CI does). The
 engines' workers share this machine's cores with the trainer's ranks, so the run is slow (minutes).
@@ -34,7 +36,10 @@ STEPS = 10
 
 
 @pytest.mark.timeout(1500)
-def test_tp_push_a_gpu_node_shaped_run_trains_10_steps_with_every_version_on_every_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])  # nccl: a gloo group here, into the engines' shared memory
+def test_tp_push_a_gpu_node_shaped_run_trains_10_steps_with_every_version_on_every_worker(
+    tmp_path: Path, transport: str
+) -> None:
     from rollart.tiny.model import ensure_tiny_model
 
     shape = yaml.safe_load((ROOT / "configs/gpu-node.yaml").read_text())
@@ -44,7 +49,7 @@ def test_tp_push_a_gpu_node_shaped_run_trains_10_steps_with_every_version_on_eve
     run = f"""  model: {{path: {model}}}
   generator: {{backend: vllm, engines: 1, tensor_parallel_size: 2, max_num_seqs: 16}}
   reward_pool: {{min_workers: 1, max_workers: 2}}
-  trainer: {{backend: fsdp2, ranks: 2, lr: 0.001, checkpoint_every: 0}}
+  trainer: {{backend: fsdp2, ranks: 2, lr: 0.001, checkpoint_every: 0, weights: {{transport: {transport}}}}}
   rollout:
     mode: train
     schedule: async
@@ -76,6 +81,8 @@ def test_tp_push_a_gpu_node_shaped_run_trains_10_steps_with_every_version_on_eve
         assert [e["version"] for e in loads] == sorted(e["version"] for e in loads), name  # in order
         assert loads[-1]["version"] >= STEPS - 1, name  # it kept up to (at most one behind) the last step
         assert not [e for e in events if e.get("event") == "vllm weights mixed"], name
+        if transport == "nccl":
+            assert [e for e in events if e.get("event") == "weights.group_joined"], name
         # An engine that dies (two engines of two workers on 2 cores once hung in their first step until vLLM's
         # 300 s timeout) ends its node, which is restarted: the run goes on, and says so.
         for failed in (e for e in events if e.get("event") == "node.failed"):
