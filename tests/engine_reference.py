@@ -78,3 +78,28 @@ def with_weights(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.
 async def generate_all(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> list[Any]:
     """Every prompt as its own concurrent request (ids `tag0`, `tag1`, ...); the results in prompt order."""
     return await asyncio.gather(*(engine.generate(f"{tag}{i}", p, params) for i, p in enumerate(prompts)))
+
+
+async def importance_ratios(
+    engine: Any, model_dir: Path, prompts: list[list[int]], *, temperature: float, trainer_temperature: float
+) -> torch.Tensor:
+    """exp(trainer log-prob - behaviour log-prob) of every token `engine` samples at `temperature` (8 tokens per
+    prompt, 4 samples of each), the trainer's taken as a training step takes them (`pack_batch`, then
+    `PolicyLogprobs` on the same weights, chunked head) at `trainer_temperature`: all 1 when the two agree."""
+    from rollart.algorithms.grpo import pack_batch
+    from rollart.generation.engine import SamplingParams
+    from rollart.testkit.batches import Seq
+    from rollart.training.logprobs import PolicyLogprobs, policy_logprobs
+
+    params = SamplingParams(max_tokens=8, temperature=temperature)
+    results = await generate_all(engine, [p for p in prompts for _ in range(4)], "t", params)
+    sequences = [
+        Seq(prompt, r.token_ids, [1] * len(r.token_ids), r.logprobs, [0] * len(r.token_ids))
+        for prompt, r in zip([p for p in prompts for _ in range(4)], results, strict=True)
+    ]
+    batch = pack_batch(sequences, [1.0] * len(sequences), pad_id=0, temperature=trainer_temperature)
+    model, _ = load_model_and_tokenizer(model_dir)
+    with torch.no_grad():
+        trainer = policy_logprobs(PolicyLogprobs(model.float(), chunk_tokens=7), batch)
+    loss = batch.loss_mask > 0
+    return (trainer[loss] - batch.behaviour_logprobs[loss]).exp()

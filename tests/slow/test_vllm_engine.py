@@ -21,7 +21,14 @@ import torch
 from rollart.generation.engine import EngineClosed, InvalidRequest, SamplingParams, WeightsMismatch
 from rollart.generation.vllm.engine import VLLMEngine
 from rollart.models.loading import load_model_and_tokenizer
-from tests.engine_reference import PROMPTS, build_engine_test_model, hf_greedy, noisy_weights, until
+from tests.engine_reference import (
+    PROMPTS,
+    build_engine_test_model,
+    hf_greedy,
+    importance_ratios,
+    noisy_weights,
+    until,
+)
 from tests.slow.vllm_marks import vllm_engine_marks
 
 pytest.importorskip("vllm", reason="vLLM is not installed: run bin/setup-vllm and use .venv-vllm")
@@ -96,6 +103,17 @@ async def test_logprobs_are_the_sampling_distributions(
         assert result.logprobs == pytest.approx(expected, abs=1e-4)
     again = await engine.generate("again", prompts[2], params)
     assert again.token_ids == results[2].token_ids  # the seed fixes the sample
+
+
+async def test_temperature_logprobs_of_the_trainer_match_vllm_sampling_at_0_7(
+    engine: VLLMEngine, model_dir: Path, prompts: list[list[int]]
+) -> None:
+    """The importance ratio on tokens vLLM sampled at temperature 0.7 from the trainer's own weights: 1 when the
+    trainer divides its logits by the temperature, as it does; far from 1 when it ignores it (the code before)."""
+    ratios = await importance_ratios(engine, model_dir, prompts, temperature=0.7, trainer_temperature=0.7)
+    assert abs(ratios.mean().item() - 1) <= 0.01 and ratios.max().item() < 1.1, (ratios.mean(), ratios.max())
+    ignored = await importance_ratios(engine, model_dir, prompts, temperature=0.7, trainer_temperature=1.0)
+    assert ignored.max().item() > 1.1, ignored.max()
 
 
 async def test_stop_tokens_end_a_request_and_are_included(engine: VLLMEngine, prompts: list[list[int]]) -> None:
