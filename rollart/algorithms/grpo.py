@@ -142,6 +142,9 @@ class PackedBatch:
     """The sequence's advantage on its loss tokens, 0 elsewhere (float)."""
     versions: torch.Tensor
     """The weight version that generated each token, -1 elsewhere (long)."""
+    temperature: torch.Tensor
+    """The temperature each token was sampled at (float, `run.rollout.sampling.temperature`): the trainer scores a
+    token under log_softmax(logits / temperature), the distribution the generator drew it from."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -173,12 +176,17 @@ class PackedBatch:
         return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
 
 
-def pack_batch(sequences: Sequence[SequenceLike], advantages: Sequence[float], *, pad_id: int) -> PackedBatch:
-    """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`).
+def pack_batch(
+    sequences: Sequence[SequenceLike], advantages: Sequence[float], *, pad_id: int, temperature: float = 1.0
+) -> PackedBatch:
+    """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`), sampled at
+    `temperature`.
 
     A trajectory with `segments` (each turn its own prompt, `context: last`) gives one row per
     segment, every row with the trajectory's advantage; otherwise one row per trajectory.
     """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 to train on sampled tokens; got {temperature}")
     if len(sequences) != len(advantages):
         raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
     if not sequences:
@@ -202,7 +210,8 @@ def pack_batch(sequences: Sequence[SequenceLike], advantages: Sequence[float], *
         behaviour[i, :t] = torch.tensor(logprobs, dtype=torch.float32) * mask
         adv[i, :t] = advantage * mask
         versions[i, :t] = torch.where(mask > 0, torch.tensor(row_versions, dtype=torch.long), -1)
-    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions)
+    temperatures = torch.full((n, width), float(temperature))
+    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions, temperatures)
 
 
 def _rows(

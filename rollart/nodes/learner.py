@@ -53,10 +53,13 @@ class Learner:
         run_dir: RunDir,
         targets: GeneratorTargets,
         build_engine: Callable[[], TrainingEngine],
+        temperature: float = 1.0,
     ) -> None:
         """`targets` holds the publisher and the generators it pushes to; `build_engine` blocks (it runs in a
-        worker thread)."""
+        worker thread); `temperature`: what the generators sample at (`run.rollout.sampling.temperature`), which
+        the trainer's log-probs apply."""
         self.spec = spec
+        self.temperature = temperature
         self.run_dir = run_dir
         self.targets = targets
         self.publisher: WeightPublisher = targets.publisher
@@ -141,11 +144,14 @@ class Learner:
             }
             if not chosen.trained:
                 everything = [t for group in batch for t in group.trajectories]
-                packed = pack_batch(everything, [0.0] * len(everything), pad_id=engine.pad_id)
+                packed = pack_batch(
+                    everything, [0.0] * len(everything), pad_id=engine.pad_id, temperature=self.temperature
+                )
                 skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
                 return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
             trajectories = [t for i in chosen.trained for t in batch[i].trajectories]
-            packed = pack_batch(trajectories, [a for i in chosen.trained for a in advantages[i]], pad_id=engine.pad_id)
+            trained = [a for i in chosen.trained for a in advantages[i]]
+            packed = pack_batch(trajectories, trained, pad_id=engine.pad_id, temperature=self.temperature)
             return counts | engine.train_step(packed, version=version)
 
         sent = time.perf_counter()

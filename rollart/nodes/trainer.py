@@ -148,6 +148,7 @@ class TrainerNode(NodeDaemon):
                     seed=rollout.seed,
                     layout=self.topology.rank_layout(self.spec.name),  # members' ranks too, if it has any
                 ),
+                temperature=rollout.sampling.temperature,
             )
             self.records = StepRecords(self.run_dir, peer_status=self.peer_status, tracking=run.tracking)
             if rollout.eval is not None:

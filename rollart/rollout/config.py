@@ -111,7 +111,31 @@ class SamplingSpec(msgspec.Struct, **_STRUCT):
     """How generators sample."""
 
     temperature: float = 1.0
+    """Logits are divided by it before sampling; the trainer's log-probs divide by it too (0: greedy, rollouts
+    only)."""
     top_p: float = 1.0
+    """Nucleus sampling (1: off); training runs need 1 (`validate`)."""
+
+    def validate(self, *, train: bool) -> list[tuple[str, str]]:
+        """(key, problem); `train`: the tokens are trained on, so the trainer must score them under the
+        distribution they were sampled from."""
+        problems = []
+        if self.temperature < 0:
+            problems.append(("temperature", f"expected a value >= 0; got {self.temperature}"))
+        elif train and self.temperature == 0:
+            problems.append(("temperature", "training samples: expected a value > 0 (0 is greedy decoding)"))
+        if not 0 < self.top_p <= 1:
+            problems.append(("top_p", f"expected a value in (0, 1]; got {self.top_p}"))
+        elif train and self.top_p < 1:
+            problems.append(
+                (
+                    "top_p",
+                    f"{self.top_p}: the trainer scores tokens over the whole vocabulary at the temperature and does "
+                    "not cut it to each position's nucleus as the generator did, which would bias every importance "
+                    "weight; set top_p: 1 (lower the temperature instead)",
+                )
+            )
+        return problems
 
 
 class EvalTaskSpec(msgspec.Struct, **_STRUCT):
@@ -325,6 +349,9 @@ class RolloutSpec(msgspec.Struct, **_STRUCT):
                 problems.append((f"tasks[{i}].agent", "an agent program goes with `env: agent`, and only with it"))
             elif task.agent is not None and (not task.agent.command or task.agent.timeout_s <= 0):
                 problems.append((f"tasks[{i}].agent", "expected a command and a timeout_s > 0"))
+        problems += [
+            (f"sampling.{key}", problem) for key, problem in self.sampling.validate(train=self.mode == "train")
+        ]
         if self.eval is not None:
             problems += self.eval.validate(self.tasks)
             if self.mode != "train":

@@ -124,8 +124,12 @@ def _run_heads(decoder: Any, cut: Heads) -> torch.Tensor:
     return hidden
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
     logits: torch.Tensor = head(hidden).float()
+    if temperature is not None:
+        logits = logits / temperature[:, None]
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -140,11 +144,16 @@ class PolicyLogprobs(torch.nn.Module):
         self.share_heads = share_heads
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        temperature: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[N, T] log-probs, 0 at t = 0 and on padding. With a `loss_mask`, those of the loss tokens
         alone (0 elsewhere: the output head runs on no other position), and with `share_reads` only
-        the rows' distinct prefixes go through the decoder."""
+        the rows' distinct prefixes go through the decoder. With `temperature` ([N, T], each token's sampling
+        temperature), of the distribution each token was sampled from: log_softmax(logits / temperature)."""
         real = (attention_mask if loss_mask is None else loss_mask)[:, 1:] > 0
         ids, mask, rows = input_ids, attention_mask, None
         if self.share_reads and loss_mask is not None:
@@ -153,9 +162,12 @@ class PolicyLogprobs(torch.nn.Module):
         where = real.nonzero(as_tuple=True)
         source = where if rows is None else (rows[where[0]], where[1])
         targets = input_ids[:, 1:][real]
+        temperatures = None if temperature is None else temperature[:, 1:][real].float()
         if self.chunk_tokens <= 0:
-            logits = self.lm(input_ids=ids, attention_mask=mask).logits
-            picked = torch.log_softmax(logits[source].float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+            logits = self.lm(input_ids=ids, attention_mask=mask).logits[source].float()
+            if temperatures is not None:
+                logits = logits / temperatures[:, None]
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
             shifted = torch.zeros(real.shape, dtype=picked.dtype, device=input_ids.device)
             return torch.nn.functional.pad(shifted.masked_scatter(real, picked), (1, 0))
         decoder = self.lm.get_decoder()
@@ -171,11 +183,13 @@ class PolicyLogprobs(torch.nn.Module):
         head = self.lm.get_output_embeddings()
         pieces = []
         for start in range(0, states.shape[0], self.chunk_tokens):
-            h, t = states[start : start + self.chunk_tokens], targets[start : start + self.chunk_tokens]
+            end = start + self.chunk_tokens
+            h, t = states[start:end], targets[start:end]
+            tt = None if temperatures is None else temperatures[start:end]
             if torch.is_grad_enabled():
-                pieces.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+                pieces.append(checkpoint(_chunk_logprobs, head, h, t, tt, use_reentrant=False))
             else:
-                pieces.append(_chunk_logprobs(head, h, t))
+                pieces.append(_chunk_logprobs(head, h, t, tt))
         shifted = torch.zeros(real.shape, dtype=torch.float32, device=input_ids.device)
         if not pieces:  # no position to score (an empty micro-batch): still one through the head, so
             # that a backward pass reaches every parameter as it does on the other ranks
@@ -187,5 +201,5 @@ class PolicyLogprobs(torch.nn.Module):
 
 def policy_logprobs(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """`StepRunner`'s log-prob function for a `PolicyLogprobs` model (plain or sharded)."""
-    out: torch.Tensor = model(batch.input_ids, batch.attention_mask, batch.loss_mask)
+    out: torch.Tensor = model(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.temperature)
     return out

@@ -38,6 +38,7 @@ async def test_temperature_logprobs_of_the_trainer_match_the_hf_engines_sampling
     prompts = encoded_prompts(model_dir)
     ratios = await importance_ratios(engine, model_dir, prompts, temperature=0.7, trainer_temperature=0.7)
     assert abs(ratios.mean().item() - 1) <= 0.01 and ratios.max().item() < 1.1, (ratios.mean(), ratios.max())
+    print(f"ratio at 0.7 over {ratios.numel()} tokens: mean {ratios.mean():.5f} max {ratios.max():.5f}")
 
 
 async def test_temperature_logprobs_ignored_by_the_trainer_bias_the_ratio(engine: HFEngine, model_dir: Path) -> None:

@@ -50,6 +50,7 @@ def token_logprobs(logits: torch.Tensor, batch: PackedBatch, *, vocab_size: int,
 
     real = batch.loss_mask[:, 1:].to(logits.device) > 0
     picked = logits[:, :-1][real].float()  # [K, V/tp], a copy (the loss below works in place)
+    picked = picked / batch.temperature[:, 1:].to(logits.device)[real].float()[:, None]  # the sampled distribution
     targets = batch.input_ids[:, 1:].to(logits.device)[real]
     width = logits.shape[-1]
     padded = torch.arange(tp_rank * width, (tp_rank + 1) * width, device=logits.device) >= vocab_size
