@@ -289,6 +289,8 @@ def summary_markdown(run: RunData, plots: list[str]) -> str:
     elapsed_text = "n/a" if elapsed is None else f"{elapsed:.1f} s ({elapsed / 60:.1f} min)"
     traj_per_s = _mean([v for s in steps if (v := _number(s.get("traj_per_s"))) is not None])
     staleness = [v for s in steps if (v := _number(s.get("staleness_max"))) is not None]
+    mismatch = [v for s in steps if (v := _number(s.get("mismatch_kl"))) is not None]
+    fresh_ratio = [v for s in steps if (v := _number(s.get("mismatch_ratio_max"))) is not None]
     last_step = steps[-1].get("step", "n/a") if steps else "n/a"
     lines = [
         "# Run report",
@@ -299,6 +301,8 @@ def summary_markdown(run: RunData, plots: list[str]) -> str:
         f"| elapsed | {elapsed_text} |",
         f"| mean traj/s | {_fmt(traj_per_s, 2)} |",
         f"| max staleness | {_fmt(max(staleness), 0) if staleness else 'n/a'} |",
+        f"| generator/trainer mismatch at zero staleness: mean KL, max ratio | {_fmt(_mean(mismatch), 5)}, "
+        f"{_fmt(max(fresh_ratio), 4) if fresh_ratio else 'n/a'} |",
         "",
         f"## Per task (final {MOVING_WINDOW}-step moving average)",
         "",

@@ -156,10 +156,29 @@ class Learner:
 
         sent = time.perf_counter()
         stats = await asyncio.to_thread(step)
+        self._watch_mismatch(stats, [t for group in batch for t in group.trajectories], version)
         if self._exported_at is not None:  # the step ran after the export: what it waited for it is the push's
             exported_at, self._exported_at = await self._exported_at, None
             self._held(max(0.0, exported_at - sent))
         return stats
+
+    def _watch_mismatch(self, stats: dict[str, Any], trajectories: list[Any], version: int) -> None:
+        """Warn when generators and trainer disagree on tokens of the trainer's own version (`mismatch_kl`), naming
+        the generators that served the trajectories holding such tokens."""
+        kl, threshold = stats.get("mismatch_kl"), self.spec.mismatch_warn_kl
+        if kl is None or threshold <= 0 or kl <= threshold:
+            return
+        served = sorted({g for t in trajectories if version in t.versions for g in t.generators})
+        log.warning(
+            "trainer.mismatch",
+            kl=round(kl, 6),
+            ratio_max=round(stats.get("mismatch_ratio_max", 0.0), 4),
+            tokens=int(stats.get("mismatch_tokens", 0)),
+            threshold=threshold,
+            generators=served,
+            why="the generators' log-probs of tokens from the trainer's own weights differ from the trainer's: "
+            "their weights or numerics differ (a weight sync gone wrong, a wrong name mapping, a dtype change)",
+        )
 
     async def publish(self, version: int) -> None:
         """Order the export of the weights before the next step and start the push once they are out.

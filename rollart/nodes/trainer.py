@@ -59,6 +59,8 @@ TRAINER_STEP_GAUGES = {
     "time_push_s": "Seconds the last weight push took, first byte to the slowest generator's ack",
     "staleness_max": "Largest version lag of a token in the last batch",
     "staleness_mean": "Mean version lag of the tokens in the last batch",
+    "mismatch_kl": "KL(generator || trainer) on the last batch's zero-staleness tokens (0 when both run the same)",
+    "mismatch_ratio_max": "Largest trainer/generator probability ratio on the last batch's zero-staleness tokens",
     "lookahead": "Batches of work admission let start beyond the one the trainer waited for (rollout.lookahead)",
 }
 """Numbers of the last step's metrics line exported as `rollart_trainer_last_<key>` gauges."""

@@ -51,6 +51,11 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     every turn from the same board under `context: last`, a group's identical answers) go through
     the decoder once (`rollart.training.logprobs`). Exact; micro-batch sizes then count the distinct
     prefixes. False: every row its own pass."""
+    mismatch_warn_kl: float = 0.02
+    """Warn (`trainer.mismatch`, naming the generators) when a step's KL between the generators' and the trainer's
+    log-probs on tokens of the trainer's own version (`mismatch_kl`) exceeds this: their weights or numerics
+    differ (a weight sync gone wrong, a wrong name mapping, a dtype change). Healthy runs: about 1e-5 in fp32 on
+    CPU; 0 turns the warning off."""
     logprob_chunk_tokens: int = 1024
     """Apply the output head to this many positions at a time, recomputed in the backward pass, so
     the whole [N, T, vocabulary] logits never exist; 0: all at once."""
@@ -96,6 +101,7 @@ class TrainerSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
             "threads",
             "micro_batch_tokens",
             "logprob_chunk_tokens",
+            "mismatch_warn_kl",
         ):
             if getattr(self, key) < 0:
                 problems.append((key, f"must be >= 0, got {getattr(self, key)}"))

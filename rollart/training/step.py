@@ -245,7 +245,7 @@ class StepRunner:
                         ref = self._forward(self.ref_model, mb)
                 times.lap("forward_s")
                 loss, stats = grpo_loss(
-                    new, prox, mb, spec.grpo, total_tokens=max(plan.total_tokens, 1), ref_logprobs=ref
+                    new, prox, mb, spec.grpo, total_tokens=max(plan.total_tokens, 1), ref_logprobs=ref, version=version
                 )
                 loss.backward()  # type: ignore[no-untyped-call]
                 if real:
@@ -266,18 +266,13 @@ class StepRunner:
 
     def _reduce(self, total: LossStats | None, batch: PackedBatch) -> dict[str, float]:
         """The step's loss statistics summed over this rank's micro-batches and then over ranks."""
-        fields = [f.name for f in dataclasses.fields(LossStats)]
-        if total is None:  # this rank got no rows
-            zero = torch.zeros((), dtype=torch.float32, device=self.world.device)
-            total = LossStats(**{name: zero for name in fields})
         device = self.world.device
-        sums = torch.stack([getattr(total, n).float().to(device) for n in fields if n != "importance_ratio_max"])
-        peak = total.importance_ratio_max.float().to(device).reshape(1)
+        if total is None:  # this rank got no rows
+            total = LossStats.zeros(device)
+        sums, peaks = total.split(device, torch.float32)
         self.world.all_reduce(sums)
-        self.world.all_reduce(peak, "max")
-        names = [name for name in fields if name != "importance_ratio_max"]
-        summed = LossStats(**dict(zip(names, sums.unbind(), strict=True)), importance_ratio_max=peak[0])
-        out = summed.means()
+        self.world.all_reduce(peaks, "max")
+        out = LossStats.joined(sums, peaks).means()
         grpo = self.spec.grpo
         out["loss"] = out["policy_loss"] + grpo.kl_coef * out["kl"] + grpo.anchor_coef * out["anchor_kl"]
         return out

@@ -140,7 +140,8 @@ class MegatronStep:
         total: list[LossStats] = []
         grad_norms = []
         for epoch, index in itertools.product(range(spec.epochs), range(len(plans))):
-            score = self._scorer(prox, index, keep_prox=epoch == index == 0, real=reals[index], total=total)
+            first = epoch == index == 0
+            score = self._scorer(prox, index, keep_prox=first, real=reals[index], total=total, version=version)
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             self._run(micros[index], forward_only=False, on_logprobs=score)
@@ -164,6 +165,7 @@ class MegatronStep:
         keep_prox: bool,
         real: list[bool],
         total: list[LossStats],
+        version: int,
     ) -> Any:
         """Mini-batch `index`'s loss: the GRPO loss summed over a micro-batch's loss tokens, with their
         count (the token mean's denominator Megatron sums over replicas); its statistics go to `total`."""
@@ -172,7 +174,7 @@ class MegatronStep:
         def score(k: int, mb: PackedBatch, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if keep_prox:
                 prox[0].append(logp.detach())
-            loss, stats = grpo_loss(logp, prox[index][k], mb.to(device), spec.grpo, total_tokens=1)
+            loss, stats = grpo_loss(logp, prox[index][k], mb.to(device), spec.grpo, total_tokens=1, version=version)
             if real[k]:
                 total.append(stats)
             return loss, mb.loss_mask.sum().to(device=device, dtype=torch.int)
@@ -181,17 +183,13 @@ class MegatronStep:
 
     def _reduce(self, total: list[LossStats]) -> dict[str, float]:
         """The loss statistics summed over micro-batches and replicas (module docstring)."""
-        fields = [f.name for f in dataclasses.fields(LossStats) if f.name != "importance_ratio_max"]
-        sums = torch.zeros(len(fields), dtype=torch.float64, device=self.device)
-        peak = torch.zeros(1, dtype=torch.float64, device=self.device)
+        summed = LossStats.zeros(self.device)
         if total and self.last_stage and self.tp_rank == 0:
             summed = functools.reduce(operator.add, total)
-            sums = torch.stack([getattr(summed, name).double().to(self.device) for name in fields])
-            peak[0] = summed.importance_ratio_max.double()
+        sums, peaks = summed.split(self.device, torch.float64)
         dist.all_reduce(sums)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        stats = LossStats(**dict(zip(fields, sums.unbind(), strict=True)), importance_ratio_max=peak[0])
-        out = stats.means()
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        out = LossStats.joined(sums, peaks).means()
         grpo = self.spec.grpo
         out["loss"] = out["policy_loss"] + grpo.kl_coef * out["kl"] + grpo.anchor_coef * out["anchor_kl"]
         return out
