@@ -320,7 +320,7 @@ class LossStats:
 
     def means(self, total_tokens: int | None = None) -> dict[str, float]:
         """Per-token means over `total_tokens` (None: the tokens these stats counted); the mismatch's over the
-        fresh tokens (none: only `mismatch_tokens`, 0)."""
+        fresh tokens (none: only `mismatch_frac`, 0)."""
         tokens = float(self.tokens.item()) if total_tokens is None else float(total_tokens)
         per = 1.0 / max(tokens, 1.0)
         out = {
@@ -331,7 +331,7 @@ class LossStats:
             "truncated_frac": self.truncated.item() * per,
             "clipped_frac": self.clipped.item() * per,
             "anchor_kl": self.anchor.item() * per,
-            "mismatch_tokens": float(self.fresh_tokens.item()),
+            "mismatch_frac": float(self.fresh_tokens.item()) / max(float(self.tokens.item()), 1.0),
         }
         if (fresh := float(self.fresh_tokens.item())) > 0:
             out["mismatch_kl"] = self.fresh_kl.item() / fresh
@@ -427,7 +427,7 @@ def _mismatch(prox: torch.Tensor, batch: PackedBatch, on: torch.Tensor, version:
     ratio = torch.exp(d)
     return {
         "fresh_tokens": fresh.sum().to(prox.dtype),
-        "fresh_kl": torch.where(fresh, k3(d), torch.zeros_like(d)).sum(),
+        "fresh_kl": torch.where(fresh, k3(d), torch.zeros_like(d)).sum().clamp(min=0),  # not -1e-9 from rounding
         "fresh_ratio": torch.where(fresh, ratio, torch.zeros_like(d)).sum(),
         "fresh_ratio_max": torch.where(fresh, ratio, torch.zeros_like(d)).max(),
     }

@@ -124,8 +124,8 @@ class Terminal:
 
 
 def training_line(rollout: dict[str, Any], last: dict[str, Any]) -> str:
-    """The trainer's line under the bar, from its `/status`: each task's moving averages, staleness,
-    throughput and how busy each generator was, for the newest step."""
+    """The trainer's line under the bar, from its `/status`: each task's moving averages, staleness, the mismatch
+    monitor's KL, throughput and how busy each generator was, for the newest step."""
     steps = rollout.get("steps") if rollout.get("steps") is not None else "-"
     where = f"step {rollout.get('batches', 0)}/{steps}"
     if not last:
@@ -134,7 +134,9 @@ def training_line(rollout: dict[str, Any], last: dict[str, Any]) -> str:
         f"{name} reward {t['reward_ma']:.2f} success {t['success_ma']:.2f}" for name, t in last["tasks"].items()
     )
     busy = " ".join(f"{name} {value:.0%}" for name, value in last["generator_busy"].items()) or "-"
+    # generator vs trainer on tokens of the trainer's own version (docs/training.md: the mismatch monitor)
+    mismatch = f"mismatch KL {kl:.1e} | " if (kl := last.get("mismatch_kl")) is not None else ""
     return (
-        f"{where} | {tasks} (20-step avg) | stale {last.get('staleness_mean', 0.0):.2f} | "
+        f"{where} | {tasks} (20-step avg) | stale {last.get('staleness_mean', 0.0):.2f} | {mismatch}"
         f"{last['traj_per_s']:.1f} traj/s | busy {busy} | step: {step_times.describe(last)}"
     )

@@ -173,7 +173,7 @@ class Learner:
             "trainer.mismatch",
             kl=round(kl, 6),
             ratio_max=round(stats.get("mismatch_ratio_max", 0.0), 4),
-            tokens=int(stats.get("mismatch_tokens", 0)),
+            share=round(stats.get("mismatch_frac", 0.0), 3),
             threshold=threshold,
             generators=served,
             why="the generators' log-probs of tokens from the trainer's own weights differ from the trainer's: "

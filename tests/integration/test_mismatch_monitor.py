@@ -72,7 +72,7 @@ async def test_mismatch_monitor_sees_weights_that_differ_and_names_the_generator
         f"healthy: KL {fine['mismatch_kl']:.2e}, ratio max {fine['mismatch_ratio_max']:.5f}; "
         f"swapped: KL {wrong['mismatch_kl']:.3f}, ratio max {wrong['mismatch_ratio_max']:.2f}"
     )
-    assert fine["mismatch_tokens"] == sum(len(s.response_ids) for s in healthy)
+    assert fine["mismatch_frac"] == 1.0  # every token came from the weights the step starts from
     assert fine["mismatch_kl"] < 1e-6 and abs(fine["mismatch_ratio_max"] - 1) < 1e-3, fine
     assert wrong["mismatch_kl"] > TrainerSpec().mismatch_warn_kl, wrong
 
@@ -95,9 +95,9 @@ def test_mismatch_monitor_counts_only_tokens_of_the_steps_own_version() -> None:
     prox = torch.tensor([[0.0, 0.0, -1.0, -2.5, -3.0]])  # token 8 (version 3) differs, the others agree
     _, stats = grpo_loss(prox.clone(), prox, batch, GRPOConfig(), total_tokens=3, version=4)
     means = stats.means()
-    assert (means["mismatch_tokens"], means["mismatch_kl"], means["mismatch_ratio_max"]) == (2.0, 0.0, 1.0)
+    assert (means["mismatch_frac"] * 3, means["mismatch_kl"], means["mismatch_ratio_max"]) == (2.0, 0.0, 1.0)
     _, stats = grpo_loss(prox.clone(), prox, batch, GRPOConfig(), total_tokens=3, version=3)
     d = torch.tensor(-0.5)
     assert stats.means()["mismatch_kl"] == pytest.approx(float(d.exp() - d - 1))
     _, stats = grpo_loss(prox.clone(), prox, batch, GRPOConfig(), total_tokens=3)
-    assert stats.means() == stats.means() | {"mismatch_tokens": 0.0} and "mismatch_kl" not in stats.means()
+    assert stats.means() == stats.means() | {"mismatch_frac": 0.0} and "mismatch_kl" not in stats.means()

@@ -84,11 +84,14 @@ def check_tensorboard(run_dir: Path, lines: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(240)
+# nccl: weights broadcast over a group of the trainer and both generators (gloo here), formed once
+@pytest.mark.parametrize("transport", ["tcp", "nccl"], ids=["tcp", "nccl_transport"])
 def test_async_training_runs_its_steps_and_pushes_every_version(
-    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
+    tmp_path: Path, tiny_model: Path, clusters: list[Cluster], transport: str
 ) -> None:
     steps = 3
-    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, alpha=1))
+    yaml = training_yaml(tiny_model, steps=steps, alpha=1, transport=transport)
+    cluster = make_cluster(clusters, tmp_path, yaml)
     started = time.monotonic()
     cluster.start()
     cluster.wait_healthy()
@@ -115,7 +118,12 @@ def test_async_training_runs_its_steps_and_pushes_every_version(
         assert steps - 1 <= engine["weights"]["version"] <= steps, (name, engine)
         assert engine["version"] == engine["weights"]["version"], engine  # the model has what was received
         pushed = done["training"]["weights"][name]
-        assert pushed["failures"] == 0 and pushed["pushes"] >= 1, pushed
+        assert pushed["failures"] == 0 and pushed["pushes"] >= 1 and pushed["transport"] == transport, pushed
+        if transport == "nccl":
+            joined = cluster.events(name, "weights.group_joined")
+            assert joined and all(event["backend"] == "gloo" for event in joined), joined
+    if transport == "nccl":
+        assert len(cluster.events("trainer", "weights.group_formed")) == 1  # the same two generators throughout
 
     timeline = cluster.timeline()
     trained = steps * 2 * 2  # steps x batch_groups x group_size
@@ -129,28 +137,6 @@ def test_async_training_runs_its_steps_and_pushes_every_version(
             assert t["started_at"] - 0.01 <= a <= b <= t["finished_at"] + 0.01, t
     assert cluster.stop() == dict.fromkeys(NODES, 0)  # every node drains and exits cleanly
     print(f"async training: {steps} steps in {took:.1f} s; generators at", {n: e["version"] for n, e in final.items()})
-
-
-@pytest.mark.timeout(240)
-def test_nccl_transport_training_run_broadcasts_every_version_to_both_generators(
-    tmp_path: Path, tiny_model: Path, clusters: list[Cluster]
-) -> None:
-    """`transport: nccl` between node processes: a gloo group here, formed once, each version broadcast to both."""
-    steps = 3
-    cluster = make_cluster(clusters, tmp_path, training_yaml(tiny_model, steps=steps, transport="nccl"))
-    cluster.start()
-    cluster.wait_healthy()
-    done = trainer_done(cluster, timeout=180)
-    final = settle_generators(cluster, steps, timeout=10)
-    for name, engine in final.items():
-        assert steps - 1 <= engine["weights"]["version"] <= steps, (name, engine)
-        assert engine["version"] == engine["weights"]["version"], engine
-        pushed = done["training"]["weights"][name]
-        assert pushed["transport"] == "nccl" and pushed["failures"] == 0 and pushed["pushes"] >= 1, pushed
-        joined = cluster.events(name, "weights.group_joined")
-        assert joined and all(event["backend"] == "gloo" for event in joined), joined
-    assert len(cluster.events("trainer", "weights.group_formed")) == 1  # the same two generators throughout
-    assert cluster.stop() == dict.fromkeys(NODES, 0)
 
 
 @pytest.mark.timeout(240)

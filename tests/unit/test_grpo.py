@@ -143,7 +143,7 @@ def test_the_loss_clips_the_ratio_and_truncates_the_behaviour_weight() -> None:
             "truncated_frac": 1 / 5,
             "clipped_frac": 2 / 5,
             "anchor_kl": 0.0,
-            "mismatch_tokens": 0.0,  # no version given: no token counts as the step's own
+            "mismatch_frac": 0.0,  # no version given: no token counts as the step's own
         }
     )
     assert stats.means(10)["clipped_frac"] == pytest.approx(2 / 10)

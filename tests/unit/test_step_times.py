@@ -37,3 +37,5 @@ def test_the_progress_line_names_the_parts_that_took_time_and_the_push() -> None
     line = training_line({"batches": 3, "steps": 80}, last)
     assert line.startswith("step 3/80 | lake reward 0.50 success 0.25")
     assert line.endswith("busy gen-0 50% | step: wait 2.0 forward 1.2 backward 3.0 optimizer 0.5 s | push 0.04")
+    assert "mismatch" not in line  # a step without tokens of the trainer's own version says nothing of it
+    assert "| stale 0.00 | mismatch KL 3.2e-04 | 10.0 traj/s |" in training_line({}, last | {"mismatch_kl": 3.2e-4})
