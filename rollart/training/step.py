@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollart.algorithms.grpo import LossStats, PackedBatch, grpo_loss, staleness
+from rollart.algorithms.grpo import PackedBatch, grpo_loss, staleness
+from rollart.algorithms.stats import LossStats
 from rollart.training.logprobs import shared_reads
 
 if TYPE_CHECKING:

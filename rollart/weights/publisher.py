@@ -30,6 +30,12 @@ With `delta` a target that keeps the bytes of the version before the latest (it 
 `link_bytes` and `link_whole_bytes` count what the generators' links carried and what whole
 versions would have taken.
 
+With `transport: "nccl"` a round's ready targets of one wire dtype form one push instead (`_push_group`): each
+gets the push and the manifests over its own connection, and every bucket goes to all of them at once by one
+broadcast over their group (`rollart.weights.collective`), kept while the same targets take the pushes. A failed
+group push backs off the targets whose connection ended (died, restarted) and plans the others again at once.
+Every manifest carries a MAC keyed with the run's secret (`wire.manifest_mac`).
+
 A push's deadline scales with its bytes: `push_timeout_s` when set, else 30 s plus four times the
 transfer time at the slowest rate measured so far (at first, an assumed 100 MiB/s). `stats()` says,
 per target, what it holds and how far the push in flight has got.

@@ -21,6 +21,12 @@ tensors view: no copy, but they are not reused while kept) and says so (`Holding
 bytes it does not keep ends the connection like a bad bucket, and the publisher, told again what
 it keeps, sends whole versions.
 
+A push that names a group (`Push.group`, `transport: nccl`) brings each payload by broadcast over that group
+(`rollart.weights.collective`) instead of as a bulk frame; the receiver joins it at the push and keeps it while
+pushes name it. Every manifest's MAC (`wire.manifest_mac`, keyed with the run's secret, which the receiver knows
+through `relay_as`) is checked where it carries one, and required on a group's push, whose bytes come outside the
+authenticated connection.
+
 One piece: the receiver's connections, buckets in flight, delta bases and the version handed to the
 engine are one state, changed by TCP and UCX alike.
 """

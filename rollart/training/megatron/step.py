@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rollart.algorithms.grpo import LossStats, PackedBatch, grpo_loss, staleness
+from rollart.algorithms.grpo import PackedBatch, grpo_loss, staleness
+from rollart.algorithms.stats import LossStats
 from rollart.training.step import StepTimes, World, empty_micro_batch, plan_step
 
 if TYPE_CHECKING:
