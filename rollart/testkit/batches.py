@@ -20,7 +20,7 @@ class Seq:
     segments: list[int] = dataclasses.field(default_factory=list)
 
 
-def synthetic_batch() -> PackedBatch:
+def synthetic_batch(temperature: float = 1.0) -> PackedBatch:
     """Four sequences of different lengths from fixed ids (the tiny vocabulary has 101 tokens).
 
     Behaviour log-probs sit around log(1/101) = -4.6, above and below it, so the importance
@@ -42,7 +42,7 @@ def synthetic_batch() -> PackedBatch:
             [5, 70, 90, 71, 91, 72, 6], [30, 31, 32, 33, 34, 3], [1] * 6, [-4.6, -4.5, -4.7, -3.9, -5.2, -4.6], [3] * 6
         ),
     ]
-    return pack_batch(seqs, [1.0, -0.5, 0.75, -1.25], pad_id=0)
+    return pack_batch(seqs, [1.0, -0.5, 0.75, -1.25], pad_id=0, temperature=temperature)
 
 
 def random_batch(

@@ -342,8 +342,13 @@ class ClippedAdamW:
         return True, norm, None
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["t1", "temperature_logprobs"])
 def test_megatron_convert_step_matches_the_torch_backend(
-    megatron_world: None, megatron_forward_on_cpu: None, monkeypatch: pytest.MonkeyPatch, tiny_model: Any
+    megatron_world: None,
+    megatron_forward_on_cpu: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model: Any,
+    temperature: float,
 ) -> None:
     """`MegatronStep` (the megatron backend's step: Megatron's schedule, vocab-parallel log-probs, the
     per-token loss) on a real GPTModel gives the torch backend's statistics over two steps. Megatron's
@@ -394,12 +399,13 @@ def test_megatron_convert_step_matches_the_torch_backend(
         device=torch.device("cpu"),
     )
     reference = TorchTrainer(tiny_model, spec, seed=0)
-    batch = synthetic_batch()
+    batch = synthetic_batch(temperature)  # at 0.7 both divide the logits by it (Megatron: `token_logprobs`)
     for _ in range(2):
         with quiet():
             got = step.train_step(batch, version=3)
         want = reference.train_step(batch, version=3)
-        for key in ("loss", "policy_loss", "importance_ratio_mean", "truncated_frac", "clipped_frac", "grad_norm"):
+        keys = ("loss", "policy_loss", "importance_ratio_mean", "truncated_frac", "clipped_frac", "grad_norm")
+        for key in (*keys, "mismatch_kl", "mismatch_ratio_mean", "mismatch_ratio_max", "mismatch_frac"):
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
 
 
