@@ -70,6 +70,7 @@ class Group:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"weights-group-{ticket.key[:8]}")
         self._pg: Any = None
         self._staging: torch.Tensor | None = None
+        self._closed = False
         self._executor.submit(self._join, store)
 
     @classmethod
@@ -132,6 +133,9 @@ class Group:
         """Use it no more; its thread lets go of the process group (closing its connections, which ends the
         other members' pending operations) once the operation in progress, if any, has ended."""
         self.broken = self.broken or why
+        if self._closed:
+            return
+        self._closed = True
         self._executor.submit(self._drop)
         self._executor.shutdown(wait=False)
 
