@@ -112,7 +112,7 @@ def trainer_activations(
     `checkpointing` tries another `activation_checkpointing` than the topology's."""
     spec, b = topology.run.trainer, compute_bytes(topology, node)
     checkpointing = spec.activation_checkpointing if checkpointing is None else checkpointing
-    layer = tokens * (10 * shape.hidden + 4 * shape.intermediate) * b
+    layer = tokens * (10 * shape.hidden + 4 * shape.active_intermediate) * b
     kept = shape.layers * tokens * shape.hidden * b + layer if checkpointing else shape.layers * layer
     if spec.backend != "megatron":
         chunk = min(spec.logprob_chunk_tokens or tokens, tokens)
@@ -138,7 +138,7 @@ def engine_dtype(topology: Topology, shape: ModelShape, *, on_gpu: bool) -> str:
 
 def engine_activations(topology: Topology, shape: ModelShape, dtype: str, tp: int, *, on_gpu: bool) -> float:
     """Bytes an engine needs per GPU besides weights and KV cache (module docstring)."""
-    batch = ENGINE_BATCH_TOKENS * (4 * shape.hidden + 3 * shape.intermediate / tp) * dtype_bytes(dtype)
+    batch = ENGINE_BATCH_TOKENS * (4 * shape.hidden + 3 * shape.active_intermediate / tp) * dtype_bytes(dtype)
     logits = topology.run.generator.max_num_seqs * shape.vocab * 4
     return (ENGINE_FIXED if on_gpu else 0) + batch + logits
 

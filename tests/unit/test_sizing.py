@@ -287,3 +287,53 @@ nodes:
     assert (trainer.verdict == "ok") is fits, (trainer.need, trainer.usable, trainer.problem)
     if not fits:
         assert trainer.problem is not None and "a smaller micro-batch" in trainer.problem[1]
+
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B's config.json (the sizing keys), as published
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+
+MOE_TOPOLOGY = """
+run:
+  model: {path: m, build_tiny_if_missing: false}
+  generator: {backend: vllm, tensor_parallel_size: 2, max_model_len: 8192}
+  rollout: {mode: train, tasks: [{name: t, env: frozen-lake}]}
+nodes:
+  - {name: env-0, role: env-host, port: 7100, admin_port: 7200}
+  - {name: gen-0, role: generator, port: 7101, admin_port: 7201, resources: {gpus: 2, gpu_type: H100}}
+"""
+
+
+def test_moe_qwen3_30b_a3b_is_sized_as_30_5b_parameters_with_3_3b_active(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shape = shape_from_config(QWEN3_30B_A3B)
+    assert (shape.experts, shape.experts_per_token, shape.sparse_layers) == (128, 8, 48)
+    assert round(shape.params() / 1e9, 2) == 30.53 and round(shape.active_params() / 1e9, 2) == 3.35
+    assert shape.active_intermediate == 8 * 768  # what a token's MLP activations scale with, not 6144
+    dense = shape_from_config({**QWEN3_30B_A3B, "num_experts": 0})
+    assert dense.params() == dense.active_params() and round(dense.params() / 1e9, 1) == 3.3  # as read before
+    every_other = shape_from_config({**QWEN3_30B_A3B, "decoder_sparse_step": 2, "mlp_only_layers": [1]})
+    assert every_other.sparse_layers == 23  # layers 2, 4, ..., 48 (1-based) have experts; 1 (0-based) is dense
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert main(["check", str(_write(tmp_path, MOE_TOPOLOGY))]) == 0
+    assert "30.53B parameters (3.35B active: 8 of 128 experts)" in capsys.readouterr().out
