@@ -175,7 +175,10 @@ def random_batch(seed: int, *, rows: int, tokens: int, vocab: int) -> PackedBatc
     behaviour = (-math.log(vocab) + 0.1 * torch.randn(rows, tokens, generator=g)) * loss_mask
     advantages = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * loss_mask
     versions = torch.where(loss_mask > 0, 0, -1).long()
-    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, advantages, versions, torch.ones(rows, tokens))
+    sources = torch.full((rows, tokens), -1, dtype=torch.long)
+    return PackedBatch(
+        input_ids, attention_mask, loss_mask, behaviour, advantages, versions, sources, torch.ones(rows, tokens)
+    )
 
 
 def run_row(row: Row, model: Path, parameters: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from typing import Protocol
 import torch
 
 from rollart.algorithms.config import GRPOConfig
-from rollart.algorithms.stats import LossStats
+from rollart.algorithms.stats import SOURCES, LossStats
 
 
 def group_advantages(rewards: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -143,6 +143,9 @@ class PackedBatch:
     """The sequence's advantage on its loss tokens, 0 elsewhere (float)."""
     versions: torch.Tensor
     """The weight version that generated each token, -1 elsewhere (long)."""
+    sources: torch.Tensor
+    """The index of the generator that sampled each token in the names `pack_batch` was given (-1 elsewhere, and where
+    it is not known): the mismatch monitor's per-generator figures (long)."""
     temperature: torch.Tensor
     """The temperature each token was sampled at (float, `run.rollout.sampling.temperature`): the trainer scores a
     token under log_softmax(logits / temperature), the distribution the generator drew it from."""
@@ -178,10 +181,16 @@ class PackedBatch:
 
 
 def pack_batch(
-    sequences: Sequence[SequenceLike], advantages: Sequence[float], *, pad_id: int, temperature: float = 1.0
+    sequences: Sequence[SequenceLike],
+    advantages: Sequence[float],
+    *,
+    pad_id: int,
+    temperature: float = 1.0,
+    generators: Sequence[str] = (),
 ) -> PackedBatch:
     """Pack trajectories and their advantages into right-padded tensors (see `PackedBatch`), sampled at
-    `temperature`.
+    `temperature`; `generators`: the names `PackedBatch.sources` indexes (a trajectory's `generators`, one per
+    generation call, are matched to its runs of generated tokens; where the counts differ, its sources are -1).
 
     A trajectory with `segments` (each turn its own prompt, `context: last`) gives one row per
     segment, every row with the trajectory's advantage; otherwise one row per trajectory.
@@ -192,9 +201,10 @@ def pack_batch(
         raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
     if not sequences:
         raise ValueError("no sequences to pack")
-    rows: list[tuple[list[int], list[int], list[float], list[int], float]] = []
+    rows: list[_Row] = []
+    index = {name: i for i, name in enumerate(generators)}
     for i, (seq, advantage) in enumerate(zip(sequences, advantages, strict=True)):
-        rows += _rows(i, seq, advantage)
+        rows += _rows(i, seq, advantage, index)
     n, width = len(rows), max(len(ids) for ids, *_ in rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
@@ -202,7 +212,8 @@ def pack_batch(
     behaviour = torch.zeros((n, width))
     adv = torch.zeros((n, width))
     versions = torch.full((n, width), -1, dtype=torch.long)
-    for i, (ids, row_mask, logprobs, row_versions, advantage) in enumerate(rows):
+    sources = torch.full((n, width), -1, dtype=torch.long)
+    for i, (ids, row_mask, logprobs, row_versions, row_sources, advantage) in enumerate(rows):
         t = len(ids)
         input_ids[i, :t] = torch.tensor(ids, dtype=torch.long)
         attention_mask[i, :t] = 1
@@ -211,14 +222,32 @@ def pack_batch(
         behaviour[i, :t] = torch.tensor(logprobs, dtype=torch.float32) * mask
         adv[i, :t] = advantage * mask
         versions[i, :t] = torch.where(mask > 0, torch.tensor(row_versions, dtype=torch.long), -1)
+        sources[i, :t] = torch.tensor(row_sources, dtype=torch.long)
     temperatures = torch.full((n, width), float(temperature))
-    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions, temperatures)
+    return PackedBatch(input_ids, attention_mask, loss_mask, behaviour, adv, versions, sources, temperatures)
 
 
-def _rows(
-    i: int, seq: SequenceLike, advantage: float
-) -> list[tuple[list[int], list[int], list[float], list[int], float]]:
-    """Sequence `i` checked and cut at its segments: (ids, loss mask, log-probs, versions, advantage)
+_Row = tuple[list[int], list[int], list[float], list[int], list[int], float]
+"""(ids, loss mask, log-probs, versions, sources, advantage) of one row."""
+
+
+def _token_sources(mask: Sequence[int], generators: Sequence[str], index: dict[str, int]) -> list[int]:
+    """Each response token's generator, by its index: the k-th run of generated tokens is the k-th generation call
+    (`generators[k]`); -1 elsewhere, and everywhere when the runs and the calls do not match one to one."""
+    out = [-1] * len(mask)
+    runs = [t for t, m in enumerate(mask) if m and (t == 0 or not mask[t - 1])]
+    if len(runs) != len(generators) or not all(name in index for name in generators):
+        return out
+    run = -1
+    for t, m in enumerate(mask):
+        if m:
+            run += t == 0 or not mask[t - 1]
+            out[t] = index[generators[run]]
+    return out
+
+
+def _rows(i: int, seq: SequenceLike, advantage: float, index: dict[str, int]) -> list[_Row]:
+    """Sequence `i` checked and cut at its segments: (ids, loss mask, log-probs, versions, sources, advantage)
     per row, over prompt + response positions."""
     p, r = len(seq.prompt_ids), len(seq.response_ids)
     lengths = {name: len(getattr(seq, name)) for name in ("response_mask", "logprobs", "versions")}
@@ -237,8 +266,12 @@ def _rows(
     mask = [0] * p + list(seq.response_mask)
     logprobs = [0.0] * p + list(seq.logprobs)
     versions = [-1] * p + list(seq.versions)
+    sources = [-1] * p + _token_sources(seq.response_mask, getattr(seq, "generators", ()), index)
     bounds = [0, *(p + cut for cut in cuts), p + r]
-    return [(ids[a:b], mask[a:b], logprobs[a:b], versions[a:b], advantage) for a, b in itertools.pairwise(bounds)]
+    return [
+        (ids[a:b], mask[a:b], logprobs[a:b], versions[a:b], sources[a:b], advantage)
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -338,7 +371,12 @@ def _mismatch(prox: torch.Tensor, batch: PackedBatch, on: torch.Tensor, version:
     fresh = on & (batch.versions.to(on.device) == (-2 if version is None else version))
     d = torch.where(fresh, prox - batch.behaviour_logprobs.to(prox.dtype), torch.zeros_like(prox))
     ratio = torch.exp(d)
+    known = fresh & (batch.sources.to(on.device) >= 0) & (batch.sources.to(on.device) < SOURCES)
+    where = batch.sources.to(on.device)[known]
+    per_source = torch.zeros(SOURCES, dtype=prox.dtype, device=prox.device)
     return {
+        "source_tokens": per_source.index_add(0, where, torch.ones_like(where, dtype=prox.dtype)),
+        "source_kl": per_source.index_add(0, where, k3(d)[known]),
         "fresh_tokens": fresh.sum().to(prox.dtype),
         "fresh_kl": torch.where(fresh, k3(d), torch.zeros_like(d)).sum().clamp(min=0),  # not -1e-9 from rounding
         "fresh_ratio": torch.where(fresh, ratio, torch.zeros_like(d)).sum(),

@@ -10,6 +10,11 @@ from typing import ClassVar
 
 import torch
 
+SOURCES = 32
+"""Generators the mismatch monitor tells apart in one batch (`PackedBatch.sources` beyond it count only together)."""
+SOURCE_KL = "mismatch_kl_source_"
+"""`means()`'s key prefix of each generator's KL, by its index in the batch's sources (the learner names them)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LossStats:
@@ -42,9 +47,15 @@ class LossStats:
     fresh_ratio: torch.Tensor
     """Sum over them of pi_prox / mu."""
     fresh_ratio_max: torch.Tensor
+    source_tokens: torch.Tensor
+    """[SOURCES]: the fresh tokens of each generator (`PackedBatch.sources`), the mismatch per generator's count."""
+    source_kl: torch.Tensor
+    """[SOURCES]: their k3 KL sums."""
 
     PEAKS: ClassVar[tuple[str, ...]] = ("importance_ratio_max", "fresh_ratio_max")
     """The fields that combine by maximum; the others add up."""
+    VECTORS: ClassVar[tuple[str, ...]] = ("source_tokens", "source_kl")
+    """The fields of `SOURCES` values each; the others are 0-d."""
 
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(
@@ -56,22 +67,27 @@ class LossStats:
 
     def split(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sums, the peaks) as two vectors, to all-reduce with a sum and a max."""
-        values = [(f.name, getattr(self, f.name).to(device=device, dtype=dtype).reshape(())) for f in _fields(self)]
-        sums = torch.stack([v for name, v in values if name not in self.PEAKS])
-        return sums, torch.stack([v for name, v in values if name in self.PEAKS])
+        values = [(f.name, getattr(self, f.name).to(device=device, dtype=dtype).reshape(-1)) for f in _fields(self)]
+        sums = torch.cat([v for name, v in values if name not in self.PEAKS])
+        return sums, torch.cat([v for name, v in values if name in self.PEAKS])
 
     @classmethod
     def joined(cls, sums: torch.Tensor, peaks: torch.Tensor) -> LossStats:
         """The inverse of `split`."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        summed = iter(sums.unbind())
-        peaked = iter(peaks.unbind())
-        return cls(**{name: next(peaked) if name in cls.PEAKS else next(summed) for name in names})
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in cls.PEAKS]
+        sizes = [SOURCES if name in cls.VECTORS else 1 for name in names]
+        parts = dict(zip(names, torch.split(sums, sizes), strict=True))
+        fields = {name: part if name in cls.VECTORS else part[0] for name, part in parts.items()}
+        return cls(**fields, **dict(zip(cls.PEAKS, peaks.unbind(), strict=True)))
 
     @classmethod
     def zeros(cls, device: torch.device) -> LossStats:
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        return cls(**{f.name: zero for f in dataclasses.fields(cls)})
+        return cls(
+            **{
+                f.name: torch.zeros(SOURCES if f.name in cls.VECTORS else (), dtype=torch.float32, device=device)
+                for f in dataclasses.fields(cls)
+            }
+        )
 
     def means(self, total_tokens: int | None = None) -> dict[str, float]:
         """Per-token means over `total_tokens` (None: the tokens these stats counted); the mismatch's over the
@@ -92,6 +108,10 @@ class LossStats:
             out["mismatch_kl"] = self.fresh_kl.item() / fresh
             out["mismatch_ratio_mean"] = self.fresh_ratio.item() / fresh
             out["mismatch_ratio_max"] = self.fresh_ratio_max.item()
+            counts, kls = self.source_tokens.tolist(), self.source_kl.tolist()
+            for source, (count, kl) in enumerate(zip(counts, kls, strict=True)):
+                if count > 0:
+                    out[f"{SOURCE_KL}{source}"] = kl / count
         return out
 
 

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("rollart.learner")
 
+BY_GENERATOR = "mismatch_kl/"
+"""A step's metrics key prefix of each generator's mismatch KL (`name_sources`)."""
+
 
 class Learner:
     """Trains on the batches the trainer node takes, and publishes the weights."""
@@ -128,6 +131,7 @@ class Learner:
         rewards = [[t.reward for t in group.trajectories] for group in batch]
         chosen = select_groups(rewards, anchors=cfg.anchor_groups if cfg.anchor_coef > 0 else 0)
 
+        generators = sorted({g for group in batch for t in group.trajectories for g in t.generators})
         if self._publishing is not None and self._publishing.done():
             self._publishing.result()  # a push that could not start (a rank died in the export) fails the step
         self._step_stall_s = 0.0
@@ -145,17 +149,23 @@ class Learner:
             if not chosen.trained:
                 everything = [t for group in batch for t in group.trajectories]
                 packed = pack_batch(
-                    everything, [0.0] * len(everything), pad_id=engine.pad_id, temperature=self.temperature
+                    everything,
+                    [0.0] * len(everything),
+                    pad_id=engine.pad_id,
+                    temperature=self.temperature,
+                    generators=generators,
                 )
                 skipped = {"loss": 0.0, "policy_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0, "train_s": 0.0}
                 return counts | skipped | staleness(packed.versions, packed.loss_mask, version)
             trajectories = [t for i in chosen.trained for t in batch[i].trajectories]
             trained = [a for i in chosen.trained for a in advantages[i]]
-            packed = pack_batch(trajectories, trained, pad_id=engine.pad_id, temperature=self.temperature)
+            packed = pack_batch(
+                trajectories, trained, pad_id=engine.pad_id, temperature=self.temperature, generators=generators
+            )
             return counts | engine.train_step(packed, version=version)
 
         sent = time.perf_counter()
-        stats = await asyncio.to_thread(step)
+        stats = name_sources(await asyncio.to_thread(step), generators)
         self._watch_mismatch(stats, [t for group in batch for t in group.trajectories], version)
         if self._exported_at is not None:  # the step ran after the export: what it waited for it is the push's
             exported_at, self._exported_at = await self._exported_at, None
@@ -168,7 +178,10 @@ class Learner:
         kl, threshold = stats.get("mismatch_kl"), self.spec.mismatch_warn_kl
         if kl is None or threshold <= 0 or kl <= threshold:
             return
-        served = sorted({g for t in trajectories if version in t.versions for g in t.generators})
+        by_generator = {key.removeprefix(BY_GENERATOR): v for key, v in stats.items() if key.startswith(BY_GENERATOR)}
+        served = sorted(name for name, value in by_generator.items() if value > threshold)
+        if not served:  # tokens whose generator is not known: whoever served trajectories with such tokens
+            served = sorted({g for t in trajectories if version in t.versions for g in t.generators})
         log.warning(
             "trainer.mismatch",
             kl=round(kl, 6),
@@ -330,3 +343,14 @@ async def _done_at(exporting: Future[Any]) -> float:
     with contextlib.suppress(Exception):
         await asyncio.wrap_future(exporting)
     return time.perf_counter()
+
+
+def name_sources(stats: dict[str, Any], generators: list[str]) -> dict[str, Any]:
+    """`stats` with the mismatch monitor's per-source KLs (`SOURCE_KL`, by index into `generators`) under the
+    generators' names: `mismatch_kl/<generator>`, the KL on its tokens of the step's own version."""
+    from rollart.algorithms.stats import SOURCE_KL
+
+    return {
+        f"{BY_GENERATOR}{generators[int(key.removeprefix(SOURCE_KL))]}" if key.startswith(SOURCE_KL) else key: value
+        for key, value in stats.items()
+    }

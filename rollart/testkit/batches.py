@@ -18,6 +18,8 @@ class Seq:
     logprobs: list[float]
     versions: list[int]
     segments: list[int] = dataclasses.field(default_factory=list)
+    generators: list[str] = dataclasses.field(default_factory=list)
+    """Who served each generation call (`pack_batch(generators=)` names them per token)."""
 
 
 def synthetic_batch(temperature: float = 1.0) -> PackedBatch:

@@ -9,6 +9,7 @@ step's `mismatch_kl` passes the warning threshold; the learner's warning names t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,7 +22,7 @@ from rollart.algorithms.grpo import pack_batch
 from rollart.generation.engine import SamplingParams
 from rollart.generation.hf.engine import HFEngine
 from rollart.models.loading import load_model_and_tokenizer
-from rollart.nodes.learner import Learner
+from rollart.nodes.learner import Learner, name_sources
 from rollart.rundir import RunDir
 from rollart.testkit.batches import Seq
 from rollart.training.registry import build_training_engine
@@ -76,14 +77,33 @@ async def test_mismatch_monitor_sees_weights_that_differ_and_names_the_generator
     assert fine["mismatch_kl"] < 1e-6 and abs(fine["mismatch_ratio_max"] - 1) < 1e-3, fine
     assert wrong["mismatch_kl"] > TrainerSpec().mismatch_warn_kl, wrong
 
+    # One batch of both, every token of the step's version: the monitor tells the two generators apart.
+    both = [dataclasses.replace(s, versions=[2] * len(s.versions), generators=["gen-good"]) for s in healthy]
+    both += [dataclasses.replace(s, versions=[2] * len(s.versions), generators=["gen-bad"]) for s in broken]
+    names = ["gen-bad", "gen-good"]
+    trainer = build_training_engine(TrainerSpec(backend="torch", lr=0.0, threads=1), model_dir, seed=0)
+    try:
+        mixed = name_sources(
+            trainer.train_step(pack_batch(both, [1.0, -1.0] * 20, pad_id=0, generators=names), version=2), names
+        )
+    finally:
+        trainer.close()
+    by = {name: mixed[f"mismatch_kl/{name}"] for name in names}
+    assert by["gen-good"] < 1e-6 and by["gen-bad"] > 0.02, by
+    assert mixed["mismatch_kl"] == pytest.approx((by["gen-good"] + by["gen-bad"]) / 2, rel=0.2)  # equal halves, about
+
     watcher = learner(tmp_path)
-    served = [SimpleNamespace(versions=s.versions, generators=["gen-bad"]) for s in broken]
-    old = [SimpleNamespace(versions=[0], generators=["gen-old"])]  # no token of version 1: not named
+    served = [
+        SimpleNamespace(versions=[2], generators=["gen-good"]),
+        SimpleNamespace(versions=[2], generators=["gen-bad"]),
+    ]
     with capture_logs() as logs:
-        watcher._watch_mismatch(fine, served, 1)  # below the threshold: quiet
-        watcher._watch_mismatch(wrong, served + old, 1)
-    (warned,) = [line for line in logs if line["event"] == "trainer.mismatch"]
-    assert warned["generators"] == ["gen-bad"] and warned["kl"] > 0.02, warned
+        watcher._watch_mismatch(fine, served, 2)  # below the threshold: quiet
+        watcher._watch_mismatch(mixed, served, 2)
+        watcher._watch_mismatch(wrong, [*served, SimpleNamespace(versions=[0], generators=["gen-old"])], 1)
+    named, unattributed = [line for line in logs if line["event"] == "trainer.mismatch"]
+    assert named["generators"] == ["gen-bad"], named  # its tokens alone: the good one is not named
+    assert unattributed["generators"] == [], unattributed  # no token of version 1 in these stand-ins' versions
 
 
 def test_mismatch_monitor_counts_only_tokens_of_the_steps_own_version() -> None:

@@ -34,6 +34,7 @@ def row_batch(*, mask: list[float], behaviour: list[float], advantages: list[flo
         behaviour_logprobs=torch.tensor([behaviour], dtype=torch.float64),
         advantages=torch.tensor([advantages], dtype=torch.float64),
         versions=torch.zeros((1, t), dtype=torch.long),
+        sources=torch.full((1, t), -1, dtype=torch.long),
         temperature=torch.ones((1, t), dtype=torch.float64),
     )
 
