@@ -173,14 +173,15 @@ class Learner:
         return stats
 
     def _watch_mismatch(self, stats: dict[str, Any], trajectories: list[Any], version: int) -> None:
-        """Warn when generators and trainer disagree on tokens of the trainer's own version (`mismatch_kl`), naming
-        the generators that served the trajectories holding such tokens."""
+        """Warn when generators and trainer disagree on tokens of the trainer's own version: a generator's own KL
+        (`mismatch_kl/<generator>`) or the batch's (`mismatch_kl`) past the threshold, naming the generators past
+        it (or, where no token's generator is known, those that served trajectories holding such tokens)."""
         kl, threshold = stats.get("mismatch_kl"), self.spec.mismatch_warn_kl
-        if kl is None or threshold <= 0 or kl <= threshold:
-            return
         by_generator = {key.removeprefix(BY_GENERATOR): v for key, v in stats.items() if key.startswith(BY_GENERATOR)}
         served = sorted(name for name, value in by_generator.items() if value > threshold)
-        if not served:  # tokens whose generator is not known: whoever served trajectories with such tokens
+        if kl is None or threshold <= 0 or (not served and kl <= threshold):
+            return  # one bad generator among many good ones still warns: its own KL passed
+        if not served:
             served = sorted({g for t in trajectories if version in t.versions for g in t.generators})
         log.warning(
             "trainer.mismatch",

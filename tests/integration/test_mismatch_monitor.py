@@ -101,7 +101,10 @@ async def test_mismatch_monitor_sees_weights_that_differ_and_names_the_generator
         watcher._watch_mismatch(fine, served, 2)  # below the threshold: quiet
         watcher._watch_mismatch(mixed, served, 2)
         watcher._watch_mismatch(wrong, [*served, SimpleNamespace(versions=[0], generators=["gen-old"])], 1)
-    named, unattributed = [line for line in logs if line["event"] == "trainer.mismatch"]
+        diluted = {"mismatch_kl": 0.01, "mismatch_kl/gen-bad": 0.5, "mismatch_kl/gen-good": 0.0}  # 1 bad of 50
+        watcher._watch_mismatch(diluted, served, 2)
+    named, unattributed, one_of_many = [line for line in logs if line["event"] == "trainer.mismatch"]
+    assert one_of_many["generators"] == ["gen-bad"], one_of_many  # the batch's KL is under the threshold; its isn't
     assert named["generators"] == ["gen-bad"], named  # its tokens alone: the good one is not named
     assert unattributed["generators"] == [], unattributed  # no token of version 1 in these stand-ins' versions
 
