@@ -60,14 +60,16 @@ class LossStats:
     def __add__(self, other: LossStats) -> LossStats:
         return LossStats(
             **{
-                name: torch.maximum(a, b) if name in self.PEAKS else a + b
-                for name, a, b in ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in _fields(self))
+                f.name: torch.maximum(a, b) if f.name in self.PEAKS else a + b
+                for f in dataclasses.fields(self)
+                for a, b in [(getattr(self, f.name), getattr(other, f.name))]
             }
         )
 
     def split(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sums, the peaks) as two vectors, to all-reduce with a sum and a max."""
-        values = [(f.name, getattr(self, f.name).to(device=device, dtype=dtype).reshape(-1)) for f in _fields(self)]
+        fields = dataclasses.fields(self)
+        values = [(f.name, getattr(self, f.name).to(device=device, dtype=dtype).reshape(-1)) for f in fields]
         sums = torch.cat([v for name, v in values if name not in self.PEAKS])
         return sums, torch.cat([v for name, v in values if name in self.PEAKS])
 
@@ -113,7 +115,3 @@ class LossStats:
                 if count > 0:
                     out[f"{SOURCE_KL}{source}"] = kl / count
         return out
-
-
-def _fields(stats: LossStats) -> tuple[dataclasses.Field[torch.Tensor], ...]:
-    return dataclasses.fields(stats)

@@ -306,12 +306,7 @@ class WeightPublisher:
         head = chain[0]
         waiting = {t.stats.name: t for t in chain}
         try:
-            if (watch := head.watch) is not None:
-                head.watch = None
-                watch.cancel()
-                # Let the cancelled receive finish now: its cleanup (TcpConnection clears its waiter)
-                # would otherwise run later and drop the waiter of this push's acknowledgement.
-                await asyncio.wait([watch])
+            await _stop_watching(head)
             if head.stats.transport == "ucx" and not self._ucx_held:
                 ucx.RUNTIME.acquire()
                 self._ucx_held = True
@@ -413,10 +408,7 @@ class WeightPublisher:
         group: Group | None = None
         try:
             for target in members:
-                if (watch := target.watch) is not None:
-                    target.watch = None
-                    watch.cancel()
-                    await asyncio.wait([watch])  # as in `_push_chain`
+                await _stop_watching(target)
             connected = await asyncio.gather(*(self._connected(t) for t in members), return_exceptions=True)
             for target, outcome in zip(members, connected, strict=True):
                 if isinstance(outcome, BaseException):
@@ -556,6 +548,15 @@ class WeightPublisher:
         finally:
             if t.watch is asyncio.current_task():
                 t.watch = None
+
+
+async def _stop_watching(target: Target) -> None:
+    """End the idle watch on `target`'s connection before a push uses it, and let the cancelled receive finish now:
+    its cleanup (TcpConnection clears its waiter) would otherwise run later and drop the waiter of the push's ack."""
+    if (watch := target.watch) is not None:
+        target.watch = None
+        watch.cancel()
+        await asyncio.wait([watch])
 
 
 async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
